@@ -1,0 +1,1 @@
+"""pyengine: a single-node LLM inference engine."""
