@@ -77,6 +77,8 @@ struct Partials {
 
 struct Workspace {
   std::vector<float> qf, acc, m, l, kf, vf, sc;
+  std::vector<uint16_t> qb, vi, pb;  // bf16 path: q rows, token-pair-interleaved V, bf16 probabilities
+  std::vector<const uint16_t*> kp, vp;  // bf16 path: K/V row pointers of the chunk
   void fit(int64_t rows, int64_t Dp, int64_t chunk) {
     const int64_t chunk16 = (chunk + 15) / 16 * 16;
     if (static_cast<int64_t>(qf.size()) < rows * Dp) qf.resize(rows * Dp), acc.resize(rows * Dp);
@@ -289,6 +291,20 @@ void softmax_pv(float* sc, int64_t nv, const float* V, int64_t Dp, float& m, flo
 // ---------------------------------------------------------------------------------------------
 // One work item: a query tile of one kv head over cache positions [kv_lo, min(kv_hi, causal end)).
 // ---------------------------------------------------------------------------------------------
+
+// Writes a finished row (acc in natural order): the output row, or the item's split partial.
+void finish_row(const Args& a, const Item& it, Partials& parts, int64_t tok, int64_t head, const float* acc, float m,
+                float l) {
+  if (it.nsplit > 1) {
+    const int64_t idx = (tok * a.H + head) * parts.nsplit + it.split;
+    parts.ml[idx * 2] = m;
+    parts.ml[idx * 2 + 1] = l;
+    std::copy(acc, acc + a.D, parts.acc.data() + idx * a.Dp);
+  } else {
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < a.D; ++d) store_float(a.out, (tok * a.H + head) * a.D + d, a.qdt, acc[d] * inv);
+  }
+}
 template <DType CD, int NC>
 void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
   constexpr bool kQuant = CD == DType::kFloat8E4M3 || CD == DType::kInt8;
@@ -336,20 +352,168 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
     }
   }
 
+  for (int64_t r = 0; r < rows; ++r)
+    finish_row(a, it, parts, q_start + it.tok0 + r / G, it.kvh * G + r % G, ws.acc.data() + r * Dp, ws.m[r], ws.l[r]);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// ---------------------------------------------------------------------------------------------
+// bf16 q over a bf16 cache (head_dim = 32 * NC32): no fp32 scratch. QK reads K rows straight from the
+// cache with vdpbf16ps (products of bf16 are exact in fp32) and scales the scores afterwards. PV
+// interleaves the V rows of a token pair once per chunk, (V[t][d], V[t+1][d]), and accumulates
+// dpbf16(pair, (p_t, p_t+1)) with p rounded to bf16 (as flash attention does on GPUs; the softmax sum
+// uses the same rounded p). The accumulators then hold d in unpack order: vector k, lane i is
+// d = (k / 2) * 32 + (i / 4) * 8 + (k % 2) * 4 + i % 4, restored when the row is finished.
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t kBf16Chunk = 64;
+
+template <int NC32>
+void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
+  constexpr int NV = 2 * NC32;  // fp32 accumulator vectors per row
+  constexpr int64_t D = 32 * NC32;
+  const int64_t G = a.G;
+  const int64_t q_start = a.qsl[it.seq], q_len = a.qsl[it.seq + 1] - q_start;
+  const int64_t first_pos = a.seq_lens[it.seq] - q_len;
+  const int64_t rows = (it.tok1 - it.tok0) * G;
+  if (static_cast<int64_t>(ws.acc.size()) < rows * D) ws.acc.resize(rows * D);
+  if (static_cast<int64_t>(ws.m.size()) < rows) ws.m.resize(rows), ws.l.resize(rows);
+  if (static_cast<int64_t>(ws.qb.size()) < rows * D) ws.qb.resize(rows * D);
+  if (static_cast<int64_t>(ws.vi.size()) < kBf16Chunk * D) ws.vi.resize(kBf16Chunk * D);  // 32 pairs x 2D
+  if (static_cast<int64_t>(ws.pb.size()) < kBf16Chunk) {
+    ws.pb.resize(kBf16Chunk), ws.sc.resize(kBf16Chunk), ws.kp.resize(kBf16Chunk), ws.vp.resize(kBf16Chunk);
+  }
+
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_start + it.tok0 + r / G, head = it.kvh * G + r % G;
-    const float* acc = ws.acc.data() + r * Dp;
-    if (it.nsplit > 1) {
-      const int64_t idx = (tok * a.H + head) * parts.nsplit + it.split;
-      parts.ml[idx * 2] = ws.m[r];
-      parts.ml[idx * 2 + 1] = ws.l[r];
-      std::copy(acc, acc + D, parts.acc.data() + idx * Dp);
-    } else {
-      const float inv = 1.0f / ws.l[r];
-      for (int64_t d = 0; d < D; ++d) store_float(a.out, (tok * a.H + head) * D + d, a.qdt, acc[d] * inv);
+    std::memcpy(ws.qb.data() + r * D, static_cast<const uint16_t*>(a.q) + tok * a.q_stride + head * D, D * 2);
+    std::fill(ws.acc.data() + r * D, ws.acc.data() + (r + 1) * D, 0.0f);
+    ws.m[r] = kNegInf;
+    ws.l[r] = 0.0f;
+  }
+  const __m512 qscale = _mm512_set1_ps(a.scale * kLog2e);
+  const uint16_t* kc = static_cast<const uint16_t*>(a.k);
+  const uint16_t* vc = static_cast<const uint16_t*>(a.v);
+  const int32_t* table = a.bt + it.seq * a.MB;
+  const int64_t kv_end = std::min<int64_t>(it.kv_hi, first_pos + it.tok1);
+  float* sc = ws.sc.data();
+  uint16_t* pb = ws.pb.data();
+  // Blocks are scattered, which defeats the hardware prefetcher at every block edge: fetch the next
+  // chunk's K/V rows in software while this one is computed.
+  auto prefetch_chunk = [&](int64_t c) {
+    const int64_t end = std::min(kv_end, c + kBf16Chunk);
+    for (int64_t p = c; p < end;) {
+      const int64_t off = p % a.BS, run = std::min(a.BS - off, end - p);
+      const int64_t row = (static_cast<int64_t>(table[p / a.BS]) * a.KVH + it.kvh) * a.BS + off;
+      const char* kb = reinterpret_cast<const char*>(kc + row * D);
+      const char* vb = reinterpret_cast<const char*>(vc + row * D);
+      for (int64_t b = 0; b < run * D * 2; b += 64) _mm_prefetch(kb + b, _MM_HINT_T0), _mm_prefetch(vb + b, _MM_HINT_T0);
+      p += run;
+    }
+  };
+  for (int64_t c0 = it.kv_lo; c0 < kv_end; c0 += kBf16Chunk) {
+    const int64_t n = std::min(kBf16Chunk, kv_end - c0);
+    if (c0 + kBf16Chunk < kv_end) prefetch_chunk(c0 + kBf16Chunk);
+    for (int64_t p = c0; p < c0 + n;) {  // row pointers, one block run at a time
+      const int64_t off = p % a.BS, run = std::min(a.BS - off, c0 + n - p);
+      const int64_t row = (static_cast<int64_t>(table[p / a.BS]) * a.KVH + it.kvh) * a.BS + off;
+      for (int64_t i = 0; i < run; ++i) ws.kp[p - c0 + i] = kc + (row + i) * D, ws.vp[p - c0 + i] = vc + (row + i) * D;
+      p += run;
+    }
+    for (int64_t t = n; t < (n + 15) / 16 * 16; ++t) ws.kp[t] = ws.kp[0];  // lanes past n: any valid row
+    for (int64_t j = 0; j < (n + 1) / 2; ++j) {  // interleave V rows of token pairs
+      __m512i* dst = reinterpret_cast<__m512i*>(ws.vi.data()) + j * NV;
+      for (int c = 0; c < NC32; ++c) {
+        const __m512i x = _mm512_loadu_si512(ws.vp[2 * j] + c * 32);
+        const __m512i y = 2 * j + 1 < n ? _mm512_loadu_si512(ws.vp[2 * j + 1] + c * 32) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + 2 * c, _mm512_unpacklo_epi16(x, y));
+        _mm512_storeu_si512(dst + 2 * c + 1, _mm512_unpackhi_epi16(x, y));
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t nv = std::min(n, first_pos + it.tok0 + r / G + 1 - c0);
+      if (nv <= 0) continue;
+      __m512bh qv[NC32];
+      for (int c = 0; c < NC32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(ws.qb.data() + r * D + c * 32);
+      __m512 vmax = _mm512_set1_ps(kNegInf);
+      for (int64_t t0 = 0; t0 < nv; t0 += 16) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) {
+          __m512 s = _mm512_setzero_ps();
+          for (int c = 0; c < NC32; ++c) s = _mm512_dpbf16_ps(s, qv[c], (__m512bh)_mm512_loadu_si512(ws.kp[t0 + i] + c * 32));
+          acc[i] = s;
+        }
+        const __m512 s = _mm512_mul_ps(hsum16(acc), qscale);
+        _mm512_storeu_ps(sc + t0, s);
+        vmax = _mm512_mask_max_ps(vmax, tail_mask(nv - t0), vmax, s);
+      }
+      float& m = ws.m[r];
+      float& l = ws.l[r];
+      const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+      const float alpha = std::exp2(m - m_new);
+      const __m512 vm = _mm512_set1_ps(m_new);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < nv; t0 += 16) {
+        const __m512 p = _mm512_maskz_mov_ps(tail_mask(nv - t0), exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
+        const __m256bh ph = _mm512_cvtneps_pbh(p);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t0), (__m256i)ph);
+        vsum = _mm512_add_ps(vsum, _mm512_cvtpbh_ps(ph));
+      }
+      l = l * alpha + _mm512_reduce_add_ps(vsum);
+      m = m_new;
+      float* accr = ws.acc.data() + r * D;
+      const __m512 va = _mm512_set1_ps(alpha);
+      __m512 x[NV], y[NV];
+      for (int k = 0; k < NV; ++k) x[k] = _mm512_mul_ps(_mm512_loadu_ps(accr + k * 16), va), y[k] = _mm512_setzero_ps();
+      const __m512i* vi = reinterpret_cast<const __m512i*>(ws.vi.data());
+      const int64_t npairs = (nv + 1) / 2;
+      int64_t j = 0;
+      for (; j + 1 < npairs; j += 2) {
+        int32_t w0, w1;
+        std::memcpy(&w0, pb + 2 * j, 4);
+        std::memcpy(&w1, pb + 2 * j + 2, 4);
+        const __m512bh p0 = (__m512bh)_mm512_set1_epi32(w0), p1 = (__m512bh)_mm512_set1_epi32(w1);
+        for (int k = 0; k < NV; ++k) {
+          x[k] = _mm512_dpbf16_ps(x[k], (__m512bh)_mm512_loadu_si512(vi + j * NV + k), p0);
+          y[k] = _mm512_dpbf16_ps(y[k], (__m512bh)_mm512_loadu_si512(vi + (j + 1) * NV + k), p1);
+        }
+      }
+      if (j < npairs) {  // p of a token past nv is 0, so a half-used last pair adds nothing extra
+        int32_t w0;
+        std::memcpy(&w0, pb + 2 * j, 4);
+        const __m512bh p0 = (__m512bh)_mm512_set1_epi32(w0);
+        for (int k = 0; k < NV; ++k) x[k] = _mm512_dpbf16_ps(x[k], (__m512bh)_mm512_loadu_si512(vi + j * NV + k), p0);
+      }
+      for (int k = 0; k < NV; ++k) _mm512_storeu_ps(accr + k * 16, _mm512_add_ps(x[k], y[k]));
     }
   }
+
+  float nat[D];
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* accr = ws.acc.data() + r * D;
+    for (int k = 0; k < NV; ++k)
+      for (int i = 0; i < 16; ++i) nat[(k / 2) * 32 + (i / 4) * 8 + (k % 2) * 4 + i % 4] = accr[k * 16 + i];
+    finish_row(a, it, parts, q_start + it.tok0 + r / G, it.kvh * G + r % G, nat, ws.m[r], ws.l[r]);
+  }
 }
+
+template <int NC32>
+void run_all_bf16(const Args& a, const std::vector<Item>& items, Partials& parts) {
+  ThreadPool::instance().parallel_for(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    thread_local Workspace ws;
+    run_item_bf16<NC32>(a, items[i], parts, ws);
+  });
+}
+
+bool try_bf16_path(const Args& a, const std::vector<Item>& items, Partials& parts) {
+  if (a.qdt != DType::kBFloat16 || a.cdt != DType::kBFloat16) return false;
+  if (a.D == 64) run_all_bf16<2>(a, items, parts);
+  else if (a.D == 128) run_all_bf16<4>(a, items, parts);
+  else return false;
+  return true;
+}
+#else
+bool try_bf16_path(const Args&, const std::vector<Item>&, Partials&) { return false; }
+#endif
 
 // Merge the split partials of one (token, q head) into the output row.
 void merge_partials(const Args& a, const Partials& parts, int64_t tok, int64_t head, int64_t nsplit, float* tmp) {
@@ -469,7 +633,7 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
     parts.acc.assign(a.T * a.H * parts.nsplit * a.Dp, 0.0f);
   }
 
-  switch (cache_dtype) {
+  if (!try_bf16_path(a, items, parts)) switch (cache_dtype) {
     case DType::kFloat32: dispatch_head_dim<DType::kFloat32>(a, items, parts); break;
     case DType::kBFloat16: dispatch_head_dim<DType::kBFloat16>(a, items, parts); break;
     case DType::kFloat16: dispatch_head_dim<DType::kFloat16>(a, items, parts); break;
