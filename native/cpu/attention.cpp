@@ -38,6 +38,14 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
+
+
+
+
+
+
+
+
 namespace pyengine {
 namespace {
 
@@ -77,8 +85,12 @@ struct Partials {
 
 struct Workspace {
   std::vector<float> qf, acc, m, l, kf, vf, sc;
-  std::vector<uint16_t> qb, vi, pb;  // bf16 path: q rows, token-pair-interleaved V, bf16 probabilities
-  std::vector<const uint16_t*> kp, vp;  // bf16 path: K/V row pointers of the chunk
+  // bf16 path: q rows, widened K codes, token-pair-interleaved V, bf16 probabilities, K/V row
+  // pointers and per-token scales of the chunk
+  std::vector<uint16_t> qb, kq, vi, pb;
+  std::vector<const uint16_t*> kp;
+  std::vector<const char*> vp;
+  std::vector<float> ksc, vsc;
   void fit(int64_t rows, int64_t Dp, int64_t chunk) {
     const int64_t chunk16 = (chunk + 15) / 16 * 16;
     if (static_cast<int64_t>(qf.size()) < rows * Dp) qf.resize(rows * Dp), acc.resize(rows * Dp);
@@ -358,19 +370,44 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // ---------------------------------------------------------------------------------------------
-// bf16 q over a bf16 cache (head_dim = 32 * NC32): no fp32 scratch. QK reads K rows straight from the
-// cache with vdpbf16ps (products of bf16 are exact in fp32) and scales the scores afterwards. PV
-// interleaves the V rows of a token pair once per chunk, (V[t][d], V[t+1][d]), and accumulates
-// dpbf16(pair, (p_t, p_t+1)) with p rounded to bf16 (as flash attention does on GPUs; the softmax sum
-// uses the same rounded p). The accumulators then hold d in unpack order: vector k, lane i is
-// d = (k / 2) * 32 + (i / 4) * 8 + (k % 2) * 4 + i % 4, restored when the row is finished.
+// bf16 q over a bf16, fp8 or int8 cache (head_dim = 32 * NC32). QK uses vdpbf16ps on K rows (read
+// straight from a bf16 cache; fp8/int8 codes are first widened to bf16, which is exact) and scales
+// the scores afterwards (softmax scale, and the per-token K scale). PV interleaves the V rows of a
+// token pair once per chunk, (V[t][d], V[t+1][d]), and accumulates dpbf16(pair, (p_t, p_t+1)) with
+// p (times the per-token V scale) rounded to bf16, as flash attention does on GPUs; for a bf16 cache
+// the softmax sum uses the same rounded p. The accumulators then hold d in unpack order: vector k,
+// lane i is d = (k / 2) * 32 + (i / 4) * 8 + (k % 2) * 4 + i % 4, restored when the row finishes.
 // ---------------------------------------------------------------------------------------------
 constexpr int64_t kBf16Chunk = 64;
 
-template <int NC32>
+// 32 cache elements -> 32 bf16 (exact for every fp8 e4m3 and int8 code).
+template <DType CD>
+inline __m512i load32_bf16(const void* p) {
+  if constexpr (CD == DType::kBFloat16) {
+    return _mm512_loadu_si512(p);
+  } else if constexpr (CD == DType::kFloat8E4M3) {
+    alignas(64) static const uint16_t kSub[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};  // m * 2^-9
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+    const __m512i em = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
+    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+    const __m512i sub = _mm512_permutexvar_epi16(em, _mm512_load_si512(kSub));
+    const __mmask32 is_normal = _mm512_cmpge_epu16_mask(em, _mm512_set1_epi16(8));
+    return _mm512_or_si512(_mm512_mask_blend_epi16(is_normal, sub, normal), sign);
+  } else {  // int8
+    const __m256i raw = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+}
+
+template <DType CD, int NC32>
 void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
+  constexpr bool kQuant = CD != DType::kBFloat16;
   constexpr int NV = 2 * NC32;  // fp32 accumulator vectors per row
   constexpr int64_t D = 32 * NC32;
+  constexpr int64_t es = kQuant ? 1 : 2;
   const int64_t G = a.G;
   const int64_t q_start = a.qsl[it.seq], q_len = a.qsl[it.seq + 1] - q_start;
   const int64_t first_pos = a.seq_lens[it.seq] - q_len;
@@ -378,9 +415,10 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
   if (static_cast<int64_t>(ws.acc.size()) < rows * D) ws.acc.resize(rows * D);
   if (static_cast<int64_t>(ws.m.size()) < rows) ws.m.resize(rows), ws.l.resize(rows);
   if (static_cast<int64_t>(ws.qb.size()) < rows * D) ws.qb.resize(rows * D);
-  if (static_cast<int64_t>(ws.vi.size()) < kBf16Chunk * D) ws.vi.resize(kBf16Chunk * D);  // 32 pairs x 2D
-  if (static_cast<int64_t>(ws.pb.size()) < kBf16Chunk) {
+  if (static_cast<int64_t>(ws.vi.size()) < kBf16Chunk * D) {  // zero-filled: lanes past n stay finite
+    ws.vi.resize(kBf16Chunk * D), ws.kq.resize(kBf16Chunk * D);
     ws.pb.resize(kBf16Chunk), ws.sc.resize(kBf16Chunk), ws.kp.resize(kBf16Chunk), ws.vp.resize(kBf16Chunk);
+    ws.ksc.resize(kBf16Chunk), ws.vsc.resize(kBf16Chunk);
   }
 
   for (int64_t r = 0; r < rows; ++r) {
@@ -391,40 +429,47 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
     ws.l[r] = 0.0f;
   }
   const __m512 qscale = _mm512_set1_ps(a.scale * kLog2e);
-  const uint16_t* kc = static_cast<const uint16_t*>(a.k);
-  const uint16_t* vc = static_cast<const uint16_t*>(a.v);
+  const char* kc = static_cast<const char*>(a.k);
+  const char* vc = static_cast<const char*>(a.v);
   const int32_t* table = a.bt + it.seq * a.MB;
   const int64_t kv_end = std::min<int64_t>(it.kv_hi, first_pos + it.tok1);
   float* sc = ws.sc.data();
   uint16_t* pb = ws.pb.data();
-  // Blocks are scattered, which defeats the hardware prefetcher at every block edge: fetch the next
-  // chunk's K/V rows in software while this one is computed.
-  auto prefetch_chunk = [&](int64_t c) {
+  // Calls fn(t, cache row index, run) for each block run of the chunk [c, min(c + chunk, kv_end)).
+  // (Software prefetch of the next chunk's scattered blocks was tried: no measurable gain here.)
+  auto for_runs = [&](int64_t c, auto&& fn) {
     const int64_t end = std::min(kv_end, c + kBf16Chunk);
     for (int64_t p = c; p < end;) {
       const int64_t off = p % a.BS, run = std::min(a.BS - off, end - p);
-      const int64_t row = (static_cast<int64_t>(table[p / a.BS]) * a.KVH + it.kvh) * a.BS + off;
-      const char* kb = reinterpret_cast<const char*>(kc + row * D);
-      const char* vb = reinterpret_cast<const char*>(vc + row * D);
-      for (int64_t b = 0; b < run * D * 2; b += 64) _mm_prefetch(kb + b, _MM_HINT_T0), _mm_prefetch(vb + b, _MM_HINT_T0);
+      fn(p - c, (static_cast<int64_t>(table[p / a.BS]) * a.KVH + it.kvh) * a.BS + off, run);
       p += run;
     }
   };
   for (int64_t c0 = it.kv_lo; c0 < kv_end; c0 += kBf16Chunk) {
     const int64_t n = std::min(kBf16Chunk, kv_end - c0);
-    if (c0 + kBf16Chunk < kv_end) prefetch_chunk(c0 + kBf16Chunk);
-    for (int64_t p = c0; p < c0 + n;) {  // row pointers, one block run at a time
-      const int64_t off = p % a.BS, run = std::min(a.BS - off, c0 + n - p);
-      const int64_t row = (static_cast<int64_t>(table[p / a.BS]) * a.KVH + it.kvh) * a.BS + off;
-      for (int64_t i = 0; i < run; ++i) ws.kp[p - c0 + i] = kc + (row + i) * D, ws.vp[p - c0 + i] = vc + (row + i) * D;
-      p += run;
-    }
+    for_runs(c0, [&](int64_t t, int64_t row, int64_t run) {
+      for (int64_t i = 0; i < run; ++i) {
+        ws.vp[t + i] = vc + (row + i) * D * es;
+        if constexpr (kQuant) {
+          ws.ksc[t + i] = a.ks[row + i];
+          ws.vsc[t + i] = a.vs[row + i];
+          uint16_t* dst = ws.kq.data() + (t + i) * D;
+          for (int c = 0; c < NC32; ++c)
+            _mm512_storeu_si512(dst + c * 32, load32_bf16<CD>(kc + (row + i) * D + c * 32));
+          ws.kp[t + i] = dst;
+        } else {
+          ws.kp[t + i] = reinterpret_cast<const uint16_t*>(kc + (row + i) * D * es);
+        }
+      }
+    });
     for (int64_t t = n; t < (n + 15) / 16 * 16; ++t) ws.kp[t] = ws.kp[0];  // lanes past n: any valid row
     for (int64_t j = 0; j < (n + 1) / 2; ++j) {  // interleave V rows of token pairs
       __m512i* dst = reinterpret_cast<__m512i*>(ws.vi.data()) + j * NV;
+      const char* v0 = ws.vp[2 * j];
+      const char* v1 = 2 * j + 1 < n ? ws.vp[2 * j + 1] : nullptr;
       for (int c = 0; c < NC32; ++c) {
-        const __m512i x = _mm512_loadu_si512(ws.vp[2 * j] + c * 32);
-        const __m512i y = 2 * j + 1 < n ? _mm512_loadu_si512(ws.vp[2 * j + 1] + c * 32) : _mm512_setzero_si512();
+        const __m512i x = load32_bf16<CD>(v0 + c * 32 * es);
+        const __m512i y = v1 ? load32_bf16<CD>(v1 + c * 32 * es) : _mm512_setzero_si512();
         _mm512_storeu_si512(dst + 2 * c, _mm512_unpacklo_epi16(x, y));
         _mm512_storeu_si512(dst + 2 * c + 1, _mm512_unpackhi_epi16(x, y));
       }
@@ -442,7 +487,8 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
           for (int c = 0; c < NC32; ++c) s = _mm512_dpbf16_ps(s, qv[c], (__m512bh)_mm512_loadu_si512(ws.kp[t0 + i] + c * 32));
           acc[i] = s;
         }
-        const __m512 s = _mm512_mul_ps(hsum16(acc), qscale);
+        __m512 s = _mm512_mul_ps(hsum16(acc), qscale);
+        if constexpr (kQuant) s = _mm512_mul_ps(s, _mm512_loadu_ps(ws.ksc.data() + t0));
         _mm512_storeu_ps(sc + t0, s);
         vmax = _mm512_mask_max_ps(vmax, tail_mask(nv - t0), vmax, s);
       }
@@ -454,9 +500,15 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
       __m512 vsum = _mm512_setzero_ps();
       for (int64_t t0 = 0; t0 < nv; t0 += 16) {
         const __m512 p = _mm512_maskz_mov_ps(tail_mask(nv - t0), exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
-        const __m256bh ph = _mm512_cvtneps_pbh(p);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t0), (__m256i)ph);
-        vsum = _mm512_add_ps(vsum, _mm512_cvtpbh_ps(ph));
+        if constexpr (kQuant) {
+          const __m256bh ph = _mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(ws.vsc.data() + t0)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t0), (__m256i)ph);
+          vsum = _mm512_add_ps(vsum, p);
+        } else {
+          const __m256bh ph = _mm512_cvtneps_pbh(p);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t0), (__m256i)ph);
+          vsum = _mm512_add_ps(vsum, _mm512_cvtpbh_ps(ph));
+        }
       }
       l = l * alpha + _mm512_reduce_add_ps(vsum);
       m = m_new;
@@ -496,20 +548,30 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
   }
 }
 
-template <int NC32>
+template <DType CD, int NC32>
 void run_all_bf16(const Args& a, const std::vector<Item>& items, Partials& parts) {
   ThreadPool::instance().parallel_for(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local Workspace ws;
-    run_item_bf16<NC32>(a, items[i], parts, ws);
+    run_item_bf16<CD, NC32>(a, items[i], parts, ws);
   });
 }
 
-bool try_bf16_path(const Args& a, const std::vector<Item>& items, Partials& parts) {
-  if (a.qdt != DType::kBFloat16 || a.cdt != DType::kBFloat16) return false;
-  if (a.D == 64) run_all_bf16<2>(a, items, parts);
-  else if (a.D == 128) run_all_bf16<4>(a, items, parts);
+template <DType CD>
+bool bf16_head_dim(const Args& a, const std::vector<Item>& items, Partials& parts) {
+  if (a.D == 64) run_all_bf16<CD, 2>(a, items, parts);
+  else if (a.D == 128) run_all_bf16<CD, 4>(a, items, parts);
   else return false;
   return true;
+}
+
+bool try_bf16_path(const Args& a, const std::vector<Item>& items, Partials& parts) {
+  if (a.qdt != DType::kBFloat16) return false;
+  switch (a.cdt) {
+    case DType::kBFloat16: return bf16_head_dim<DType::kBFloat16>(a, items, parts);
+    case DType::kFloat8E4M3: return bf16_head_dim<DType::kFloat8E4M3>(a, items, parts);
+    case DType::kInt8: return bf16_head_dim<DType::kInt8>(a, items, parts);
+    default: return false;
+  }
 }
 #else
 bool try_bf16_path(const Args&, const std::vector<Item>&, Partials&) { return false; }
