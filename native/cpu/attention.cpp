@@ -421,6 +421,18 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
     ws.ksc.resize(kBf16Chunk), ws.vsc.resize(kBf16Chunk);
   }
 
+  // Raw pointers: through the vectors of a thread_local workspace GCC reloads them (and the TLS
+  // address) after every store, which serializes the loads of the hot loops.
+  const uint16_t** kp = ws.kp.data();
+  const char** vp = ws.vp.data();
+  uint16_t* kq = ws.kq.data();
+  __m512i* vi = reinterpret_cast<__m512i*>(ws.vi.data());
+  float* ksc = ws.ksc.data();
+  float* vsc = ws.vsc.data();
+  const uint16_t* qb = ws.qb.data();
+  float* acc_all = ws.acc.data();
+  float* m_all = ws.m.data();
+  float* l_all = ws.l.data();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_start + it.tok0 + r / G, head = it.kvh * G + r % G;
     std::memcpy(ws.qb.data() + r * D, static_cast<const uint16_t*>(a.q) + tok * a.q_stride + head * D, D * 2);
@@ -449,24 +461,24 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
     const int64_t n = std::min(kBf16Chunk, kv_end - c0);
     for_runs(c0, [&](int64_t t, int64_t row, int64_t run) {
       for (int64_t i = 0; i < run; ++i) {
-        ws.vp[t + i] = vc + (row + i) * D * es;
+        vp[t + i] = vc + (row + i) * D * es;
         if constexpr (kQuant) {
-          ws.ksc[t + i] = a.ks[row + i];
-          ws.vsc[t + i] = a.vs[row + i];
-          uint16_t* dst = ws.kq.data() + (t + i) * D;
+          ksc[t + i] = a.ks[row + i];
+          vsc[t + i] = a.vs[row + i];
+          uint16_t* dst = kq + (t + i) * D;
           for (int c = 0; c < NC32; ++c)
             _mm512_storeu_si512(dst + c * 32, load32_bf16<CD>(kc + (row + i) * D + c * 32));
-          ws.kp[t + i] = dst;
+          kp[t + i] = dst;
         } else {
-          ws.kp[t + i] = reinterpret_cast<const uint16_t*>(kc + (row + i) * D * es);
+          kp[t + i] = reinterpret_cast<const uint16_t*>(kc + (row + i) * D * es);
         }
       }
     });
-    for (int64_t t = n; t < (n + 15) / 16 * 16; ++t) ws.kp[t] = ws.kp[0];  // lanes past n: any valid row
+    for (int64_t t = n; t < (n + 15) / 16 * 16; ++t) kp[t] = kp[0];  // lanes past n: any valid row
     for (int64_t j = 0; j < (n + 1) / 2; ++j) {  // interleave V rows of token pairs
-      __m512i* dst = reinterpret_cast<__m512i*>(ws.vi.data()) + j * NV;
-      const char* v0 = ws.vp[2 * j];
-      const char* v1 = 2 * j + 1 < n ? ws.vp[2 * j + 1] : nullptr;
+      __m512i* dst = vi + j * NV;
+      const char* v0 = vp[2 * j];
+      const char* v1 = 2 * j + 1 < n ? vp[2 * j + 1] : nullptr;
       for (int c = 0; c < NC32; ++c) {
         const __m512i x = load32_bf16<CD>(v0 + c * 32 * es);
         const __m512i y = v1 ? load32_bf16<CD>(v1 + c * 32 * es) : _mm512_setzero_si512();
@@ -478,22 +490,22 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
       const int64_t nv = std::min(n, first_pos + it.tok0 + r / G + 1 - c0);
       if (nv <= 0) continue;
       __m512bh qv[NC32];
-      for (int c = 0; c < NC32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(ws.qb.data() + r * D + c * 32);
+      for (int c = 0; c < NC32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qb + r * D + c * 32);
       __m512 vmax = _mm512_set1_ps(kNegInf);
       for (int64_t t0 = 0; t0 < nv; t0 += 16) {
         __m512 acc[16];
         for (int i = 0; i < 16; ++i) {
           __m512 s = _mm512_setzero_ps();
-          for (int c = 0; c < NC32; ++c) s = _mm512_dpbf16_ps(s, qv[c], (__m512bh)_mm512_loadu_si512(ws.kp[t0 + i] + c * 32));
+          for (int c = 0; c < NC32; ++c) s = _mm512_dpbf16_ps(s, qv[c], (__m512bh)_mm512_loadu_si512(kp[t0 + i] + c * 32));
           acc[i] = s;
         }
         __m512 s = _mm512_mul_ps(hsum16(acc), qscale);
-        if constexpr (kQuant) s = _mm512_mul_ps(s, _mm512_loadu_ps(ws.ksc.data() + t0));
+        if constexpr (kQuant) s = _mm512_mul_ps(s, _mm512_loadu_ps(ksc + t0));
         _mm512_storeu_ps(sc + t0, s);
         vmax = _mm512_mask_max_ps(vmax, tail_mask(nv - t0), vmax, s);
       }
-      float& m = ws.m[r];
-      float& l = ws.l[r];
+      float& m = m_all[r];
+      float& l = l_all[r];
       const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
       const float alpha = std::exp2(m - m_new);
       const __m512 vm = _mm512_set1_ps(m_new);
@@ -501,7 +513,7 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
       for (int64_t t0 = 0; t0 < nv; t0 += 16) {
         const __m512 p = _mm512_maskz_mov_ps(tail_mask(nv - t0), exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
         if constexpr (kQuant) {
-          const __m256bh ph = _mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(ws.vsc.data() + t0)));
+          const __m256bh ph = _mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(vsc + t0)));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t0), (__m256i)ph);
           vsum = _mm512_add_ps(vsum, p);
         } else {
@@ -512,11 +524,10 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
       }
       l = l * alpha + _mm512_reduce_add_ps(vsum);
       m = m_new;
-      float* accr = ws.acc.data() + r * D;
+      float* accr = acc_all + r * D;
       const __m512 va = _mm512_set1_ps(alpha);
       __m512 x[NV], y[NV];
       for (int k = 0; k < NV; ++k) x[k] = _mm512_mul_ps(_mm512_loadu_ps(accr + k * 16), va), y[k] = _mm512_setzero_ps();
-      const __m512i* vi = reinterpret_cast<const __m512i*>(ws.vi.data());
       const int64_t npairs = (nv + 1) / 2;
       int64_t j = 0;
       for (; j + 1 < npairs; j += 2) {
