@@ -16,8 +16,12 @@
 // (max, sum, acc) triples are merged afterwards. Online softmax in base 2 (q is pre-scaled by
 // scale * log2 e); the score matrix is never materialised beyond one chunk of one row. fp32 throughout.
 //
-// SIMD: AVX-512 intrinsics under __AVX512F__; otherwise portable loops written in 16-lane strips,
-// which GCC vectorizes for AVX2 (-march=x86-64-v3) and leaves scalar elsewhere.
+// Paths (chosen at compile time by the -march of the build, PYENGINE_CPU_ARCH):
+//   bf16 q with a bf16/fp8/int8 cache, head_dim 64/128, AVX512_BF16: run_item_bf16 (vdpbf16ps, no fp32
+//     scratch; see its comment). This is the decode hot path of bf16 models.
+//   everything else (fp32/fp16, other head dims, no AVX512_BF16): run_item, which dequantizes each K/V
+//     chunk once into fp32 scratch; AVX-512 intrinsics under __AVX512F__, otherwise portable loops in
+//     16-lane strips that GCC vectorizes for AVX2 (-march=x86-64-v3) and leaves scalar elsewhere.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
