@@ -139,13 +139,15 @@ def test_every_quantized_code_decodes_exactly(cache_dtype, dtype):
     assert torch.equal(out.float(), want)
 
 
-def test_strided_q_and_out_buffer():
-    q, kc, vc, bt, sl, qsl, _ = make_batch([(40, 7), (9, 1)], 4, 2, 64, 8, torch.float32, seed=3)
-    qkv = torch.cat([q.reshape(8, -1), torch.randn(8, 2 * 2 * 64)], dim=1)  # a fused QKV output
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_q_and_out_buffer(dtype):
+    q, kc, vc, bt, sl, qsl, _ = make_batch([(40, 7), (9, 1)], 4, 2, 64, 8, dtype, seed=3)
+    qkv = torch.cat([q.reshape(8, -1), torch.randn(8, 2 * 2 * 64).to(dtype)], dim=1)  # a fused QKV output
     q_view = qkv[:, : 4 * 64].view(8, 4, 64)
     out = torch.full_like(q, float("nan"))
     assert paged_attention(q_view, kc, vc, bt, sl, qsl, 0.3, out=out) is out
-    torch.testing.assert_close(out, reference(q, kc, vc, bt, sl, qsl, 0.3), atol=2e-5, rtol=2e-5)
+    ref = reference(q, kc, vc, bt, sl, qsl, 0.3)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def good_args():
