@@ -122,6 +122,14 @@ def test_all_masked_but_one_and_tiny_temperature():
     assert res.token_ids.tolist() == [42, 17]
 
 
+@pytest.mark.parametrize("top_k", [0, 50])
+def test_masked_tokens_are_never_drawn(top_k):
+    logits = torch.full((1, 3000), float("-inf"))
+    logits[0, [5, 900, 2999]] = torch.tensor([0.0, 1.0, -1.0])
+    counts = draw(logits[0], 3000, top_k=top_k, top_p=0.999)
+    assert counts.sum() == 3000 and counts[[5, 900, 2999]].sum() == 3000 and (counts[[5, 900, 2999]] > 0).all()
+
+
 def test_seeded_draws_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(16, 5000, generator=g) * 2
