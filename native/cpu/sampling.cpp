@@ -279,6 +279,7 @@ int32_t sample_row(const float* x, int64_t V, const RowParams& p, Scratch& s) {
   }
   if (!(xmax > kNegInf)) return row_argmax(x, V);  // nothing finite to sample from
   if (p.min_p > 0.0f) thr = std::max(thr, xmax + p.temperature * std::log(p.min_p));
+  thr = std::max(thr, std::numeric_limits<float>::lowest());  // a -inf (masked) token is never a candidate
   if (use_top_k) {  // keep the candidates >= thr, in place (id order is kept)
     int64_t kept = 0;
     for (int64_t i = 0; i < n; ++i)
