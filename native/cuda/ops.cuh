@@ -1,0 +1,45 @@
+// Host launchers of the CUDA kernels, called by native/bindings/cuda_*.cpp.
+//
+// Plain C++ (no CUDA headers) so the pybind11 files compile with the host
+// compiler. Pointers are device addresses as uintptr_t; dtype codes are
+// pyengine::DType values; `stream` is a cudaStream_t handle (0 = default).
+// Each launcher enqueues its kernel(s) on `stream`, does not synchronize,
+// and throws std::runtime_error if the launch failed.
+#pragma once
+
+#include <cstdint>
+
+namespace pyengine {
+namespace cuda {
+
+// --- layers.cu -------------------------------------------------------------
+// Same argument lists as the CPU kernels (native/cpu/layers.cpp) plus the stream.
+// x, residual, out [rows, dim] contiguous; weight [dim] of dtype or fp32 (weight_dtype).
+void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows, int64_t dim, double eps, int dtype,
+              int weight_dtype, uintptr_t stream);
+// In place: residual += x (rounded to dtype); x = rms_norm(residual) * weight.
+void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t dim, double eps,
+                  int dtype, int weight_dtype, uintptr_t stream);
+// In place neox rotary. positions [tokens] int64; q rows of q_heads*head_dim, k rows of
+// kv_heads*head_dim, rows q_row_stride / k_row_stride elements apart; cos_sin_cache
+// [max_position, head_dim] fp32. Tokens whose position is outside [0, max_position) are
+// left unchanged (checking would need a device->host sync).
+void rotary_embedding(uintptr_t positions, uintptr_t q, uintptr_t k, uintptr_t cos_sin_cache, int64_t tokens,
+                      int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t q_row_stride,
+                      int64_t k_row_stride, int64_t max_position, int dtype, uintptr_t stream);
+// x [rows, 2*inter] -> out [rows, inter] = silu(x[:, :inter]) * x[:, inter:].
+void silu_and_mul(uintptr_t x, uintptr_t out, int64_t rows, int64_t inter, int dtype, uintptr_t stream);
+
+// --- attention.cu ----------------------------------------------------------
+// Layouts and quantization: see the top of attention.cu. act_dtype = key/value
+// (and q) dtype; cache_dtype = that same code, or fp8 e4m3 / int8 with scales.
+void reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t slot_mapping,
+                       uintptr_t k_scales, uintptr_t v_scales, int64_t T, int64_t KVH, int64_t D, int64_t block_size,
+                       int64_t key_stride, int64_t value_stride, int act_dtype, int cache_dtype, uintptr_t stream);
+void paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
+                     uintptr_t v_scales, uintptr_t block_tables, uintptr_t seq_lens, uintptr_t query_start_loc,
+                     int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t max_blocks,
+                     int64_t q_stride, double scale, int act_dtype, int cache_dtype, uintptr_t stream);
+
+}  // namespace cuda
+}  // namespace pyengine
