@@ -32,11 +32,11 @@ def cuda_expected() -> bool:
     return not skip and shutil.which("nvcc") is not None
 
 
-def arg_types(fn) -> list[str]:
-    """Argument types from a pybind11 signature line, e.g. 'f(arg0: int, x: float) -> None'."""
+def params(fn) -> list[str]:
+    """Parameters (name: type) from a pybind11 signature line, e.g. 'f(x: int, eps: float) -> None'."""
     sig = fn.__doc__.splitlines()[0]
-    params = sig[sig.index("(") + 1 : sig.rindex(")")]
-    return [p.split(":", 1)[1].strip() for p in re.split(r",\s*(?=\w+:)", params) if p.strip()]
+    inner = sig[sig.index("(") + 1 : sig.rindex(")")]
+    return [p.strip() for p in re.split(r",\s*(?=\w+:)", inner) if p.strip()]
 
 
 def load_cuda():
@@ -77,7 +77,7 @@ def test_same_ops_and_argument_lists_as_cpu():
         if not hasattr(_C, name):  # the CPU op is not merged yet: nothing to mirror
             continue
         assert hasattr(mod, name), f"pyengine._cuda lacks {name}, which pyengine._C has"
-        assert arg_types(getattr(mod, name)) == arg_types(getattr(_C, name)), name
+        assert params(getattr(mod, name)) == params(getattr(_C, name)), name
 
 
 def test_bad_call_is_a_python_error_not_a_crash():

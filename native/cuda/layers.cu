@@ -19,7 +19,7 @@ namespace {
 constexpr int kThreads = 256;
 
 template <typename T, typename W>
-__global__ void rms_norm_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ out, int D,
+__global__ void rms_norm_kernel(const T* x, const W* __restrict__ w, T* out, int D,
                                 float eps) {
   __shared__ float scratch[32];
   const T* row = x + static_cast<int64_t>(blockIdx.x) * D;
