@@ -31,15 +31,20 @@ void rotary_embedding(uintptr_t positions, uintptr_t q, uintptr_t k, uintptr_t c
 void silu_and_mul(uintptr_t x, uintptr_t out, int64_t rows, int64_t inter, int dtype, uintptr_t stream);
 
 // --- attention.cu ----------------------------------------------------------
-// Layouts and quantization: see the top of attention.cu. act_dtype = key/value
-// (and q) dtype; cache_dtype = that same code, or fp8 e4m3 / int8 with scales.
-void reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t slot_mapping,
-                       uintptr_t k_scales, uintptr_t v_scales, int64_t T, int64_t KVH, int64_t D, int64_t block_size,
-                       int64_t key_stride, int64_t value_stride, int act_dtype, int cache_dtype, uintptr_t stream);
+// Same argument lists as native/bindings/cpu_attention.cpp; layouts and the
+// quantization at the top of attention.cu. Index values (slots, block ids,
+// lengths) are not validated on the GPU (that would need a device->host sync):
+// out-of-range slots and block ids are skipped instead of read or written.
 void paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
                      uintptr_t v_scales, uintptr_t block_tables, uintptr_t seq_lens, uintptr_t query_start_loc,
-                     int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t max_blocks,
-                     int64_t q_stride, double scale, int act_dtype, int cache_dtype, uintptr_t stream);
+                     int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     int64_t q_token_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
+                     int64_t max_blocks_per_seq, int64_t max_seq_len, double scale, int q_dtype, int cache_dtype,
+                     uintptr_t stream);
+void reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
+                       uintptr_t v_scales, uintptr_t slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t key_token_stride, int64_t value_token_stride, int64_t num_blocks,
+                       int64_t block_size, int src_dtype, int cache_dtype, uintptr_t stream);
 
 }  // namespace cuda
 }  // namespace pyengine
