@@ -84,14 +84,20 @@ inline void check_call(cudaError_t err, const char* op) {
 inline cudaStream_t as_stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
 // Makes the device that owns `ptr` current for the scope (torch tensors may
-// live on a device other than this host thread's current one).
+// live on a device other than this host thread's current one). A pointer the
+// runtime cannot classify leaves the current device alone (the error is
+// cleared so that check_launch does not report it).
 class DeviceGuard {
  public:
   DeviceGuard(const void* ptr, const char* op) {
     cudaPointerAttributes attr{};
-    check_call(cudaPointerGetAttributes(&attr, ptr), op);
+    if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) return;
     check_call(cudaGetDevice(&prev_), op);
-    if (attr.type == cudaMemoryTypeDevice && attr.device != prev_) {
+    if (attr.device != prev_) {
       check_call(cudaSetDevice(attr.device), op);
       switched_ = true;
     }
