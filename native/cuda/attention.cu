@@ -19,8 +19,8 @@
 //
 // Launch shapes:
 //   reshape_and_cache  grid.x = T; 4 warps, each warp one (kv head, K or V) row at a time.
-//   paged_attention    grid = (T, H); 8 warps. Warp w takes keys w, w+8, ... of the
-//                      query's causal range; lane i holds dims i, i+32, ... (D <= 256)
+//   paged_attention    grid = (T, H); 8 warps. Warp w takes keys 4w..4w+3, then 4w+32..,
+//                      of the query's causal range; lane i holds dims i, i+32, ... (D <= 256)
 //                      of q, and of its running output; each warp keeps an online
 //                      softmax (max, sum); the warps are merged through shared memory.
 #include <cuda_fp8.h>
@@ -89,6 +89,7 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
 }
 
 constexpr int kAttnWarps = 8;
+constexpr int kKeysPerIter = 4;
 constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / 32;
 
@@ -125,30 +126,63 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     acc[i] = 0.f;
   }
   float m = -INFINITY, l = 0.f;
-  for (int key = warp; key < n_keys; key += kAttnWarps) {
-    const int blk = bt[key / BS];
-    if (blk < 0 || blk >= num_blocks) continue;  // uniform per warp: no shuffle divergence
-    const int64_t row = (static_cast<int64_t>(blk) * KVH + g) * BS + key % BS;
-    const C* kp = kc + row * D;
-    float dot = 0.f;
+  // Each warp takes kKeysPerIter consecutive keys per iteration: their loads are independent,
+  // so they are in flight together. Everything below is uniform across the warp.
+  for (int base = warp * kKeysPerIter; base < n_keys; base += kAttnWarps * kKeysPerIter) {
+    int64_t rows[kKeysPerIter];
+    bool valid[kKeysPerIter];
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int d = lane + 32 * i;
-      if (d < D) dot += qv[i] * Codec<C>::decode(kp[d]);
+    for (int j = 0; j < kKeysPerIter; ++j) {
+      const int key = base + j;
+      const int blk = key < n_keys ? bt[key / BS] : -1;
+      valid[j] = blk >= 0 && blk < num_blocks;  // out-of-range block ids are masked out
+      rows[j] = valid[j] ? (static_cast<int64_t>(blk) * KVH + g) * BS + key % BS : 0;
     }
-    dot = warp_sum(dot);
-    if constexpr (Codec<C>::kQuant) dot *= ks[row];
-    const float m_new = fmaxf(m, dot);
-    const float corr = expf(m - m_new), p = expf(dot - m_new);
-    l = l * corr + p;
+    float dots[kKeysPerIter];
+#pragma unroll
+    for (int j = 0; j < kKeysPerIter; ++j) {
+      const C* kp = kc + rows[j] * D;
+      float dot = 0.f;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int d = lane + 32 * i;
+        if (valid[j] && d < D) dot += qv[i] * Codec<C>::decode(kp[d]);
+      }
+      dots[j] = dot;
+    }
+    float m_new = m;
+#pragma unroll
+    for (int j = 0; j < kKeysPerIter; ++j) {
+      dots[j] = warp_sum(dots[j]);
+      if constexpr (Codec<C>::kQuant) {
+        if (valid[j]) dots[j] *= ks[rows[j]];
+      }
+      if (!valid[j]) dots[j] = -INFINITY;
+      m_new = fmaxf(m_new, dots[j]);
+    }
+    if (m_new == -INFINITY) continue;  // no valid key in this group
+    const float corr = expf(m - m_new);  // 0 while m is still -inf
+    float pv[kKeysPerIter];
+    l *= corr;
+#pragma unroll
+    for (int j = 0; j < kKeysPerIter; ++j) {
+      const float p = valid[j] ? expf(dots[j] - m_new) : 0.f;
+      l += p;
+      pv[j] = p;
+      if constexpr (Codec<C>::kQuant) {
+        if (valid[j]) pv[j] *= vs[rows[j]];
+      }
+    }
     m = m_new;
-    const C* vp = vc + row * D;
-    float pv = p;
-    if constexpr (Codec<C>::kQuant) pv *= vs[row];
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int d = lane + 32 * i;
-      if (d < D) acc[i] = acc[i] * corr + pv * Codec<C>::decode(vp[d]);
+      if (d >= D) continue;
+      float a = acc[i] * corr;
+#pragma unroll
+      for (int j = 0; j < kKeysPerIter; ++j)
+        if (valid[j]) a += pv[j] * Codec<C>::decode(vc[rows[j] * D + d]);
+      acc[i] = a;
     }
   }
 
