@@ -146,8 +146,7 @@ def ref_quantize(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tenso
     """x [..., D] -> (codes [..., D] in cache_dtype, scales [...] fp32): the kv_quant.h convention."""
     xf = x.float()
     scale = xf.abs().amax(-1) / QMAX[cache_dtype]
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    y = xf * inv[..., None]
+    y = torch.where(scale[..., None] > 0, xf / scale[..., None], torch.zeros_like(xf))
     if cache_dtype == torch.int8:
         return torch.round(y).clamp(-127, 127).to(torch.int8), scale
     return y.clamp(-448, 448).to(torch.float8_e4m3fn), scale

@@ -9,10 +9,10 @@
 //   q, out         [T, H, D]  q token rows q_token_stride apart; out contiguous
 //   block_tables   [S, max_blocks] int32; seq_lens [S] int32; query_start_loc [S+1] int32
 //
-// Quantization (per token, per kv head; the convention of kv_quant.h):
-// scale = absmax / qmax (qmax 448 for e4m3, 127 for int8); stored =
-// encode(x * (1 / scale)) (round to nearest even, saturating; a row of zeros
-// stores scale 0 and zeros); dequantized value = stored * scale.
+// Quantization (per token, per kv head; the functions of kv_quant.h, shared
+// with the CPU): scale = absmax / qmax (qmax 448 for e4m3, 127 for int8);
+// stored = encode(x / scale) (round to nearest even, saturating; a row of
+// zeros stores scale 0 and zeros); dequantized value = stored * scale.
 // Index values are trusted up to bounds: a slot outside [0, num_blocks *
 // block_size) is skipped, a key whose block id is outside [0, num_blocks) is
 // masked out (the GPU cannot raise without a host sync).
@@ -27,6 +27,7 @@
 
 #include "common.cuh"
 #include "ops.cuh"
+#include "pyengine/kv_quant.h"
 
 namespace pyengine {
 namespace cuda {
@@ -34,28 +35,31 @@ namespace {
 
 using fp8 = __nv_fp8_e4m3;
 
-// Cache element codec: C == T stores the value as is; fp8/int8 are scaled.
+// Cache element codec: C == T stores the value as is; fp8/int8 use the shared
+// encoders of kv_quant.h (bit-identical to the CPU) and CUDA's fp8 decoder.
 template <typename C>
 struct Codec {
   static constexpr bool kQuant = false;
-  __device__ static C encode(float v, float /*inv_scale*/) { return from_float<C>(v); }
+  __device__ static C encode(float v, float /*scale*/) { return from_float<C>(v); }
   __device__ static float decode(C c) { return to_float(c); }
 };
 template <>
 struct Codec<fp8> {
   static constexpr bool kQuant = true;
-  static constexpr float kQmax = 448.f;
-  __device__ static fp8 encode(float v, float inv_scale) { return fp8(v * inv_scale); }  // RNE, saturating
+  static constexpr float kQmax = kFp8E4M3Max;
+  __device__ static fp8 encode(float v, float scale) {
+    fp8 r;
+    r.__x = float_to_fp8e4m3(kv_scaled(v, scale));
+    return r;
+  }
   __device__ static float decode(fp8 c) { return static_cast<float>(c); }
 };
 template <>
 struct Codec<int8_t> {
   static constexpr bool kQuant = true;
-  static constexpr float kQmax = 127.f;
-  __device__ static int8_t encode(float v, float inv_scale) {
-    return static_cast<int8_t>(fminf(127.f, fmaxf(-127.f, rintf(v * inv_scale))));  // NaN -> -127
-  }
-  __device__ static float decode(int8_t c) { return static_cast<float>(c); }
+  static constexpr float kQmax = kInt8Max;
+  __device__ static int8_t encode(float v, float scale) { return float_to_int8(kv_scaled(v, scale)); }
+  __device__ static float decode(int8_t c) { return int8_to_float(c); }
 };
 
 constexpr int kCacheWarps = 4;
@@ -76,15 +80,14 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
     const T* src = (is_v ? value + t * value_stride : key + t * key_stride) + static_cast<int64_t>(g) * D;
     const int64_t row = (blk * KVH + g) * BS + off;  // index into [num_blocks, KVH, BS]
     C* dst = (is_v ? vc : kc) + row * D;
-    float inv_scale = 1.f;
+    float scale = 1.f;
     if constexpr (Codec<C>::kQuant) {
       float amax = 0.f;
       for (int d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(to_float(src[d])));
-      const float scale = warp_max(amax) / Codec<C>::kQmax;
-      inv_scale = scale > 0.f ? 1.f / scale : 0.f;
+      scale = kv_scale(warp_max(amax), Codec<C>::kQmax);
       if (lane == 0) (is_v ? vs : ks)[row] = scale;
     }
-    for (int d = lane; d < D; d += 32) dst[d] = Codec<C>::encode(to_float(src[d]), inv_scale);
+    for (int d = lane; d < D; d += 32) dst[d] = Codec<C>::encode(to_float(src[d]), scale);
   }
 }
 
