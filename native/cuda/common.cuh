@@ -2,8 +2,8 @@
 //
 // - Element access: every kernel computes in fp32 and loads/stores its
 //   element type through to_float/from_float (fp32, bf16, fp16).
-// - Reductions: warp_* via shuffles; block_* over up to 32 warps through a
-//   32-float shared scratch (every thread of the block must call them).
+// - Reductions: warp_* via shuffles; block_sum over up to 32 warps through a
+//   32-float shared scratch (every thread of the block must call it).
 // - Host side: DISPATCH_FLOAT picks the element type from a DType code;
 //   check_launch turns a failed launch into std::runtime_error (RuntimeError
 //   in Python); DeviceGuard runs the launch on the device owning a pointer.
@@ -60,16 +60,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch /* [32] share
   __syncthreads();
   v = lane < nwarps ? scratch[lane] : 0.f;
   return warp_sum(v);
-}
-
-__device__ __forceinline__ float block_max(float v, float* scratch /* [32] shared */) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < nwarps ? scratch[lane] : -FLT_MAX;
-  return warp_max(v);
 }
 
 inline void check_launch(const char* op) {

@@ -28,7 +28,7 @@ __global__ void rms_norm_kernel(const T* x, const W* __restrict__ w, T* out, int
     const float v = to_float(row[i]);
     ss += v * v;
   }
-  const float inv = rsqrtf(block_sum(ss, scratch) / D + eps);
+  const float inv = 1.f / sqrtf(block_sum(ss, scratch) / D + eps);  // IEEE, as on the CPU
   T* o = out + static_cast<int64_t>(blockIdx.x) * D;
   for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = from_float<T>(to_float(row[i]) * inv * to_float(w[i]));
 }
@@ -46,7 +46,7 @@ __global__ void add_rms_norm_kernel(T* __restrict__ x, T* __restrict__ residual,
     const float v = to_float(r);
     ss += v * v;
   }
-  const float inv = rsqrtf(block_sum(ss, scratch) / D + eps);
+  const float inv = 1.f / sqrtf(block_sum(ss, scratch) / D + eps);  // IEEE, as on the CPU
   // Each thread re-reads only the residual elements it wrote itself.
   for (int i = threadIdx.x; i < D; i += blockDim.x) xr[i] = from_float<T>(to_float(rr[i]) * inv * to_float(w[i]));
 }
