@@ -3,8 +3,9 @@
 // Plain C++ (no CUDA headers) so the pybind11 files compile with the host
 // compiler. Pointers are device addresses as uintptr_t; dtype codes are
 // pyengine::DType values; `stream` is a cudaStream_t handle (0 = default).
-// Each launcher enqueues its kernel(s) on `stream`, does not synchronize,
-// and throws std::runtime_error if the launch failed.
+// Each launcher enqueues its kernel(s) on `stream` and does not synchronize;
+// it throws std::invalid_argument (ValueError in Python) for arguments it
+// rejects and std::runtime_error (RuntimeError) if the launch failed.
 #pragma once
 
 #include <cstdint>
