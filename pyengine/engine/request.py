@@ -39,7 +39,7 @@ class Request:
         "block_ids", "block_hashes", "num_hashed_blocks", "status", "stop_reason", "num_preemptions",
         "arrival_time", "queued_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "max_total_tokens", "logprobs", "detok", "arrival_seq", "admit_seq",
-        "num_computed_prompt_tokens",
+        "num_computed_prompt_tokens", "sampling_row",
     )
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -75,6 +75,10 @@ class Request:
         self.max_total_tokens = min(self.num_prompt_tokens + max_tokens, max_model_len)
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.detok = None  # the output processor's incremental detokenizer
+        # What the batch builder reads every step, in one tuple: temperature, top_k, top_p, min_p,
+        # seed, has_penalties, logprobs (-1 = none).
+        self.sampling_row = (params.temperature, params.top_k, params.top_p, params.min_p, self.seed,
+                             params.has_penalties, -1 if params.logprobs is None else params.logprobs)
         self.arrival_seq = 0  # set by the scheduler: FCFS order
         self.admit_seq = 0  # set by the scheduler on each admission
 

@@ -232,6 +232,7 @@ cdef class Scheduler:
         cdef list got = []
         cdef Py_ssize_t i, j = 0, n, start, P
         cdef BlockPool pool = self.pool
+        cdef Py_ssize_t bs = pool.block_size
         for i in range(len(reqs)):
             req = reqs[i]
             if req.status is not RUNNING:  # aborted while the step ran
@@ -244,7 +245,7 @@ cdef class Scheduler:
             if start < P:
                 req.num_computed_prompt_tokens += (start + n if start + n < P else P) - start
             req.num_computed_tokens = start + n
-            if pool.enable_caching:
+            if pool.enable_caching and (start + n) // bs > <Py_ssize_t> req.num_hashed_blocks:
                 req.num_hashed_blocks = pool.cache_full_blocks(
                     req.all_token_ids, req.block_hashes, req.block_ids, req.num_hashed_blocks, start + n)
             if sampling[i]:
@@ -331,21 +332,21 @@ def prepare_sampling(list reqs, float[::1] temperature, int[::1] top_k, float[::
     cdef Py_ssize_t i
     cdef bint all_greedy = True, any_pen = False
     cdef int max_lp = -1, lp
+    cdef tuple row
     for i in range(len(reqs)):
         req = reqs[i]
-        p = req.params
-        temperature[i] = p.temperature
-        top_k[i] = p.top_k
-        top_p[i] = p.top_p
-        min_p[i] = p.min_p
-        seeds[i] = req.seed
+        row = req.sampling_row
+        temperature[i] = row[0]
+        top_k[i] = row[1]
+        top_p[i] = row[2]
+        min_p[i] = row[3]
+        seeds[i] = row[4]
         steps[i] = len(req.all_token_ids) - req.num_prompt_tokens
-        if p.temperature != 0.0:
+        if row[0] != 0.0:
             all_greedy = False
-        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0:
+        if row[5]:
             any_pen = True
-        if p.logprobs is not None:
-            lp = p.logprobs
-            if lp > max_lp:
-                max_lp = lp
+        lp = row[6]
+        if lp > max_lp:
+            max_lp = lp
     return all_greedy, any_pen, max_lp
