@@ -16,8 +16,17 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **config) -> None:
-        self.engine = Engine(EngineConfig(model=model, **config))
-        self.tokenizer = self.engine.tokenizer
+        self._attach(Engine(EngineConfig(model=model, **config)))
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> "LLM":
+        self = cls.__new__(cls)
+        self._attach(engine)
+        return self
+
+    def _attach(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

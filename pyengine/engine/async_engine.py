@@ -26,8 +26,9 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
-        self.engine = Engine(config or EngineConfig(**kwargs))
+    def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None, **kwargs) -> None:
+        """Loads the model named by config (or EngineConfig(**kwargs)), or wraps a built `engine`."""
+        self.engine = engine if engine is not None else Engine(config or EngineConfig(**kwargs))
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.max_model_len = self.engine.max_model_len

@@ -81,11 +81,11 @@ def activation_reserve(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtyp
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
-        from pyengine.model.loader import load_model, resolve_model_path
+    def __init__(self, config: EngineConfig, *, parts: tuple | None = None) -> None:
+        """parts: (model_config, model, tokenizer, name) to use instead of loading config.model
+        (tests drive the engine with small stand-ins this way)."""
         from pyengine.model.metadata import allocate_kv_caches, kv_bytes_per_token
         from pyengine.model.runner import ModelRunner
-        from pyengine.tokenizer import Tokenizer
 
         self.config = config
         self.device = torch.device(config.device)
@@ -94,11 +94,17 @@ class Engine:
             from pyengine import _C
 
             _C.set_num_threads(config.num_threads)
-        path = resolve_model_path(config.model)
-        self.model_name = config.model or os.path.splitext(os.path.basename(path))[0]
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model_config, self.model = load_model(path, self.dtype, self.device)
-        self.tokenizer = Tokenizer.from_model_path(path)
+        if parts is None:
+            from pyengine.model.loader import load_model, resolve_model_path
+            from pyengine.tokenizer import Tokenizer
+
+            path = resolve_model_path(config.model)
+            self.model_name = config.model or os.path.splitext(os.path.basename(path))[0]
+            self.model_config, self.model = load_model(path, self.dtype, self.device)
+            self.tokenizer = Tokenizer.from_model_path(path)
+        else:
+            self.model_config, self.model, self.tokenizer, self.model_name = parts
         cfg = self.model_config
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
