@@ -44,7 +44,7 @@ class EngineStats:
 class _Group:
     """A user request: its n child sequences and what the consumer has seen."""
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "children", "num_finished")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "children", "num_finished", "deferred")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
         self.request_id = request_id
@@ -52,6 +52,9 @@ class _Group:
         self.prompt_token_ids = prompt_token_ids
         self.children: list[Request] = []
         self.num_finished = 0
+        # n > 1 with prefix caching: children 1..n-1 are queued once child 0 has computed the
+        # prompt, so they take its blocks from the prefix cache instead of recomputing them.
+        self.deferred: list[Request] = []
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -197,8 +200,13 @@ class Engine:
                                                params.include_stop_str_in_output, params.skip_special_tokens)
             group.children.append(req)
         self.groups[request_id] = group
-        for req in group.children:
-            self.scheduler.add_request(req)
+        first, *rest = group.children
+        self.scheduler.add_request(first)
+        if rest and self.pool.enable_caching and len(ids) > self.pool.block_size:
+            group.deferred = rest
+        else:
+            for req in rest:
+                self.scheduler.add_request(req)
         self.metrics.on_added(len(ids) * params.n)
 
     def queue_abort(self, request_id: str) -> None:
@@ -212,9 +220,15 @@ class Engine:
             return None
         outs = []
         for req in group.children:
-            if not req.finished:
+            if req.finished:
+                continue
+            if req in group.deferred:  # never queued: nothing to free
+                req.status = RequestStatus.FINISHED_ABORTED
+                req.finished_time = time.perf_counter()
+            else:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                outs.append(self._finish(group, req, [], None))
+            outs.append(self._finish(group, req, [], None))
+        group.deferred = []
         return self._request_output(group, outs)
 
     def has_unfinished(self) -> bool:
@@ -261,6 +275,10 @@ class Engine:
                 if hit is not None:
                     stop = (RequestStatus.FINISHED_STOPPED, hit)
             group = self.groups[req.parent_id]
+            if group.deferred:
+                for child in reversed(group.deferred):  # each goes to the queue front
+                    self.scheduler.add_request(child, req)
+                group.deferred = []
             if stop is not None:
                 self.scheduler.finish(req, stop[0])
                 req.stop_reason = stop[1]

@@ -77,7 +77,7 @@ cdef class Scheduler:
     # ---- queues ----------------------------------------------------------------------------
     cdef void _push_waiting(self, req, bint front):
         if self.priority_policy:
-            heapq.heappush(self.waiting, (req.priority, req.arrival_seq, req))
+            heapq.heappush(self.waiting, (req.priority, req.arrival_seq, req.index, req))
         elif front:
             self.waiting.appendleft(req)
         else:
@@ -87,7 +87,7 @@ cdef class Scheduler:
     cdef object _peek_waiting(self):
         """The next waiting request, dropping entries of aborted ones (removed lazily)."""
         while self.waiting:
-            req = self.waiting[0][2] if self.priority_policy else self.waiting[0]
+            req = self.waiting[0][3] if self.priority_policy else self.waiting[0]
             if req.status is WAITING or req.status is PREEMPTED:
                 return req
             if self.priority_policy:
@@ -111,16 +111,21 @@ cdef class Scheduler:
         self.running.insert(i, req)
 
     # ---- public ----------------------------------------------------------------------------
-    def add_request(self, req) -> None:
-        """Queue a validated request (the engine checks lengths against the context and pool)."""
+    def add_request(self, req, sibling=None) -> None:
+        """Queue a validated request (the engine checks lengths against the context and pool).
+        With `sibling` (an earlier child of the same user request) it takes the sibling's place in
+        the queue order instead of the back."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        req.arrival_seq = self.arrival_counter
-        self.arrival_counter += 1
+        if sibling is None:
+            req.arrival_seq = self.arrival_counter
+            self.arrival_counter += 1
+        else:
+            req.arrival_seq = sibling.arrival_seq
         req.queued_time = time.perf_counter()
         req.status = WAITING
         self.requests[req.request_id] = req
-        self._push_waiting(req, False)
+        self._push_waiting(req, sibling is not None)
 
     @property
     def num_running(self) -> int:
