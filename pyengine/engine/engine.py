@@ -39,6 +39,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_steps: int
+    num_computed_tokens: int  # tokens run through the model (prompt chunks + decodes), all steps
 
 
 class _Group:
@@ -134,6 +135,7 @@ class Engine:
         self.groups: dict[str, _Group] = {}
         self._pending_aborts: collections.deque[str] = collections.deque()
         self.num_steps = 0
+        self.num_computed_tokens = 0
 
     def _num_blocks(self, bytes_per_token: int) -> int:
         c = self.config
@@ -245,6 +247,7 @@ class Engine:
         got: list[Request] = []
         if len(sched):
             self.num_steps += 1
+            self.num_computed_tokens += sched.num_tokens
             result = self.runner.execute(sched)
             got = self.scheduler.update_from_output(sched, result.token_ids if result else [])
             outputs += self._process(got, result)
@@ -305,4 +308,4 @@ class Engine:
     def stats(self) -> EngineStats:
         s, p = self.scheduler, self.pool
         return EngineStats(s.num_running, s.num_waiting, p.num_free, p.num_blocks, p.usage, s.num_preemptions,
-                           p.query_tokens, p.hit_tokens, self.num_steps)
+                           p.query_tokens, p.hit_tokens, self.num_steps, self.num_computed_tokens)
