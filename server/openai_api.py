@@ -131,8 +131,10 @@ class OpenAIServing:
             try:
                 params.append(self.params_cls(**req.sampling, max_tokens=max_tokens,
                                               logprobs=req.num_logprobs))
-            except (ValueError, TypeError) as e:
-                raise APIError(400, str(e)) from None
+            except (ValueError, TypeError) as e:  # SamplingParams names the field first
+                field_name = str(e).split(" ", 1)[0]
+                raise APIError(400, str(e), param=field_name if field_name in req.sampling else None,
+                               code="invalid_value") from None
             cost += len(ids) + max_tokens * req.n
         self.limiter.check_tokens(key, cost)
         self.admission.admit()
@@ -267,8 +269,8 @@ class OpenAIServing:
     def _logprobs(self, kind: str, entries: list | None, ids: list[int]) -> list[dict]:
         """Engine logprob entries (one per new token) -> chat-style dicts."""
         res = []
-        for i, e in enumerate((entries or [])[-len(ids):] if ids else []):
-            tid, lp, top = _unpack_logprob(e, ids[i])
+        for e in (entries or [])[-len(ids):] if ids else []:
+            tid, lp, top = _unpack_logprob(e)
             tok = self.tokenizer.decode([tid])
             res.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
                         "top_logprobs": [{"token": (t := self.tokenizer.decode([j])), "logprob": v,
@@ -344,19 +346,9 @@ async def _merged(engine: Any, job: _Job) -> AsyncIterator[tuple[int, Any]]:
                 log.debug("abort of %s failed", rids[i], exc_info=True)
 
 
-def _unpack_logprob(e: Any, token_id: int) -> tuple[int, float, list[tuple[int, float]]]:
-    """(token id, logprob, [(id, logprob), ...]) from an engine TokenLogprob."""
-    if isinstance(e, (int, float)):
-        return token_id, float(e), []
-    tid = getattr(e, "token_id", token_id)
-    lp = float(getattr(e, "logprob"))
-    top = getattr(e, "top_logprobs", None) or []
-    if isinstance(top, dict):
-        pairs = list(top.items())
-    else:
-        pairs = [(getattr(t, "token_id", None), getattr(t, "logprob", None)) if not isinstance(t, (tuple, list))
-                 else tuple(t) for t in top]
-    return int(tid), lp, [(int(i), float(v)) for i, v in pairs]
+def _unpack_logprob(e: Any) -> tuple[int, float, list[tuple[int, float]]]:
+    """(token id, logprob, [(id, logprob), ...] best first) from an engine TokenLogprob."""
+    return int(e.token_id), float(e.logprob), [(int(i), float(v)) for i, v in (e.top or [])]
 
 
 def _completion_logprobs(lps: list[dict]) -> dict:

@@ -12,7 +12,7 @@ from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_STOP = 16
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT64_MAX = 2**63 - 1
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -163,7 +163,7 @@ def _common(body: dict, max_n: int) -> dict[str, Any]:
         "presence_penalty": get_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         "frequency_penalty": get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         "repetition_penalty": get_float(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
-        "seed": get_int(body, "seed", None, lo=INT64_MIN, hi=INT64_MAX),
+        "seed": get_int(body, "seed", None, lo=0, hi=INT64_MAX),
         "min_tokens": get_int(body, "min_tokens", 0, lo=0),
         "ignore_eos": get_bool(body, "ignore_eos", False),
         "stop": _stop(body.get("stop")),

@@ -6,6 +6,7 @@ Its tokens are deterministic: a function of the prompt, the seed, the choice ind
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -71,7 +72,7 @@ class FakeTokenizer:
 class TokenLogprob:
     token_id: int
     logprob: float
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -504,3 +505,16 @@ async def test_stream_error_after_headers(engine):
         assert r.status == 500 and (await r.json())["error"]["type"] == "server_error"
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_load_generator_against_fake(client, endpoint):
+    from bench import serve_load
+
+    ns = argparse.Namespace(url=str(client.make_url("")), model=None, api_key=None, endpoint=endpoint,
+                            concurrency=4, num_requests=8, prompt_len=5, output_len=6, temperature=0.0,
+                            warmup=0, timeout=30.0, seed=0, json=None)
+    rep = await serve_load.run(ns)
+    assert rep["completed"] == 8 and rep["failed"] == 0 and rep["output_tokens"] == 48
+    assert rep["ttft_s"]["p50"] > 0 and rep["tpot_s"]["p99"] >= rep["tpot_s"]["p50"] > 0
+    assert "TTFT" in serve_load.table(rep)
