@@ -11,7 +11,7 @@ import sys
 
 from aiohttp import web
 
-from server.app import ServerConfig, create_app
+from server.app import SERVING, ServerConfig, create_app
 from server.gateway import GatewayConfig
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -106,28 +106,28 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         rate_limit_tpm=args.rate_limit_tpm))
 
 
-async def serve(engine, cfg: ServerConfig, host: str, port: int, grace: float, block_size: int) -> None:
+async def serve(app: web.Application, host: str, port: int, grace: float, block_size: int) -> None:
     """Run until SIGTERM/SIGINT; then stop accepting, drain up to `grace` seconds, shut down."""
-    app = create_app(engine, cfg)
     runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
-                           shutdown_timeout=grace, access_log=None)
-    await runner.setup()
+                           shutdown_timeout=1.0, access_log=None)
+    await runner.setup()  # starts the engine
     site = web.TCPSite(runner, host, port)
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    serving = app[SERVING]
     bound = runner.addresses[0]
-    st = engine.stats()
-    name = cfg.served_model_name or engine.model_name
+    blocks = serving.engine.stats().num_total_blocks
     print(f"pyengine server listening on http://{bound[0]}:{bound[1]}\n"
-          f"  model: {name} (context {engine.max_model_len} tokens)\n"
-          f"  KV cache: {st.num_total_blocks} blocks x {block_size} tokens = "
-          f"{st.num_total_blocks * block_size} tokens", flush=True)
+          f"  model: {serving.model} (context {serving.engine.max_model_len} tokens)\n"
+          f"  KV cache: {blocks} blocks x {block_size} tokens = {blocks * block_size} tokens", flush=True)
     await stop.wait()
     print("shutting down: draining in-flight requests", flush=True)
-    await runner.cleanup()
+    await site.stop()  # no new connections
+    await serving.drain(grace)
+    await runner.cleanup()  # closes idle connections, stops the engine
     print("stopped", flush=True)
 
 
@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    asyncio.run(serve(engine, server_config(args), args.host, args.port, args.shutdown_grace,
-                      args.block_size))
+    app = create_app(engine, server_config(args))
+    asyncio.run(serve(app, args.host, args.port, args.shutdown_grace, args.block_size))
     return 0
 
 

@@ -71,6 +71,18 @@ class OpenAIServing:
         self.limiter = gateway.RateLimiter(gw.rate_limit_rpm, gw.rate_limit_tpm)
         self.admission = gateway.AdmissionControl(gw.max_queue)
         self.created = int(time.time())
+        self.tasks: set[asyncio.Task] = set()  # handlers of admitted generation requests
+
+    async def drain(self, grace: float) -> None:
+        """Refuse new requests; give in-flight ones `grace` seconds, then end them cleanly."""
+        self.admission.draining = True
+        deadline = time.monotonic() + grace
+        while self.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for t in list(self.tasks):
+            t.cancel()  # _respond answers 503 / ends the stream with an error event
+        while self.tasks and time.monotonic() < deadline + 5:
+            await asyncio.sleep(0.01)
 
     # ------------------------------------------------------------ simple endpoints
     async def models(self, request: web.Request) -> web.Response:
@@ -138,11 +150,14 @@ class OpenAIServing:
             cost += len(ids) + max_tokens * req.n
         self.limiter.check_tokens(key, cost)
         self.admission.admit()
+        task = asyncio.current_task()
+        self.tasks.add(task)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         job = _Job(f"{prefix}-{uuid.uuid4().hex}", kind, req, prompt_ids, params)
         try:
             return await self._respond(request, job)
         finally:
+            self.tasks.discard(task)
             self.admission.finished()
             spent = sum(len(x) for x in prompt_ids) + job.usage["completion_tokens"]
             self.limiter.refund_tokens(key, cost - spent)
@@ -176,6 +191,18 @@ class OpenAIServing:
             return resp
         except ConnectionResetError:  # the client left: the finally below aborts
             raise
+        except asyncio.CancelledError:
+            if not self.admission.draining:  # the client left
+                raise
+            # drain(): the shutdown grace period is over. Tell the client instead of cutting the stream.
+            asyncio.current_task().uncancel()
+            err = APIError(503, "The server shut down before the request finished.", type="server_error",
+                           code="server_shutting_down")
+            if resp is None:
+                raise err from None
+            await resp.write(_sse(err.body()) + b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         except Exception as e:
             if resp is None:
                 raise

@@ -518,3 +518,80 @@ async def test_load_generator_against_fake(client, endpoint):
     assert rep["completed"] == 8 and rep["failed"] == 0 and rep["output_tokens"] == 48
     assert rep["ttft_s"]["p50"] > 0 and rep["tpot_s"]["p99"] >= rep["tpot_s"]["p50"] > 0
     assert "TTFT" in serve_load.table(rep)
+
+
+async def test_official_openai_client(client, engine):
+    import openai
+
+    oa = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none", max_retries=0)
+    r = await oa.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=4, n=2, logprobs=True, top_logprobs=1)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 8
+    assert r.choices[0].message.content == expected_text(engine, chat_ids(engine), 4)
+    assert len(r.choices[1].logprobs.content) == 4
+    chunks = [c async for c in await oa.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True})]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == len(chat_ids(engine)) + 4
+    c = await oa.completions.create(model="fake-model", prompt="ab", max_tokens=3, logprobs=1)
+    assert c.choices[0].text == expected_text(engine, [BOS, 97, 98], 3) and c.choices[0].logprobs.tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        await oa.completions.create(model="fake-model", prompt="ab", temperature=5)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        await oa.completions.create(model="other", prompt="ab")
+    await oa.close()
+
+
+SERVE_SCRIPT = """
+import asyncio, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+from test_server_api import FakeEngine, SamplingParams, make_config
+from server.__main__ import serve
+from server.app import create_app
+app = create_app(FakeEngine(step_delay=0.05), make_config(), sampling_params_cls=SamplingParams)
+asyncio.run(serve(app, "127.0.0.1", 0, {grace}, 16))
+"""
+
+
+@pytest.mark.parametrize("grace, completes", [(10.0, True), (0.3, False)])
+async def test_sigterm_drains_then_exits_0(grace, completes):
+    import os
+    import re
+    import signal
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = SERVE_SCRIPT.format(root=os.path.dirname(tests), tests=tests, grace=grace)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT)
+    try:
+        banner = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        url = re.search(r"http://\S+", banner).group(0)
+        async with aiohttp_session() as session:
+            r = await session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 30, "stream": True})
+            await r.content.readuntil(b"\n\n")
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            with pytest.raises(Exception):  # no longer accepting connections
+                await session.get(url + "/health")
+            text = (await r.content.read()).decode()
+            assert text.endswith("data: [DONE]\n\n")
+            if completes:
+                assert '"finish_reason": "length"' in text
+            else:  # the grace period ended first: the stream says so
+                assert "server_shutting_down" in text and '"finish_reason": "length"' not in text
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert b"stopped" in await proc.stdout.read()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def aiohttp_session():
+    import aiohttp
+
+    # force_close: a fresh connection per request, so the /health probe really connects anew
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
