@@ -234,6 +234,8 @@ class OpenAIServing:
         for o in out.outputs:
             idx = p * job.req.n + o.index
             ch = job.choices.setdefault(idx, _Choice())
+            if ch.finish_reason is not None:  # a finished choice has nothing more to say
+                continue
             ids = list(o.token_ids or [])
             ch.num_tokens += len(ids)
             ch.text.append(o.text or "")
@@ -336,10 +338,14 @@ async def _merged(engine: Any, job: _Job) -> AsyncIterator[tuple[int, Any]]:
     tasks: list[asyncio.Task] = []
     try:
         if len(rids) == 1:
-            async for out in engine.generate(job.prompt_ids[0], job.params[0], rids[0], priority=prio):
-                if out.finished:
-                    live.discard(0)
-                yield 0, out
+            gen = engine.generate(job.prompt_ids[0], job.params[0], rids[0], priority=prio)
+            try:
+                async for out in gen:
+                    if out.finished:
+                        live.discard(0)
+                    yield 0, out
+            finally:
+                await gen.aclose()
             return
         queue: asyncio.Queue = asyncio.Queue()
 
