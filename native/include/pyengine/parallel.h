@@ -99,9 +99,10 @@ class ThreadPool {
     for (int64_t i; (i = next_.fetch_add(1, std::memory_order_relaxed)) < n_;) invoke_(ctx_, i);
   }
 
-  void worker_loop() {
+  // `seen` is the generation at spawn time: read inside the thread it could already include a
+  // region started meanwhile, whose pending_ count would then never drop (deadlock at first use).
+  void worker_loop(uint64_t seen) {
     in_region() = true;
-    uint64_t seen = generation_.load(std::memory_order_acquire);
     for (;;) {
       // Spin briefly (kernels come in bursts within a layer), then sleep.
       for (int spin = 0; spin < kSpinIters && generation_.load(std::memory_order_acquire) == seen; ++spin)
@@ -119,7 +120,8 @@ class ThreadPool {
 
   void start_workers(int total_threads) {
     stop_.store(false);
-    for (int t = 1; t < total_threads; ++t) workers_.emplace_back([this] { worker_loop(); });
+    const uint64_t gen = generation_.load(std::memory_order_acquire);
+    for (int t = 1; t < total_threads; ++t) workers_.emplace_back([this, gen] { worker_loop(gen); });
   }
 
   void stop_workers() {

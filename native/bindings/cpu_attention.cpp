@@ -1,0 +1,142 @@
+// pybind11 bindings of the attention-side CPU ops. The CUDA module registers the same names with
+// the same argument lists (pointers are tensor.data_ptr() values; dtype codes follow DType in
+// pyengine/dtype.h; strides are in elements; `stream` is the CUDA stream handle, ignored on CPU):
+//
+//   paged_attention(out, q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens,
+//                   query_start_loc, num_tokens, num_heads, num_kv_heads, head_dim, q_token_stride,
+//                   num_blocks, block_size, num_seqs, max_blocks_per_seq, max_seq_len, scale,
+//                   q_dtype, cache_dtype, stream) -> None
+//     out [T, H, D] contiguous, q [T, H, D] with token stride q_token_stride; caches
+//     [num_blocks, KVH, block_size, D]; k_scales/v_scales [num_blocks, KVH, block_size] fp32 or 0
+//     (required for fp8/int8 caches); block_tables [num_seqs, max_blocks_per_seq] int32; seq_lens
+//     [num_seqs] int32; query_start_loc [num_seqs + 1] int32; max_seq_len: an upper bound on
+//     seq_lens. Bad index values raise ValueError (CPU).
+//
+//   reshape_and_cache(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, num_tokens,
+//                     num_kv_heads, head_dim, key_token_stride, value_token_stride, num_blocks,
+//                     block_size, src_dtype, cache_dtype, stream) -> None
+//     key/value [T, KVH, D] with the given token strides; slot_mapping [T] int64 (-1 = skip);
+//     k_scales/v_scales as above (0 for unquantized caches).
+//
+//   read_bandwidth(ptr, nbytes, stream) -> int       (CPU only: benchmark probe)
+//     Reads nbytes (a multiple of 64) once with the thread pool; returns a checksum.
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "pyengine/dtype.h"
+#include "pyengine/parallel.h"
+#include "registry.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace py = pybind11;
+
+namespace pyengine {
+
+void paged_attention_cpu(void* out, const void* q, const void* k_cache, const void* v_cache, const float* k_scales,
+                         const float* v_scales, const int32_t* block_tables, const int32_t* seq_lens,
+                         const int32_t* query_start_loc, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t q_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
+                         int64_t max_blocks_per_seq, int64_t max_seq_len, float scale, DType q_dtype,
+                         DType cache_dtype);
+
+void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, void* v_cache, float* k_scales,
+                           float* v_scales, const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t key_stride, int64_t value_stride, int64_t num_blocks,
+                           int64_t block_size, DType src_dtype, DType cache_dtype);
+
+namespace {
+
+DType to_dtype(int code) {
+  if (code < 0 || code > static_cast<int>(DType::kInt8)) throw std::invalid_argument("unknown dtype code");
+  return static_cast<DType>(code);
+}
+
+template <class T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+uint64_t read_bandwidth(uintptr_t p, int64_t nbytes, uintptr_t /*stream*/) {
+  if (nbytes % 64 != 0) throw std::invalid_argument("read_bandwidth: nbytes must be a multiple of 64");
+  auto& pool = ThreadPool::instance();
+  const int64_t nlines = nbytes / 64, nparts = pool.num_threads();
+  std::vector<uint64_t> sums(nparts * 8, 0);  // one cache line per part
+  pool.parallel_for(nparts, [&](int64_t part) {
+    const int64_t l0 = nlines * part / nparts, l1 = nlines * (part + 1) / nparts;
+    const char* base = ptr<const char>(p);
+#if defined(__AVX512F__)
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+    int64_t l = l0;
+    for (; l + 1 < l1; l += 2) {
+      a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(base + l * 64));
+      a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(base + (l + 1) * 64));
+    }
+    if (l < l1) a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(base + l * 64));
+    sums[part * 8] = _mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
+#else
+    const uint64_t* w = reinterpret_cast<const uint64_t*>(base);
+    uint64_t acc[8] = {};
+    for (int64_t l = l0; l < l1; ++l)
+      for (int i = 0; i < 8; ++i) acc[i] += w[l * 8 + i];
+    for (int i = 0; i < 8; ++i) sums[part * 8] += acc[i];
+#endif
+  });
+  uint64_t total = 0;
+  for (int64_t part = 0; part < nparts; ++part) total += sums[part * 8];
+  return total;
+}
+
+void register_attention_ops(py::module_& m) {
+  m.def(
+      "paged_attention",
+      [](uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales, uintptr_t v_scales,
+         uintptr_t block_tables, uintptr_t seq_lens, uintptr_t query_start_loc, int64_t num_tokens, int64_t num_heads,
+         int64_t num_kv_heads, int64_t head_dim, int64_t q_token_stride, int64_t num_blocks, int64_t block_size,
+         int64_t num_seqs, int64_t max_blocks_per_seq, int64_t max_seq_len, double scale, int q_dtype,
+         int cache_dtype, uintptr_t /*stream*/) {
+        paged_attention_cpu(ptr<void>(out), ptr<const void>(q), ptr<const void>(k_cache), ptr<const void>(v_cache),
+                            ptr<const float>(k_scales), ptr<const float>(v_scales), ptr<const int32_t>(block_tables),
+                            ptr<const int32_t>(seq_lens), ptr<const int32_t>(query_start_loc), num_tokens, num_heads,
+                            num_kv_heads, head_dim, q_token_stride, num_blocks, block_size, num_seqs,
+                            max_blocks_per_seq, max_seq_len, static_cast<float>(scale), to_dtype(q_dtype),
+                            to_dtype(cache_dtype));
+      },
+      py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scales"), py::arg("v_scales"),
+      py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("num_tokens"),
+      py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("q_token_stride"),
+      py::arg("num_blocks"), py::arg("block_size"), py::arg("num_seqs"), py::arg("max_blocks_per_seq"),
+      py::arg("max_seq_len"), py::arg("scale"), py::arg("q_dtype"), py::arg("cache_dtype"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>(), "Causal paged attention over a mixed step (see cpu_attention.cpp).");
+  m.def(
+      "reshape_and_cache",
+      [](uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
+         uintptr_t v_scales, uintptr_t slot_mapping, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
+         int64_t key_token_stride, int64_t value_token_stride, int64_t num_blocks, int64_t block_size, int src_dtype,
+         int cache_dtype, uintptr_t /*stream*/) {
+        reshape_and_cache_cpu(ptr<const void>(key), ptr<const void>(value), ptr<void>(k_cache), ptr<void>(v_cache),
+                              ptr<float>(k_scales), ptr<float>(v_scales), ptr<const int64_t>(slot_mapping),
+                              num_tokens, num_kv_heads, head_dim, key_token_stride, value_token_stride, num_blocks,
+                              block_size, to_dtype(src_dtype), to_dtype(cache_dtype));
+      },
+      py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scales"),
+      py::arg("v_scales"), py::arg("slot_mapping"), py::arg("num_tokens"), py::arg("num_kv_heads"),
+      py::arg("head_dim"), py::arg("key_token_stride"), py::arg("value_token_stride"), py::arg("num_blocks"),
+      py::arg("block_size"), py::arg("src_dtype"), py::arg("cache_dtype"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>(), "Write K/V rows into the paged cache at slot_mapping.");
+  m.def("read_bandwidth", &read_bandwidth, py::arg("ptr"), py::arg("nbytes"), py::arg("stream") = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "Benchmark probe: read nbytes once with the thread pool, return a checksum.");
+}
+
+}  // namespace
+
+PYENGINE_REGISTER_OPS(register_attention_ops);
+
+}  // namespace pyengine

@@ -1,0 +1,168 @@
+"""AsyncLLM: the engine behind asyncio. The step loop runs in a background thread (torch and the
+native kernels release the GIL, so the event loop stays responsive); each request has an
+asyncio.Queue fed from that thread with loop.call_soon_threadsafe, one hop per step.
+
+All engine mutations happen on the step thread: generate() and abort() only append commands to a
+deque that the thread applies, in order, between steps.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from typing import AsyncIterator
+
+from pyengine.config import EngineConfig
+from pyengine.engine.engine import Engine, EngineStats
+from pyengine.engine.output import RequestOutput
+from pyengine.sampling_params import SamplingParams
+
+log = logging.getLogger("pyengine.async")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None, **kwargs) -> None:
+        """Loads the model named by config (or EngineConfig(**kwargs)), or wraps a built `engine`."""
+        self.engine = engine if engine is not None else Engine(config or EngineConfig(**kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.max_model_len = self.engine.max_model_len
+        self.model_name = self.engine.model_name
+        self.metrics = self.engine.metrics
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._commands: collections.deque[tuple] = collections.deque()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = False
+        self._dead: BaseException | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="pyengine-step-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self._stop = True
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        err = EngineDeadError("the engine was shut down")
+        for q in self._streams.values():
+            q.put_nowait(err)
+
+    def is_healthy(self) -> bool:
+        return self._dead is None and (self._thread is None or self._thread.is_alive())
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # ---- requests ------------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                       priority: int = 0, prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields RequestOutputs holding deltas (new text and token ids since the last one); the
+        last one has finished=True. Raises ValueError for an unusable prompt before queueing."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead!r}")
+        if self._thread is None:
+            await self.start()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            text, ids = self.engine.tokenize_prompt(prompt)
+        else:
+            text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
+        self.engine.check_prompt(len(ids))
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        self._command(("add", request_id, text, ids, params, priority))
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # consumer left (disconnect, cancel): free the request's blocks
+                self._command(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._command(("abort", request_id))
+
+    def _command(self, cmd: tuple) -> None:
+        self._commands.append(cmd)
+        self._wakeup.set()
+
+    # ---- the step thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop:
+            self._apply_commands()
+            if not engine.has_unfinished():
+                self._wakeup.wait(0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                outs = engine.step()
+            except Exception as exc:  # fail the in-flight requests instead of hanging them
+                log.exception("engine step failed; failing %d requests", len(engine.groups))
+                self._fail_all(exc)
+                continue
+            if outs:
+                self._loop.call_soon_threadsafe(self._dispatch, outs)
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            cmd = self._commands.popleft()
+            if cmd[0] == "add":
+                _, rid, text, ids, params, priority = cmd
+                try:
+                    self.engine.add_request(rid, text if text is not None else ids, params,
+                                            priority=priority, prompt_token_ids=ids)
+                except Exception as exc:
+                    self._loop.call_soon_threadsafe(self._dispatch, [(rid, exc)])
+            else:
+                self.engine.queue_abort(cmd[1])
+
+    def _fail_all(self, exc: Exception) -> None:
+        ids = list(self.engine.groups)
+        err = RuntimeError(f"engine step failed: {exc!r}")
+        try:
+            for rid in ids:
+                self.engine.abort_request(rid)
+        except Exception as exc2:  # state is broken: stop taking requests
+            self._dead = exc2
+            self._stop = True
+            ids = None
+        self._loop.call_soon_threadsafe(self._dispatch_error, ids, err)
+
+    def _dispatch(self, outs: list) -> None:
+        for out in outs:
+            if isinstance(out, tuple):  # (request_id, exception)
+                q = self._streams.get(out[0])
+                if q is not None:
+                    q.put_nowait(out[1])
+                continue
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    def _dispatch_error(self, ids: list[str] | None, err: Exception) -> None:
+        for rid, q in list(self._streams.items()):
+            if ids is None or rid in ids:
+                q.put_nowait(err)

@@ -1,0 +1,357 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Continuous-batching scheduler (vLLM v1 style) and the flat-batch builder.
+
+One step = one token budget (max_num_batched_tokens) shared by every running sequence. Running
+sequences go first, each asking for all its not-yet-computed tokens (1 for a decode, the rest of
+the prompt for a chunked prefill) capped by what is left of the budget; then waiting requests are
+admitted in policy order (FCFS: arrival; priority: (priority, arrival), lower first) while budget,
+max_num_seqs and free blocks allow. When a running sequence needs a block and none is free, the
+last running sequence — in priority mode the running list is kept sorted, so that is the lowest
+priority, latest admitted — is preempted: its blocks are freed and it goes back to the front of
+the waiting queue to be recomputed later (its full blocks usually come back from the prefix cache).
+A step that preempted admits nobody.
+"""
+import heapq
+import time
+from collections import deque
+
+from pyengine.engine.block_pool cimport BlockPool
+from pyengine.engine.request import Request, RequestStatus
+
+cdef object WAITING = RequestStatus.WAITING
+cdef object RUNNING = RequestStatus.RUNNING
+cdef object PREEMPTED = RequestStatus.PREEMPTED
+cdef object ABORTED = RequestStatus.FINISHED_ABORTED
+
+
+cdef inline Py_ssize_t cdiv(Py_ssize_t a, Py_ssize_t b):
+    return (a + b - 1) // b
+
+
+class SchedulerOutput:
+    """What runs this step: reqs[i] computes num_new[i] tokens starting at its num_computed_tokens;
+    sampling[i] says whether that reaches its last known token (so a token is sampled)."""
+
+    __slots__ = ("reqs", "num_new", "sampling", "num_tokens", "num_sampling", "preempted")
+
+    def __init__(self, list reqs, list num_new, list sampling, int num_tokens, int num_sampling, list preempted):
+        self.reqs = reqs
+        self.num_new = num_new
+        self.sampling = sampling
+        self.num_tokens = num_tokens
+        self.num_sampling = num_sampling
+        self.preempted = preempted
+
+    def __len__(self):
+        return len(self.reqs)
+
+
+cdef class Scheduler:
+    cdef readonly BlockPool pool
+    cdef readonly int max_num_seqs
+    cdef readonly int max_num_batched_tokens
+    cdef readonly bint priority_policy
+    cdef readonly list running
+    cdef object waiting  # deque (fcfs) or heap list of (priority, arrival_seq, req) (priority)
+    cdef readonly dict requests  # request_id -> Request, every unfinished request
+    cdef readonly int num_waiting
+    cdef readonly long long num_preemptions
+    cdef long long arrival_counter
+    cdef long long admit_counter
+
+    def __init__(self, BlockPool pool, int max_num_seqs, int max_num_batched_tokens, str policy="fcfs"):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be fcfs or priority, got {policy!r}")
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.priority_policy = policy == "priority"
+        self.running = []
+        self.waiting = [] if self.priority_policy else deque()
+        self.requests = {}
+        self.num_waiting = 0
+        self.num_preemptions = 0
+        self.arrival_counter = 0
+        self.admit_counter = 0
+
+    # ---- queues ----------------------------------------------------------------------------
+    cdef void _push_waiting(self, req, bint front):
+        if self.priority_policy:
+            heapq.heappush(self.waiting, (req.priority, req.arrival_seq, req.index, req))
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+        self.num_waiting += 1
+
+    cdef object _peek_waiting(self):
+        """The next waiting request, dropping entries of aborted ones (removed lazily)."""
+        while self.waiting:
+            req = self.waiting[0][3] if self.priority_policy else self.waiting[0]
+            if req.status is WAITING or req.status is PREEMPTED:
+                return req
+            if self.priority_policy:
+                heapq.heappop(self.waiting)
+            else:
+                self.waiting.popleft()
+        return None
+
+    cdef void _pop_waiting(self):
+        if self.priority_policy:
+            heapq.heappop(self.waiting)
+        else:
+            self.waiting.popleft()
+        self.num_waiting -= 1
+
+    cdef void _insert_running(self, req):
+        cdef Py_ssize_t i = len(self.running)
+        if self.priority_policy:
+            while i > 0 and self.running[i - 1].priority > req.priority:
+                i -= 1
+        self.running.insert(i, req)
+
+    # ---- public ----------------------------------------------------------------------------
+    def add_request(self, req, sibling=None) -> None:
+        """Queue a validated request (the engine checks lengths against the context and pool).
+        With `sibling` (an earlier child of the same user request) it takes the sibling's place in
+        the queue order instead of the back."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if sibling is None:
+            req.arrival_seq = self.arrival_counter
+            self.arrival_counter += 1
+        else:
+            req.arrival_seq = sibling.arrival_seq
+        req.queued_time = time.perf_counter()
+        req.status = WAITING
+        self.requests[req.request_id] = req
+        self._push_waiting(req, sibling is not None)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    cpdef object schedule(self):
+        cdef int budget = self.max_num_batched_tokens
+        cdef int bs = self.pool.block_size
+        cdef list reqs = []
+        cdef list num_new = []
+        cdef list sampling = []
+        cdef list preempted = []
+        cdef int num_sampling = 0
+        cdef Py_ssize_t i = 0
+        cdef Py_ssize_t n, need, ntok, ncomp, num_hit
+        cdef list running = self.running
+        cdef BlockPool pool = self.pool
+        now = None
+
+        while i < len(running) and budget > 0:
+            req = running[i]
+            ncomp = req.num_computed_tokens
+            ntok = len(req.all_token_ids)
+            n = ntok - ncomp
+            if n > budget:
+                n = budget
+            need = cdiv(ncomp + n, bs) - len(req.block_ids)
+            while need > pool.num_free:
+                victim = running[len(running) - 1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is PREEMPTED:
+                break
+            if need > 0:
+                req.block_ids.extend(pool.allocate(need))
+            reqs.append(req)
+            num_new.append(n)
+            if ncomp + n == ntok:
+                sampling.append(True)
+                num_sampling += 1
+            else:
+                sampling.append(False)
+            budget -= n
+            i += 1
+
+        if not preempted:
+            while budget > 0 and len(running) < self.max_num_seqs:
+                req = self._peek_waiting()
+                if req is None:
+                    break
+                hit = pool.lookup(req.all_token_ids, req.block_hashes, req.num_prompt_tokens)
+                num_hit = len(hit) * bs
+                ntok = len(req.all_token_ids)
+                n = ntok - num_hit
+                if n > budget:
+                    n = budget
+                need = cdiv(num_hit + n, bs) - len(hit)
+                if need > pool.num_free - pool.num_evictable(hit):
+                    break  # head-of-line: keep arrival order, wait for blocks
+                self._pop_waiting()
+                pool.touch(hit)
+                req.block_ids = hit + pool.allocate(need) if need > 0 else hit
+                req.num_computed_tokens = num_hit
+                req.num_hashed_blocks = len(hit)
+                if now is None:
+                    now = time.perf_counter()
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                    req.num_cached_tokens = num_hit if num_hit < req.num_prompt_tokens else req.num_prompt_tokens
+                req.status = RUNNING
+                req.admit_seq = self.admit_counter
+                self.admit_counter += 1
+                self._insert_running(req)
+                reqs.append(req)
+                num_new.append(n)
+                if num_hit + n == ntok:
+                    sampling.append(True)
+                    num_sampling += 1
+                else:
+                    sampling.append(False)
+                budget -= n
+
+        return SchedulerOutput(reqs, num_new, sampling, self.max_num_batched_tokens - budget,
+                               num_sampling, preempted)
+
+    cdef void _preempt(self, req):
+        self.running.remove(req)
+        self.pool.free_blocks(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_hashed_blocks = 0
+        req.status = PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(req, True)
+
+    cpdef list update_from_output(self, object out, list sampled_token_ids):
+        """Advance every scheduled request by its computed tokens and append the sampled tokens
+        (sampled_token_ids in order of the sampling requests). Registers newly full blocks in the
+        prefix cache. Returns the requests that got a token."""
+        cdef list reqs = out.reqs
+        cdef list num_new = out.num_new
+        cdef list sampling = out.sampling
+        cdef list got = []
+        cdef Py_ssize_t i, j = 0, n, start, P
+        cdef BlockPool pool = self.pool
+        cdef Py_ssize_t bs = pool.block_size
+        for i in range(len(reqs)):
+            req = reqs[i]
+            if req.status is not RUNNING:  # aborted while the step ran
+                if sampling[i]:
+                    j += 1
+                continue
+            n = num_new[i]
+            start = req.num_computed_tokens
+            P = req.num_prompt_tokens
+            if start < P:
+                req.num_computed_prompt_tokens += (start + n if start + n < P else P) - start
+            req.num_computed_tokens = start + n
+            if pool.enable_caching and (start + n) // bs > <Py_ssize_t> req.num_hashed_blocks:
+                req.num_hashed_blocks = pool.cache_full_blocks(
+                    req.all_token_ids, req.block_hashes, req.block_ids, req.num_hashed_blocks, start + n)
+            if sampling[i]:
+                req.all_token_ids.append(sampled_token_ids[j])
+                j += 1
+                got.append(req)
+        return got
+
+    cpdef void finish(self, req, object status):
+        """Finish a request with a FINISHED_* status: leave its queue, free its blocks at once."""
+        if req.status.finished:
+            return
+        if req.status is RUNNING:
+            self.running.remove(req)
+        else:
+            self.num_waiting -= 1  # its queue entry is dropped lazily
+        self.pool.free_blocks(req.block_ids)
+        req.block_ids = []
+        req.status = status
+        req.finished_time = time.perf_counter()
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, str request_id):
+        """Abort a request in any state; returns it, or None if unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, ABORTED)
+        return req
+
+
+def prepare_batch(object out, int block_size,
+                  long long[::1] input_ids, long long[::1] positions, long long[::1] slot_mapping,
+                  int[::1] seq_lens, int[::1] query_start_loc, int[::1] block_tables,
+                  long long[::1] logits_indices):
+    """Fill the flat step arrays from a SchedulerOutput, in place (buffers sized by the caller).
+
+    block_tables is a flat buffer used as a C-contiguous [S, max_blocks] array, max_blocks being the
+    longest block list of the step. Returns (num_tokens, max_blocks, max_seq_len, num_logits)."""
+    cdef list reqs = out.reqs
+    cdef list num_new = out.num_new
+    cdef list sampling = out.sampling
+    cdef Py_ssize_t S = len(reqs)
+    cdef Py_ssize_t s, j, k, t = 0, n, start, nb, max_blocks = 0, max_seq_len = 0, nl = 0
+    cdef long long blk
+    cdef list toks, blocks
+    for s in range(S):
+        nb = len(reqs[s].block_ids)
+        if nb > max_blocks:
+            max_blocks = nb
+    query_start_loc[0] = 0
+    for s in range(S):
+        req = reqs[s]
+        toks = req.all_token_ids
+        blocks = req.block_ids
+        n = num_new[s]
+        start = req.num_computed_tokens
+        nb = len(blocks)
+        for k in range(nb):
+            block_tables[s * max_blocks + k] = blocks[k]
+        for k in range(nb, max_blocks):
+            block_tables[s * max_blocks + k] = 0
+        blk = -1
+        for j in range(start, start + n):
+            input_ids[t] = toks[j]
+            positions[t] = j
+            if blk < 0 or j % block_size == 0:
+                blk = blocks[j // block_size]
+            slot_mapping[t] = blk * block_size + j % block_size
+            t += 1
+        seq_lens[s] = start + n
+        if start + n > max_seq_len:
+            max_seq_len = start + n
+        query_start_loc[s + 1] = t
+        if sampling[s]:
+            logits_indices[nl] = t - 1
+            nl += 1
+    return t, max_blocks, max_seq_len, nl
+
+
+def prepare_sampling(list reqs, float[::1] temperature, int[::1] top_k, float[::1] top_p,
+                     float[::1] min_p, long long[::1] seeds, long long[::1] steps):
+    """Per-row sampling arrays for the sampling requests. Returns (all_greedy, any_penalties,
+    max_logprobs) where max_logprobs is -1 when no request wants logprobs."""
+    cdef Py_ssize_t i
+    cdef bint all_greedy = True, any_pen = False
+    cdef int max_lp = -1, lp
+    cdef tuple row
+    for i in range(len(reqs)):
+        req = reqs[i]
+        row = req.sampling_row
+        temperature[i] = row[0]
+        top_k[i] = row[1]
+        top_p[i] = row[2]
+        min_p[i] = row[3]
+        seeds[i] = row[4]
+        steps[i] = len(req.all_token_ids) - req.num_prompt_tokens
+        if row[0] != 0.0:
+            all_greedy = False
+        if row[5]:
+            any_pen = True
+        lp = row[6]
+        if lp > max_lp:
+            max_lp = lp
+    return all_greedy, any_pen, max_lp

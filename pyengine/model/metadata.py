@@ -1,0 +1,55 @@
+"""Attention metadata of one forward step, and the paged KV cache it indexes (layouts: DESIGN.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pyengine.config import ModelConfig
+
+QUANTIZED_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token (-1 = skip)
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32: cache tokens per sequence, this step's included
+    query_start_loc: torch.Tensor  # [S+1] int32
+    max_seq_len: int
+
+
+@dataclass
+class KVCache:
+    """One layer's cache. k, v: [num_blocks, KVH, block_size, D]; scales only for fp8/int8 caches."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scales: torch.Tensor | None = None  # [num_blocks, KVH, block_size] fp32
+    v_scales: torch.Tensor | None = None
+
+
+def allocate_kv_caches(
+    cfg: ModelConfig, num_blocks: int, block_size: int, cache_dtype: torch.dtype, device: torch.device | str
+) -> list[KVCache]:
+    shape = (num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
+    quantized = cache_dtype in QUANTIZED_CACHE_DTYPES
+    caches = []
+    for _ in range(cfg.num_hidden_layers):
+        k = torch.zeros(shape, dtype=cache_dtype, device=device)
+        v = torch.zeros(shape, dtype=cache_dtype, device=device)
+        if quantized:
+            ks = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+            vs = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+            caches.append(KVCache(k, v, ks, vs))
+        else:
+            caches.append(KVCache(k, v))
+    return caches
+
+
+def kv_bytes_per_token(cfg: ModelConfig, cache_dtype: torch.dtype) -> int:
+    """K and V bytes per token over all layers, scales (one fp32 per token per kv head) included."""
+    per_head = cfg.head_dim * torch.empty((), dtype=cache_dtype).element_size()
+    if cache_dtype in QUANTIZED_CACHE_DTYPES:
+        per_head += 4
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * per_head

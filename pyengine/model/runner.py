@@ -1,0 +1,126 @@
+"""ModelRunner: one flat batch per step -> forward -> penalties -> sample.
+
+The step arrays live in numpy buffers allocated once (sized for max_num_batched_tokens tokens and
+max_num_seqs sequences) and are filled by Cython loops (pyengine.engine.scheduler.prepare_batch /
+prepare_sampling); torch tensors are zero-copy views of them on CPU, one copy each on CUDA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pyengine.engine.scheduler import prepare_batch, prepare_sampling
+from pyengine.model.metadata import AttentionMetadata, KVCache
+from pyengine.ops.sampling import apply_penalties, sample
+
+
+@dataclass
+class StepResult:
+    token_ids: list[int]  # one per sampling sequence, in scheduler order
+    logprobs: list[float] | None = None  # sampled token's logprob per row
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], *, block_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 vocab_size: int, eos_ids: list[int], device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids)
+        T, S = max_num_batched_tokens, max_num_seqs
+        max_blocks = -(-max_model_len // block_size)
+        self.np = {
+            "input_ids": np.zeros(T, np.int64), "positions": np.zeros(T, np.int64),
+            "slot_mapping": np.zeros(T, np.int64), "seq_lens": np.zeros(S, np.int32),
+            "query_start_loc": np.zeros(S + 1, np.int32), "block_tables": np.zeros(S * max_blocks, np.int32),
+            "logits_indices": np.zeros(S, np.int64),
+            "temperature": np.zeros(S, np.float32), "top_k": np.zeros(S, np.int32),
+            "top_p": np.zeros(S, np.float32), "min_p": np.zeros(S, np.float32),
+            "seeds": np.zeros(S, np.int64), "steps": np.zeros(S, np.int64),
+        }
+        self.t = {k: torch.from_numpy(v) for k, v in self.np.items()}
+
+    def _dev(self, name: str, n: int) -> torch.Tensor:
+        t = self.t[name][:n]
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, out) -> StepResult | None:
+        """Run one SchedulerOutput; returns the sampled tokens (None if no sequence samples)."""
+        b = self.np
+        T, max_blocks, max_seq_len, nl = prepare_batch(
+            out, self.block_size, b["input_ids"], b["positions"], b["slot_mapping"], b["seq_lens"],
+            b["query_start_loc"], b["block_tables"], b["logits_indices"])
+        S = len(out.reqs)
+        bt = self.t["block_tables"][: S * max_blocks].view(S, max_blocks)
+        meta = AttentionMetadata(
+            slot_mapping=self._dev("slot_mapping", T),
+            block_tables=bt if self.device.type == "cpu" else bt.to(self.device, non_blocking=True),
+            seq_lens=self._dev("seq_lens", S), query_start_loc=self._dev("query_start_loc", S + 1),
+            max_seq_len=max_seq_len)
+        logits = self.model(self._dev("input_ids", T), self._dev("positions", T), self.kv_caches, meta,
+                            self._dev("logits_indices", nl))
+        if nl == 0:
+            return None
+        reqs = [r for r, s in zip(out.reqs, out.sampling) if s]
+        return self.sample(logits, reqs)
+
+    def sample(self, logits: torch.Tensor, reqs: list) -> StepResult:
+        b = self.np
+        n = len(reqs)
+        all_greedy, any_pen, max_lp = prepare_sampling(
+            reqs, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["steps"])
+        if any_pen:
+            self._apply_penalties(logits, reqs)
+        self._mask_min_tokens(logits, reqs)
+        if all_greedy and max_lp < 0:
+            return StepResult(logits.argmax(dim=-1).tolist())
+        res = sample(logits, self._dev("temperature", n), self._dev("top_k", n), self._dev("top_p", n),
+                     self._dev("min_p", n), self._dev("seeds", n), self._dev("steps", n),
+                     num_logprobs=max_lp if max_lp >= 0 else None)
+        result = StepResult(res.token_ids.tolist())
+        if max_lp >= 0:
+            result.logprobs = res.logprobs.tolist()
+            if max_lp > 0:
+                result.top_ids = res.top_ids.tolist()
+                result.top_logprobs = res.top_logprobs.tolist()
+        return result
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list) -> None:
+        prompt_parts, output_parts, pres, freq, rep = [], [], [], [], []
+        for r in reqs:
+            p = r.params
+            on = p.has_penalties
+            prompt_parts.append(r.prompt_token_ids if on and p.repetition_penalty != 1.0 else ())
+            output_parts.append(r.output_token_ids if on else ())
+            pres.append(p.presence_penalty)
+            freq.append(p.frequency_penalty)
+            rep.append(p.repetition_penalty)
+
+        def csr(parts):
+            lens = np.fromiter((len(x) for x in parts), np.int32, len(parts))
+            offsets = np.zeros(len(parts) + 1, np.int32)
+            np.cumsum(lens, out=offsets[1:])
+            flat = np.fromiter((t for x in parts for t in x), np.int32, int(offsets[-1]))
+            return torch.from_numpy(flat).to(self.device), torch.from_numpy(offsets).to(self.device)
+
+        pi, po = csr(prompt_parts)
+        oi, oo = csr(output_parts)
+        f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=self.device)  # noqa: E731
+        apply_penalties(logits, pi, po, oi, oo, f32(pres), f32(freq), f32(rep))
+
+    def _mask_min_tokens(self, logits: torch.Tensor, reqs: list) -> None:
+        """Below min_tokens, EOS and stop tokens cannot be sampled (vLLM semantics)."""
+        for i, r in enumerate(reqs):
+            p = r.params
+            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
+                if ids:
+                    logits[i, ids] = float("-inf")

@@ -1,0 +1,95 @@
+"""paged_attention: causal attention of a whole mixed step over the paged KV cache."""
+from __future__ import annotations
+
+import torch
+
+from pyengine.ops._common import check_tensor, cuda_stream, dtype_code, native
+
+ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
+
+
+def check_kv_cache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+    act_dtype: torch.dtype,
+    device: torch.device,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> tuple[int, int, int, int]:
+    """Validate a layer's cache (and scales); returns (num_blocks, num_kv_heads, block_size, head_dim)."""
+    check_tensor("k_cache", k_cache, dtypes=(act_dtype, *QUANT_DTYPES), shape=(None, num_kv_heads, None, head_dim),
+                 device=device)
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), device=device)
+    nb, kvh, bs, d = k_cache.shape
+    if k_cache.dtype in QUANT_DTYPES:
+        for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if s is None:
+                raise ValueError(f"{name} is required for a {str(k_cache.dtype).removeprefix('torch.')} cache")
+            check_tensor(name, s, dtypes=(torch.float32,), shape=(nb, kvh, bs), device=device)
+    elif k_scales is not None or v_scales is not None:
+        raise ValueError("k_scales/v_scales are only for fp8_e4m3fn/int8 caches")
+    return nb, kvh, bs, d
+
+
+def check_token_rows(name: str, t: torch.Tensor, heads: int, head_dim: int) -> None:
+    """[T, heads, head_dim] with heads and head_dim contiguous (any token stride)."""
+    if t.stride(2) != 1 or t.stride(1) != head_dim or (t.shape[0] > 1 and t.stride(0) < heads * head_dim):
+        raise ValueError(f"{name} must have contiguous [heads, head_dim] rows (call .contiguous() first)")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention for a mixed step of prompt chunks and decodes.
+
+    q [T, H, D] (fp32/bf16/fp16; a token-strided view such as a slice of a fused QKV output is fine);
+    k_cache/v_cache [num_blocks, KVH, block_size, D] in q's dtype, or fp8_e4m3fn/int8 with
+    k_scales/v_scales [num_blocks, KVH, block_size] fp32; block_tables [S, max_blocks] int32;
+    seq_lens [S] int32 (cache tokens including this step's); query_start_loc [S+1] int32.
+    Query token j of sequence s sits at position seq_lens[s] - q_len + j and sees positions <= its own.
+    max_seq_len: an upper bound on seq_lens (defaults to the block table's capacity).
+    Returns out [T, H, D] in q's dtype.
+    """
+    check_tensor("q", q, dtypes=ACT_DTYPES, ndim=3, contiguous=False)
+    device = q.device
+    T, H, D = q.shape
+    check_token_rows("q", q, H, D)
+    nb, kvh, bs, _ = check_kv_cache(k_cache, v_cache, k_scales, v_scales, q.dtype, device, head_dim=D)
+    if H % kvh != 0:
+        raise ValueError(f"q has {H} heads, which is not a multiple of the cache's {kvh} kv heads")
+    check_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=device)
+    S, max_blocks = block_tables.shape
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), shape=(S,), device=device)
+    check_tensor("query_start_loc", query_start_loc, dtypes=(torch.int32,), shape=(S + 1,), device=device)
+    if not isinstance(scale, (float, int)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if max_seq_len is None:
+        max_seq_len = max_blocks * bs
+    if out is None:
+        out = torch.empty((T, H, D), dtype=q.dtype, device=device)
+    else:
+        check_tensor("out", out, dtypes=(q.dtype,), shape=(T, H, D), device=device)
+    if T == 0:
+        return out
+    native(device).paged_attention(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_scales.data_ptr() if k_scales is not None else 0, v_scales.data_ptr() if v_scales is not None else 0,
+        block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
+        T, H, kvh, D, q.stride(0), nb, bs, S, max_blocks, int(max_seq_len), float(scale),
+        dtype_code(q), dtype_code(k_cache), cuda_stream(device),
+    )
+    return out

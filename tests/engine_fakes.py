@@ -1,0 +1,76 @@
+"""Stand-ins that drive the real Engine without a real model (fast plumbing tests).
+
+PagedEchoModel writes each token id (K) and position (V) into its KV-cache slot and predicts the
+next token from the whole context read back through the block tables: any error in slot mapping,
+block tables, prefix-cache reuse or preemption changes the output.
+"""
+from __future__ import annotations
+
+import torch
+
+from pyengine.config import EngineConfig, ModelConfig
+from pyengine.engine.engine import Engine
+
+VOCAB = 500
+EOS = 2
+
+
+def next_token(ctx: list[int]) -> int:
+    h = sum((i + 1) * t for i, t in enumerate(ctx)) * 31 + len(ctx)
+    return 3 + h % (VOCAB - 3)
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    toks = list(prompt)
+    for _ in range(max_tokens):
+        toks.append(next_token(toks))
+    return toks[len(prompt):]
+
+
+class PagedEchoModel(torch.nn.Module):
+    def forward(self, input_ids, positions, kv_caches, meta, logits_indices):
+        kv = kv_caches[0]
+        bs = kv.k.shape[2]
+        slots = meta.slot_mapping
+        kv.k.view(-1)[slots] = input_ids.float()
+        kv.v.view(-1)[slots] = positions.float()
+        qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        assert len(seq_lens) == meta.block_tables.shape[0] and max(seq_lens) == meta.max_seq_len
+        last_row = {qsl[s + 1] - 1: s for s in range(len(seq_lens))}
+        logits = torch.full((len(logits_indices), VOCAB), -30.0)
+        for i, idx in enumerate(logits_indices.tolist()):
+            s = last_row[idx]
+            n = seq_lens[s]
+            blocks = meta.block_tables[s, : -(-n // bs)].long()
+            ctx = kv.k[blocks].reshape(-1)[:n].long().tolist()
+            assert kv.v[blocks].reshape(-1)[:n].long().tolist() == list(range(n)), "positions/slots mismatch"
+            nxt = next_token(ctx)
+            logits[i] = -0.5 * (torch.arange(VOCAB) - nxt).abs().float()
+            logits[i, nxt] = 5.0
+        return logits
+
+
+class FakeTokenizer:
+    eos_token_ids = [EOS]
+    bos_token_id = 1
+    vocab_size = VOCAB
+    all_special_ids = {0, 1, 2}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [3 + ord(c) % (VOCAB - 3) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(97 + i % 26) if i > 2 else ("" if skip_special_tokens else "<s>") for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        return "|".join(m["content"] for m in messages) + (">" if add_generation_prompt else "")
+
+
+def fake_engine(kv_tokens: int = 4096, **config) -> Engine:
+    cfg = ModelConfig(architecture="PagedEcho", vocab_size=VOCAB, hidden_size=1, intermediate_size=1,
+                      num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=1,
+                      max_position_embeddings=8192, eos_token_ids=[EOS])
+    block_size = config.get("block_size", 16)
+    config.setdefault("kv_cache_memory", kv_tokens * 8 + block_size * 8 - 1)  # 8 bytes per token
+    config.setdefault("dtype", "float32")
+    return Engine(EngineConfig(**config), parts=(cfg, PagedEchoModel(), FakeTokenizer(), "paged-echo"))

@@ -1,0 +1,171 @@
+"""Helpers other test files may import: the default model, tiny HF checkpoints, a one-sequence runner."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pyengine.config import ModelConfig
+from pyengine.model.loader import default_model_path  # noqa: F401  (re-exported for other tests)
+from pyengine.model.metadata import AttentionMetadata, allocate_kv_caches
+
+TINY_ARCHS = ("llama", "llama_tied", "llama3_rope", "mistral", "qwen2")
+
+
+def write_tiny_checkpoint(folder: str, kind: str = "llama", seed: int = 0, vocab_size: int = 256) -> str:
+    """A random-weight HF checkpoint (config.json + model.safetensors) written by transformers.
+
+    kind: llama (untied, GQA 4:2), llama_tied, llama3_rope (rope_scaling llama3), mistral (GQA 4:1),
+    qwen2 (QKV bias, GQA 6:2, head_dim 8). Weights are scaled up so logits are not all ~0.
+    """
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    if kind in ("llama", "llama_tied"):
+        config = tf.LlamaConfig(**common, tie_word_embeddings=kind == "llama_tied", rope_theta=500.0)
+        cls = tf.LlamaForCausalLM
+    elif kind == "llama3_rope":
+        config = tf.LlamaConfig(**common, rope_theta=10000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})
+        cls = tf.LlamaForCausalLM
+    elif kind == "mistral":
+        config = tf.MistralConfig(**{**common, "num_key_value_heads": 1}, sliding_window=None)
+        cls = tf.MistralForCausalLM
+    elif kind == "qwen2":
+        config = tf.Qwen2Config(**{**common, "num_attention_heads": 6, "num_key_value_heads": 2})
+        cls = tf.Qwen2ForCausalLM
+    else:
+        raise ValueError(f"unknown tiny checkpoint kind {kind!r}; one of {TINY_ARCHS}")
+    torch.manual_seed(seed)
+    model = cls(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.5 if "bias" in name else 0.15))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def step_metadata(block_table: torch.Tensor, block_size: int, start: int, length: int) -> AttentionMetadata:
+    """Metadata for one sequence computing tokens [start, start+length) over `block_table` [max_blocks]."""
+    pos = torch.arange(start, start + length)
+    slots = block_table.long()[pos // block_size] * block_size + pos % block_size
+    return AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=block_table[None].to(torch.int32).contiguous(),
+        seq_lens=torch.tensor([start + length], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, length], dtype=torch.int32),
+        max_seq_len=start + length,
+    )
+
+
+class SequenceRunner:
+    """Run one sequence through a model: prompt (optionally in chunks) then decode steps, over a paged
+    cache whose block table is a shuffled permutation (so paging bugs cannot hide)."""
+
+    def __init__(self, model, cfg: ModelConfig, max_tokens: int, block_size: int = 16,
+                 cache_dtype: torch.dtype | None = None):
+        self.model, self.cfg, self.block_size = model, cfg, block_size
+        nb = (max_tokens + block_size - 1) // block_size + 1
+        self.caches = allocate_kv_caches(cfg, nb + 2, block_size, cache_dtype or model.dtype, "cpu")
+        self.block_table = torch.randperm(nb + 2, generator=torch.Generator().manual_seed(0))[:nb].to(torch.int32)
+        self.length = 0
+
+    def step(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Compute `ids` (appended to the sequence): logits [V] fp32 of the last one ([n, V] if all_logits)."""
+        n = len(ids)
+        meta = step_metadata(self.block_table, self.block_size, self.length, n)
+        rows = torch.arange(n) if all_logits else torch.tensor([n - 1])
+        out = self.model(torch.tensor(ids, dtype=torch.int64), torch.arange(self.length, self.length + n),
+                         self.caches, meta, rows)
+        self.length += n
+        return out if all_logits else out[0]
+
+    def prefill(self, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+        chunk = chunk or len(ids)
+        for i in range(0, len(ids), chunk):
+            logits = self.step(ids[i : i + chunk])
+        return logits
+
+    def greedy(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset()):
+        """(generated ids, first-step logits): greedy decoding one token per step."""
+        first = logits = self.prefill(prompt)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            tok = int(torch.argmax(logits))
+            out.append(tok)
+            if tok in stop_ids or len(out) == max_new_tokens:
+                break
+            logits = self.step([tok])
+        return out, first
+
+
+def gguf_folder_and_name(path: str | None = None) -> tuple[str, str]:
+    path = path or default_model_path()
+    return os.path.dirname(path), os.path.basename(path)
+
+
+def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp convert_hf_to_gguf.py's Q/K row permutation (what our loader must undo)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: str, hf_folder: str, types: dict[str, str] | None = None) -> str:
+    """Convert a tiny HF Llama checkpoint (write_tiny_checkpoint) to GGUF the way llama.cpp does.
+
+    types: GGUF tensor-name substring -> "F32" | "F16" | "BF16" (default F32); floats only, so the file
+    holds exactly the HF weights rounded to that type. Tokenizer metadata is a dummy byte vocabulary.
+    """
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    with open(os.path.join(hf_folder, "config.json")) as f:
+        c = json.load(f)
+    sd = load_file(os.path.join(hf_folder, "model.safetensors"))
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
+    w.add_vocab_size(c["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(c["vocab_size"])])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    for name, t in sd.items():
+        parts = name.split(".")
+        if parts[1] == "layers":
+            from pyengine.model.gguf import _LAYER_NAMES
+
+            inv = {v: k for k, v in _LAYER_NAMES.items()}
+            gname = f"blk.{parts[2]}.{inv['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            gname = f"{names[parts[-2] if parts[0] == 'model' else parts[0]]}.weight"
+        if ".attn_q." in gname:
+            t = _llama_cpp_permute(t, c["num_attention_heads"])
+        elif ".attn_k." in gname:
+            t = _llama_cpp_permute(t, c["num_key_value_heads"])
+        kind = next((v for k, v in (types or {}).items() if k in gname), "F32")
+        if kind == "BF16":
+            raw = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
+            w.add_tensor(gname, raw, raw_shape=list(raw.shape), raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            w.add_tensor(gname, t.numpy().astype(np.float16 if kind == "F16" else np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

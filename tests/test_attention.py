@@ -1,0 +1,177 @@
+"""paged_attention against a plain torch reference (gather the paged cache, masked softmax)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pyengine import _C
+from pyengine.ops.attention import paged_attention
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def reference(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, k_scales=None, v_scales=None):
+    """Dense causal attention per sequence over the gathered (dequantized) cache, in fp32."""
+    T, H, D = q.shape
+    kvh, bs = k_cache.shape[1], k_cache.shape[2]
+    kf, vf = k_cache.float(), v_cache.float()
+    if k_scales is not None:
+        kf, vf = kf * k_scales[..., None], vf * v_scales[..., None]
+    out = torch.zeros(T, H, D)
+    for s in range(len(seq_lens)):
+        L, q0, q1 = int(seq_lens[s]), int(qsl[s]), int(qsl[s + 1])
+        if q1 == q0:
+            continue
+        blocks = block_tables[s, : (L + bs - 1) // bs].long()
+        k = kf[blocks].permute(1, 0, 2, 3).reshape(kvh, -1, D)[:, :L].repeat_interleave(H // kvh, 0)
+        v = vf[blocks].permute(1, 0, 2, 3).reshape(kvh, -1, D)[:, :L].repeat_interleave(H // kvh, 0)
+        scores = q[q0:q1].float().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, q_len, L]
+        pos = L - (q1 - q0) + torch.arange(q1 - q0)
+        scores.masked_fill_(torch.arange(L)[None, :] > pos[:, None], float("-inf"))
+        out[q0:q1] = (scores.softmax(-1) @ v).transpose(0, 1)
+    return out
+
+
+def make_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, *, cache_dtype=None, seed=0):
+    """specs: [(seq_len, q_len)]. Blocks are shuffled; unused block-table entries hold an invalid id."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [(L + block_size - 1) // block_size for L, _ in specs]
+    num_blocks = sum(nblocks) + 3
+    perm = torch.randperm(num_blocks, generator=g).int()
+    block_tables = torch.full((len(specs), max(nblocks) + 1), 10**6, dtype=torch.int32)
+    i = 0
+    for s, n in enumerate(nblocks):
+        block_tables[s, :n] = perm[i : i + n]
+        i += n
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    seq_lens = torch.tensor([L for L, _ in specs], dtype=torch.int32)
+    qsl = torch.tensor([0] + [q for _, q in specs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=g).to(dtype)
+    scales = None
+    if cache_dtype is not None:  # quantize the random cache per (block, head, token) row
+        qmax = 448.0 if cache_dtype == torch.float8_e4m3fn else 127.0
+        scales = []
+        caches = []
+        for c in (k_cache, v_cache):
+            s = c.float().abs().amax(-1) / qmax
+            x = c.float() / s[..., None]
+            caches.append(x.to(cache_dtype) if cache_dtype == torch.float8_e4m3fn else x.round().to(torch.int8))
+            scales.append(s)
+        k_cache, v_cache = caches
+    return q, k_cache, v_cache, block_tables, seq_lens, qsl, scales
+
+
+# A mixed step: decodes (one at 3000 tokens), a full prompt, prompt chunks with partial last blocks,
+# a chunk ending exactly on a block boundary, and a sequence with no query this step.
+MIXED = [(1, 1), (17, 17), (50, 1), (3000, 1), (300, 37), (48, 16), (33, 5), (10, 0), (129, 1)]
+
+
+@pytest.mark.parametrize(
+    "gqa,kv_heads,head_dim,block_size,dtype",
+    [
+        (1, 2, 64, 16, torch.float32),
+        (3, 3, 64, 16, torch.bfloat16),  # the default model's shape
+        (8, 1, 128, 32, torch.float32),
+        (8, 2, 128, 8, torch.bfloat16),
+        (3, 1, 80, 8, torch.float32),  # generic head_dim
+        (3, 2, 64, 32, torch.float16),
+    ],
+)
+def test_mixed_step_matches_reference(gqa, kv_heads, head_dim, block_size, dtype):
+    q, kc, vc, bt, sl, qsl, _ = make_batch(MIXED, gqa * kv_heads, kv_heads, head_dim, block_size, dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    out = paged_attention(q, kc, vc, bt, sl, qsl, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, scale), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [(3000, 1)],  # one long decode: split over the kv range
+        [(2100, 1), (700, 1)],  # two decodes of different lengths
+        [(520, 16), (5, 1)],  # a prompt tile straddling a split boundary (some rows see nothing in a split)
+    ],
+)
+def test_long_context_split_path(specs):
+    threads = _C.num_threads()
+    _C.set_num_threads(2)  # splits need > 1 thread
+    try:
+        q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=1)
+        out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125, max_seq_len=int(sl.max()))
+    finally:
+        _C.set_num_threads(threads)
+    torch.testing.assert_close(out, reference(q, kc, vc, bt, sl, qsl, 0.125), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_cache_matches_dequantized_reference(cache_dtype, dtype):
+    specs = [(1, 1), (200, 20), (1000, 1), (64, 3)]
+    q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(specs, 6, 2, 64, 16, dtype, cache_dtype=cache_dtype, seed=2)
+    out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125, k_scales=ks, v_scales=vs)
+    ref = reference(q, kc, vc, bt, sl, qsl, 0.125, ks, vs)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_strided_q_and_out_buffer():
+    q, kc, vc, bt, sl, qsl, _ = make_batch([(40, 7), (9, 1)], 4, 2, 64, 8, torch.float32, seed=3)
+    qkv = torch.cat([q.reshape(8, -1), torch.randn(8, 2 * 2 * 64)], dim=1)  # a fused QKV output
+    q_view = qkv[:, : 4 * 64].view(8, 4, 64)
+    out = torch.full_like(q, float("nan"))
+    assert paged_attention(q_view, kc, vc, bt, sl, qsl, 0.3, out=out) is out
+    torch.testing.assert_close(out, reference(q, kc, vc, bt, sl, qsl, 0.3), atol=2e-5, rtol=2e-5)
+
+
+def good_args():
+    q, kc, vc, bt, sl, qsl, _ = make_batch([(20, 4), (7, 1)], 4, 2, 64, 16, torch.float32)
+    return dict(q=q, k_cache=kc, v_cache=vc, block_tables=bt, seq_lens=sl, query_start_loc=qsl, scale=0.125)
+
+
+def _with(**changes):
+    args = good_args()
+    args.update({k: (v(args) if callable(v) else v) for k, v in changes.items()})
+    return args
+
+
+@pytest.mark.parametrize(
+    "changes,exc,match",
+    [
+        (dict(q=lambda a: a["q"].double()), TypeError, "q has dtype float64"),
+        (dict(q=lambda a: a["q"][:, :, :32].contiguous()), ValueError, "k_cache must have shape"),
+        (dict(q=lambda a: a["q"][:, :, :32]), ValueError, "q must have contiguous"),
+        (dict(q=lambda a: a["q"].transpose(0, 1).contiguous().transpose(0, 1)), ValueError, "q must have contiguous"),
+        (dict(q=lambda a: a["q"][:, :3]), ValueError, "not a multiple"),
+        (dict(k_cache=lambda a: a["k_cache"].bfloat16()), TypeError, "k_cache has dtype"),
+        (dict(v_cache=lambda a: a["v_cache"][:, :, :8]), ValueError, "v_cache must have shape"),
+        (dict(k_cache=lambda a: a["k_cache"].transpose(1, 2)), ValueError, "k_cache must"),
+        (dict(k_cache=lambda a: a["k_cache"].to(torch.int8), v_cache=lambda a: a["v_cache"].to(torch.int8)),
+         ValueError, "k_scales is required"),
+        (dict(block_tables=lambda a: a["block_tables"].long()), TypeError, "block_tables has dtype"),
+        (dict(seq_lens=lambda a: a["seq_lens"][:1]), ValueError, "seq_lens must have shape"),
+        (dict(query_start_loc=lambda a: a["query_start_loc"][:2]), ValueError, "query_start_loc must have shape"),
+        (dict(seq_lens=torch.tensor([2, 7], dtype=torch.int32)), ValueError, "query length"),
+        (dict(seq_lens=torch.tensor([20, 99], dtype=torch.int32)), ValueError, "exceeds"),
+        (dict(query_start_loc=torch.tensor([0, 4, 6], dtype=torch.int32)), ValueError, "end at num_tokens"),
+        (dict(block_tables=lambda a: a["block_tables"].fill_(-1)), ValueError, "block_tables\\[0, 0\\] = -1"),
+        (dict(q=lambda a: a["q"].to("meta")), ValueError, "k_cache is on cpu but the other arguments are on meta"),
+        (dict(k_cache=lambda a: a["k_cache"].to("meta")), ValueError, "k_cache is on meta"),
+        (dict(scale="0.1"), TypeError, "scale must be a float"),
+        (dict(q=[1.0]), TypeError, "q must be a torch.Tensor"),
+    ],
+)
+def test_bad_arguments_raise(changes, exc, match):
+    with pytest.raises(exc, match=match):
+        paged_attention(**_with(**changes))
+
+
+def test_bad_out_and_scales():
+    args = good_args()
+    with pytest.raises(TypeError, match="out has dtype"):
+        paged_attention(**args, out=torch.empty(args["q"].shape, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="only for fp8_e4m3fn/int8"):
+        paged_attention(**args, k_scales=torch.ones(3), v_scales=torch.ones(3))

@@ -1,0 +1,147 @@
+"""reshape_and_cache (plain and quantized) and the fp8/int8 codecs, against torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyengine.ops.attention import paged_attention
+from pyengine.ops.cache import reshape_and_cache
+
+QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+
+
+def make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, quant=False):
+    k = torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
+    v = torch.zeros_like(k)
+    if not quant:
+        return k, v, None, None
+    s = torch.full((num_blocks, kv_heads, block_size), -1.0)
+    return k, v, s, s.clone()
+
+
+def cache_rows(cache, slots, block_size):
+    """[T, KVH, D] rows of `cache` at the given slots."""
+    return cache[slots // block_size, :, slots % block_size]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_writes_rows_and_skips_minus_one(dtype):
+    T, kvh, D, bs, nb = 12, 3, 64, 16, 5
+    key, value = torch.randn(T, kvh, D).to(dtype), torch.randn(T, kvh, D).to(dtype)
+    slots = torch.randperm(nb * bs)[:T]
+    slots[[2, 7]] = -1
+    kc, vc, _, _ = make_cache(nb, kvh, bs, D, dtype)
+    reshape_and_cache(key, value, kc, vc, slots)
+    keep = slots >= 0
+    assert torch.equal(cache_rows(kc, slots[keep], bs), key[keep])
+    assert torch.equal(cache_rows(vc, slots[keep], bs), value[keep])
+    assert int((kc != 0).any(-1).sum()) == int(keep.sum()) * kvh  # nothing else written
+
+
+def test_strided_key_value_views():
+    T, kvh, D, bs = 6, 2, 32, 8
+    qkv = torch.randn(T, (4 + 2 * kvh) * D)
+    key = qkv[:, 4 * D : (4 + kvh) * D].view(T, kvh, D)
+    value = qkv[:, (4 + kvh) * D :].view(T, kvh, D)
+    slots = torch.arange(T, dtype=torch.int64) + 3
+    kc, vc, _, _ = make_cache(2, kvh, bs, D, torch.float32)
+    reshape_and_cache(key, value, kc, vc, slots)
+    assert torch.equal(cache_rows(kc, slots, bs), key) and torch.equal(cache_rows(vc, slots, bs), value)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_write_scales_and_error_bound(cache_dtype, dtype):
+    T, kvh, D, bs, nb = 40, 2, 128, 16, 4
+    key = (torch.randn(T, kvh, D) * torch.logspace(-3, 3, T)[:, None, None]).to(dtype)  # wide dynamic range
+    key[5] = 0  # all-zero rows: scale 0, values 0
+    value = torch.randn(T, kvh, D).to(dtype)
+    slots = torch.randperm(nb * bs)[:T]
+    slots[9] = -1
+    kc, vc, ks, vs = make_cache(nb, kvh, bs, D, cache_dtype, quant=True)
+    reshape_and_cache(key, value, kc, vc, slots, k_scales=ks, v_scales=vs)
+    keep = slots >= 0
+    for x, c, s in ((key, kc, ks), (value, vc, vs)):
+        x = x[keep].float()
+        stored, scale = cache_rows(c, slots[keep], bs), s[slots[keep] // bs, :, slots[keep] % bs]
+        torch.testing.assert_close(scale, x.abs().amax(-1) / QMAX[cache_dtype], rtol=0, atol=0)
+        deq = stored.float() * scale[..., None]
+        if cache_dtype == torch.int8:
+            bound = scale[..., None] / 2  # half a step
+        else:  # half an ulp: relative 2^-4 for normals, 2^-10 (x scale) in the subnormal range
+            bound = torch.maximum(x.abs() * 2.0**-4, scale[..., None] * 2.0**-10)
+        assert ((deq - x).abs() <= bound * (1 + 1e-4)).all()  # slack: fp32 rounding of q * scale
+        # exactly the codes torch's own rounding gives for x / scale
+        y = torch.where(scale[..., None] > 0, x / scale[..., None], torch.zeros_like(x))
+        want = y.to(cache_dtype) if cache_dtype == torch.float8_e4m3fn else y.round().to(torch.int8)
+        assert torch.equal(stored.view(torch.int8), want.view(torch.int8))
+    assert (ks[slots[9] // bs, :, slots[9] % bs] == -1).all() if slots[9] >= 0 else True
+    assert int((ks != -1).sum()) == int(keep.sum()) * kvh  # only written rows got scales
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_quantized_cache_end_to_end(cache_dtype):
+    """reshape_and_cache then paged_attention stays close to attention over the unquantized K/V."""
+    kvh, H, D, bs, L = 2, 6, 64, 16, 100
+    key, value, q = torch.randn(L, kvh, D), torch.randn(L, kvh, D), torch.randn(1, H, D)
+    kc, vc, ks, vs = make_cache(8, kvh, bs, D, cache_dtype, quant=True)
+    reshape_and_cache(key, value, kc, vc, torch.arange(L), k_scales=ks, v_scales=vs)
+    bt = torch.arange(8, dtype=torch.int32)[None]
+    out = paged_attention(q, kc, vc, bt, torch.tensor([L], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                          0.125, k_scales=ks, v_scales=vs)
+    k, v = key.repeat_interleave(H // kvh, 1).transpose(0, 1), value.repeat_interleave(H // kvh, 1).transpose(0, 1)
+    ref = ((q.transpose(0, 1) @ k.transpose(1, 2) * 0.125).softmax(-1) @ v).transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=0.05, rtol=0.05)
+
+
+def test_fp8_codec_matches_torch_on_every_code():
+    """Decoding all 254 finite e4m3 codes through the cache path reproduces torch's fp8 values."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # drop the NaN codes
+    values = codes.float()  # exact in fp32
+    # a row of exactly representable values quantizes to itself when its absmax is 448
+    n = values.numel()
+    key = values.view(1, 1, n)
+    kc, vc, ks, vs = make_cache(1, 1, 1, n, torch.float8_e4m3fn, quant=True)
+    reshape_and_cache(key, key, kc, vc, torch.zeros(1, dtype=torch.int64), k_scales=ks, v_scales=vs)
+    assert float(ks) == 1.0
+    assert torch.equal(kc.view(-1).float(), values)
+
+
+def good_args():
+    kc, vc, _, _ = make_cache(2, 2, 8, 16, torch.float32)
+    return dict(key=torch.randn(3, 2, 16), value=torch.randn(3, 2, 16), k_cache=kc, v_cache=vc,
+                slot_mapping=torch.tensor([0, -1, 15]))
+
+
+@pytest.mark.parametrize(
+    "changes,exc,match",
+    [
+        (dict(slot_mapping=torch.tensor([0, 1, 16])), ValueError, r"slot_mapping\[2\] = 16 is outside \[-1, 16\)"),
+        (dict(slot_mapping=torch.tensor([0, -2, 1])), ValueError, "is outside"),
+        (dict(slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int32)), TypeError, "slot_mapping has dtype"),
+        (dict(slot_mapping=torch.tensor([0, 1])), ValueError, "slot_mapping must have shape"),
+        (dict(key=torch.randn(3, 2, 16).double()), TypeError, "key has dtype"),
+        (dict(value=torch.randn(3, 2, 16).bfloat16()), TypeError, "value has dtype"),
+        (dict(key=torch.randn(3, 3, 16)), ValueError, "value must have shape"),
+        (dict(key=torch.randn(3, 16, 2).transpose(1, 2)), ValueError, "key must have contiguous"),
+        (dict(k_cache=torch.zeros(2, 2, 8, 16, dtype=torch.bfloat16)), TypeError, "k_cache has dtype"),
+        (dict(v_cache=torch.zeros(2, 2, 4, 16)), ValueError, "v_cache must have shape"),
+        (dict(k_cache=torch.zeros(2, 2, 8, 16, dtype=torch.int8), v_cache=torch.zeros(2, 2, 8, 16, dtype=torch.int8)),
+         ValueError, "k_scales is required"),
+        (dict(k_cache=torch.zeros(2, 2, 8, 16, device="meta")), ValueError, "k_cache is on meta"),
+    ],
+)
+def test_bad_arguments_raise(changes, exc, match):
+    args = good_args()
+    args.update(changes)
+    with pytest.raises(exc, match=match):
+        reshape_and_cache(**args)
+
+
+def test_bad_slot_writes_nothing():
+    args = good_args()
+    args["slot_mapping"] = torch.tensor([0, 1, 99])
+    with pytest.raises(ValueError):
+        reshape_and_cache(**args)
+    assert not args["k_cache"].any()

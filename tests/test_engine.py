@@ -1,0 +1,285 @@
+"""Engine end to end. Part 1: plumbing with the PagedEcho stand-in (tests/engine_fakes.py), where
+the next token depends on the whole context as read back from the paged KV cache. Part 2: the real
+default model (fp32, greedy)."""
+import random
+
+import pytest
+
+from pyengine.engine.request import RequestStatus
+from pyengine.llm import LLM
+from pyengine.sampling_params import SamplingParams
+
+from engine_fakes import EOS, fake_engine, reference
+
+GREEDY = dict(temperature=0.0)
+
+
+def run(engine, prompts, params):
+    llm = LLM.from_engine(engine)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def prompts_of(lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+
+
+def assert_all_free(engine):
+    assert engine.pool.num_free == engine.pool.num_blocks
+    assert not engine.scheduler.running and engine.scheduler.num_waiting == 0 and not engine.groups
+
+
+def test_fake_mixed_batch_matches_reference():
+    engine = fake_engine(max_num_batched_tokens=64, max_num_seqs=16)
+    prompts = prompts_of([1, 5, 17, 33, 64, 100, 3, 16, 15, 47, 80, 2] * 2)
+    outs = run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))
+    assert outs == [reference(p, 12) for p in prompts]
+    assert_all_free(engine)
+
+
+def test_fake_preemption_same_output_and_counted():
+    prompts = prompts_of([40, 33, 50, 21, 60, 45], seed=1)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    engine = fake_engine(kv_tokens=160, block_size=8, max_num_batched_tokens=64)
+    outs = run(engine, prompts, params)
+    assert outs == [reference(p, 40) for p in prompts]
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.metrics.preemptions._value.get() == engine.scheduler.num_preemptions
+    assert_all_free(engine)
+
+
+def test_fake_prefix_caching_and_chunked_prefill():
+    shared = prompts_of([500], seed=2)[0]
+    a, b = shared + [7, 8, 9], shared + [10, 11]
+    engine = fake_engine(max_num_batched_tokens=128)
+    llm = LLM.from_engine(engine)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    llm.generate([a], params, use_tqdm=False)
+    out = llm.generate([b], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference(b, 8)
+    assert out.metrics.num_cached_tokens == 496  # 31 full blocks of 16
+    req_computed = engine.pool.hit_tokens
+    assert req_computed == 496
+    assert_all_free(engine)
+
+
+def test_fake_aborts_and_finishes_leave_pool_free():
+    engine = fake_engine(kv_tokens=160, block_size=8, max_num_batched_tokens=32, max_num_seqs=6)
+    prompts = prompts_of([30, 12, 50, 9, 41, 25, 17, 60], seed=3)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=30, **GREEDY))
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        if steps in (3, 7, 12):
+            engine.queue_abort(str(steps % 8))
+        if steps == 5:
+            out = engine.abort_request("5")
+            assert out.finished and out.outputs[0].finish_reason == "abort"
+        engine.step()
+    assert engine.scheduler.num_preemptions > 0
+    assert_all_free(engine)
+
+
+def test_fake_stop_reasons_and_n():
+    engine = fake_engine()
+    prompt = prompts_of([10], seed=4)[0]
+    ref = reference(prompt, 20)
+    llm = LLM.from_engine(engine)
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=[ref[4]], **GREEDY), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.token_ids == ref[:5] and c.finish_reason == "stop" and c.stop_reason == ref[4]
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and out.finished
+    out = llm.generate([prompt], SamplingParams(n=3, max_tokens=5, seed=7, temperature=1.0), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2] and all(len(c.token_ids) == 5 for c in out.outputs)
+    assert_all_free(engine)
+
+
+def test_fake_n_children_share_prompt_blocks():
+    engine = fake_engine()
+    prompt = prompts_of([100], seed=6)[0]
+    llm = LLM.from_engine(engine)
+    hits0 = engine.pool.hit_tokens
+    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=6, seed=1, temperature=5.0), use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct streams
+    assert engine.pool.hit_tokens - hits0 == 3 * 96  # children 1..3 reused the 6 full prompt blocks
+    engine.add_request("ab", prompt, SamplingParams(n=3, max_tokens=50))
+    engine.step()
+    engine.abort_request("ab")  # children 1, 2 were still deferred
+    assert_all_free(engine)
+
+
+def test_fake_seeded_sampling_alone_equals_batched():
+    engine = fake_engine(max_num_batched_tokens=64)
+    llm = LLM.from_engine(engine)
+    prompts = prompts_of([9, 30, 4, 22], seed=5)
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=100 + i) for i in range(4)]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert together == alone
+
+
+def test_prompt_rejected_with_numbers():
+    engine = fake_engine(kv_tokens=64, max_model_len=100)
+    with pytest.raises(ValueError, match="100 tokens; this model's maximum context length is 100"):
+        engine.add_request("x", [5] * 100, SamplingParams())
+    with pytest.raises(ValueError, match="KV cache holds only 64 tokens"):
+        engine.add_request("y", [5] * 80, SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("z", [], SamplingParams())
+    assert not engine.has_unfinished()
+
+
+# ---- Part 2: the real default model, fp32 ------------------------------------------------------
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+        "combined movable metal type, oil-based ink and a wooden press adapted from wine making. "
+        "Books became cheaper, literacy spread across Europe, and ideas travelled faster than ever. ")
+
+
+@pytest.fixture(scope="module")
+def real_parts():
+    import torch
+
+    from pyengine.model.loader import load_model, resolve_model_path
+    from pyengine.tokenizer import Tokenizer
+
+    path = resolve_model_path(None)
+    cfg, model = load_model(path, torch.float32, torch.device("cpu"))
+    return cfg, model, Tokenizer.from_model_path(path), "smollm2-135m"
+
+
+def real_llm(parts, kv_tokens=4096, **config):
+    from pyengine.config import EngineConfig
+    from pyengine.engine.engine import Engine
+    from pyengine.model.metadata import kv_bytes_per_token
+    import torch
+
+    config.setdefault("dtype", "float32")
+    config["kv_cache_memory"] = kv_tokens * kv_bytes_per_token(parts[0], torch.float32)
+    return LLM.from_engine(Engine(EngineConfig(**config), parts=parts))
+
+
+def text_ids(tok, n, offset=0):
+    ids = tok.encode(TEXT * (1 + (n + offset) // 40), add_special_tokens=False)
+    return ids[offset:offset + n]
+
+
+def greedy_tokens(llm, prompts, max_tokens):
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_same_or_tie(llm_alone, prompts, got, want, tol=2e-3):
+    """Equal greedy tokens, or the first difference is a floating-point tie: at that position the
+    top-2 logprobs (= logit gap) of the alone run differ by less than tol."""
+    for p, g, w in zip(prompts, got, want):
+        if g == w:
+            continue
+        k = next(i for i, (a, b) in enumerate(zip(g, w)) if a != b)
+        out = llm_alone.generate([p + w[:k]], SamplingParams(max_tokens=1, temperature=0.0, logprobs=2),
+                                 use_tqdm=False)[0].outputs[0]
+        top = out.logprobs[0].top
+        gap = top[0][1] - top[1][1]
+        assert {top[0][0], top[1][0]} == {g[k], w[k]} and gap < tol, f"mismatch at {k} is not a tie (gap {gap})"
+
+
+def test_real_64_mixed_prompts_batch_equals_alone(real_parts):
+    tok = real_parts[2]
+    rng = random.Random(0)
+    prompts = [text_ids(tok, rng.randint(3, 60), offset=rng.randint(0, 60)) for _ in range(64)]
+    batched = real_llm(real_parts, max_num_seqs=64, max_num_batched_tokens=1024)
+    got = greedy_tokens(batched, prompts, 6)
+    alone = real_llm(real_parts, max_num_seqs=1)
+    want = greedy_tokens(alone, prompts, 6)
+    assert_same_or_tie(alone, prompts, got, want)
+    assert sum(g == w for g, w in zip(got, want)) >= 62
+    assert_all_free(batched.engine)
+
+
+def test_real_prefix_caching_computes_only_suffix(real_parts):
+    tok = real_parts[2]
+    shared = text_ids(tok, 500)
+    a = shared + tok.encode(" Question: who invented it?", add_special_tokens=False)
+    b = shared + tok.encode(" In one word, the topic is", add_special_tokens=False)
+    cached = real_llm(real_parts)
+    greedy_tokens(cached, [a], 4)
+    before = cached.engine.stats().num_computed_tokens
+    got = greedy_tokens(cached, [b], 6)
+    computed = cached.engine.stats().num_computed_tokens - before
+    hit = 496  # 31 full blocks of 16 from the shared 500 tokens
+    assert computed == (len(b) - hit) + 5  # the suffix, then 5 decode steps
+    plain = real_llm(real_parts, enable_prefix_caching=False)
+    assert got == greedy_tokens(plain, [b], 6)
+    assert_all_free(cached.engine)
+
+
+def test_real_preemption_same_outputs(real_parts):
+    tok = real_parts[2]
+    prompts = [text_ids(tok, 40 + 7 * i, offset=5 * i) for i in range(8)]
+    big = real_llm(real_parts, max_num_seqs=8)
+    want = greedy_tokens(big, prompts, 24)
+    small = real_llm(real_parts, kv_tokens=256, max_num_seqs=8)
+    got = greedy_tokens(small, prompts, 24)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert_same_or_tie(big, prompts, got, want)
+    assert_all_free(small.engine)
+
+
+def test_real_chunked_prefill_with_concurrent_decodes(real_parts):
+    tok = real_parts[2]
+    long = text_ids(tok, 3000)
+    shorts = [text_ids(tok, 6, offset=i * 9) for i in range(3)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    whole = real_llm(real_parts, kv_tokens=3200, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    want = greedy_tokens(whole, [long], 4)[0]
+
+    chunked = real_llm(real_parts, kv_tokens=3200, max_num_batched_tokens=256, enable_prefix_caching=False)
+    engine = chunked.engine
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for i, s in enumerate(shorts):
+        engine.add_request(f"s{i}", s, sp)
+    engine.step()  # the short prompts prefill
+    engine.add_request("long", long, params)
+    long_tokens, steps_with_prefill = [], 0
+    while engine.has_unfinished():
+        outs = {o.request_id: o for o in engine.step()}
+        req = engine.groups.get("long")
+        if req is not None and req.children[0].num_output_tokens == 0:
+            steps_with_prefill += 1
+            # while the long prompt is prefilled in chunks, every short request still decodes
+            assert all(f"s{i}" in outs for i in range(3) if f"s{i}" in engine.groups)
+        if "long" in outs:
+            long_tokens += outs["long"].outputs[0].token_ids
+    assert steps_with_prefill >= 11  # 3000 tokens over a 256-token budget shared with 3 decodes
+    assert long_tokens == want
+    assert_all_free(engine)
+
+
+def test_real_seeded_sampling_alone_equals_batch(real_parts):
+    tok = real_parts[2]
+    prompts = [text_ids(tok, n, offset=n) for n in (5, 23, 41, 12)]
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=1234 + i) for i in range(4)]
+    llm = real_llm(real_parts)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert together == alone
+
+
+def test_real_llm_text_api(real_parts):
+    llm = real_llm(real_parts)
+    outs = llm.generate(["The capital of France is", "1, 2, 3, 4,"],
+                        SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["The capital of France is", "1, 2, 3, 4,"]
+    assert "Paris" in outs[0].outputs[0].text
+    text = outs[1].outputs[0].text
+    stop = text.strip().split()[1]
+    o = llm.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]), use_tqdm=False)[0]
+    c = o.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop and stop not in c.text and text.startswith(c.text)
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0]
+    assert "Paris" in chat.outputs[0].text
+    assert_all_free(llm.engine)

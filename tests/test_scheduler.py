@@ -1,0 +1,166 @@
+"""Scheduler with fake requests and a fake deterministic "model" (next token = f(all tokens so far))."""
+from pyengine.engine.block_pool import BlockPool
+from pyengine.engine.request import Request, RequestStatus
+from pyengine.engine.scheduler import Scheduler
+from pyengine.sampling_params import SamplingParams
+
+BS = 4
+
+
+def fake_next(tokens):
+    return (sum(tokens[-3:]) * 7 + len(tokens)) % 1000
+
+
+def make(rid, n_prompt, max_tokens, *, start=0, priority=0):
+    return Request(rid, None, [(start + 13 * i) % 1000 for i in range(n_prompt)],
+                   SamplingParams(max_tokens=max_tokens, temperature=0.0), priority=priority)
+
+
+def step(sched, log=None):
+    out = sched.schedule()
+    if log is not None:
+        log.append(out)
+    sampled = [fake_next(r.all_token_ids) for r, s in zip(out.reqs, out.sampling) if s]
+    for r, n in zip(out.reqs, out.num_new):  # the token budget and block coverage hold every step
+        assert r.num_computed_tokens + n <= len(r.block_ids) * BS
+    assert out.num_tokens == sum(out.num_new) <= sched.max_num_batched_tokens
+    assert len(sched.running) <= sched.max_num_seqs
+    for r in sched.update_from_output(out, sampled):
+        if r.num_tokens >= r.max_total_tokens:
+            sched.finish(r, RequestStatus.FINISHED_LENGTH)
+    return out
+
+
+def run_all(sched, reqs, log=None):
+    for r in reqs:
+        sched.add_request(r)
+    steps = 0
+    while sched.has_unfinished():
+        step(sched, log)
+        steps += 1
+        assert steps < 10000
+    return {r.request_id: r.output_token_ids for r in reqs}
+
+
+def reference(n_prompt, max_tokens, start=0):
+    toks = [(start + 13 * i) % 1000 for i in range(n_prompt)]
+    for _ in range(max_tokens):
+        toks.append(fake_next(toks))
+    return toks[n_prompt:]
+
+
+def test_continuous_batching_outputs_and_budget():
+    pool = BlockPool(64, BS)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=16)
+    specs = [(3, 5), (30, 4), (9, 12), (1, 3), (17, 7), (5, 1)]
+    reqs = [make(f"r{i}", p, m, start=i) for i, (p, m) in enumerate(specs)]
+    out = run_all(sched, reqs)
+    for i, (p, m) in enumerate(specs):
+        assert out[f"r{i}"] == reference(p, m, start=i)
+    assert pool.num_free == pool.num_blocks and sched.num_waiting == 0 and not sched.running
+
+
+def test_decodes_first_and_chunked_prefill_never_stalls_decodes():
+    pool = BlockPool(64, BS)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=8)
+    short = [make(f"s{i}", 2, 12, start=i) for i in range(3)]
+    for r in short:
+        sched.add_request(r)
+    step(sched)  # all three prefill (6 tokens)
+    long = make("long", 50, 2)
+    sched.add_request(long)
+    log = []
+    while any(not r.finished for r in short):
+        out = step(sched, log)
+        # every short request still unfinished before this step decoded exactly one token in it
+        for r in short:
+            if not r.finished or r.num_output_tokens == 12 and r in out.reqs:
+                assert out.num_new[out.reqs.index(r)] == 1
+    chunks = [o.num_new[o.reqs.index(long)] for o in log if long in o.reqs]
+    assert len(chunks) > 1 and max(chunks) <= 8  # the long prompt was spread over several steps
+
+
+def test_preemption_recompute_same_outputs_and_counted():
+    specs = [(10, 20), (7, 25), (12, 18), (5, 30)]
+    big = Scheduler(BlockPool(256, BS), 8, 64)
+    ref = run_all(big, [make(f"r{i}", p, m, start=i) for i, (p, m) in enumerate(specs)])
+    pool = BlockPool(14, BS)  # 56 tokens: not enough for all four at once
+    small = Scheduler(pool, 8, 64)
+    got = run_all(small, [make(f"r{i}", p, m, start=i) for i, (p, m) in enumerate(specs)])
+    assert got == ref
+    assert small.num_preemptions > 0
+    assert pool.num_free == pool.num_blocks
+
+
+def test_preemption_victim_is_lowest_priority_latest():
+    pool = BlockPool(6, BS)
+    sched = Scheduler(pool, 8, 64, policy="priority")
+    a, b, c = make("a", 7, 30, priority=0), make("b", 7, 30, priority=5), make("c", 7, 30, priority=1)
+    for r in (a, b, c):
+        sched.add_request(r)
+    step(sched)
+    assert [r.request_id for r in sched.running] == ["a", "c", "b"]  # sorted by priority
+    for _ in range(10):
+        out = step(sched)
+        if out.preempted:
+            assert out.preempted[0] is b
+            break
+    else:
+        raise AssertionError("no preemption happened")
+
+
+def test_priority_admission_order():
+    pool = BlockPool(64, BS)
+    sched = Scheduler(pool, max_num_seqs=1, max_num_batched_tokens=64, policy="priority")
+    for rid, prio in [("low", 9), ("high", -1), ("mid", 3)]:
+        sched.add_request(make(rid, 3, 1, priority=prio))
+    order = []
+    while sched.has_unfinished():
+        out = step(sched)
+        order += [r.request_id for r in out.reqs]
+    assert order == ["high", "mid", "low"]
+
+
+def test_max_num_seqs_and_fcfs_order():
+    sched = Scheduler(BlockPool(64, BS), max_num_seqs=2, max_num_batched_tokens=100)
+    reqs = [make(f"r{i}", 3, 2) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    out = step(sched)
+    assert out.reqs == reqs[:2] and sched.num_waiting == 2
+
+
+def test_abort_any_state_frees_blocks():
+    pool = BlockPool(32, BS)
+    sched = Scheduler(pool, max_num_seqs=2, max_num_batched_tokens=8)
+    reqs = [make(f"r{i}", 10, 20, start=i) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    step(sched)  # r0 prefilling (chunk of 8), r1/r2 waiting
+    assert reqs[0].status == RequestStatus.RUNNING and pool.num_free < 32
+    sched.abort("r0")  # running mid-prefill
+    sched.abort("r2")  # waiting
+    assert reqs[0].finish_reason == "abort" and reqs[2].finish_reason == "abort"
+    assert pool.num_free == 32 and sched.num_waiting == 1
+    assert sched.abort("nope") is None
+    while sched.has_unfinished():
+        step(sched)
+    assert reqs[1].output_token_ids == reference(10, 20, start=1)
+    assert pool.num_free == 32
+
+
+def test_prefix_cache_computes_only_suffix():
+    pool = BlockPool(64, BS)
+    sched = Scheduler(pool, 4, 64)
+    shared = [(13 * i) % 1000 for i in range(21)]
+    a = Request("a", None, shared + [1, 2, 3], SamplingParams(max_tokens=3))
+    run_all(sched, [a])
+    b = Request("b", None, shared + [4, 5], SamplingParams(max_tokens=3))
+    run_all(sched, [b])
+    assert b.num_cached_tokens == 20  # five full blocks of the shared 21 tokens
+    assert b.num_computed_prompt_tokens == 3
+    # the cache never covers the whole prompt
+    c = Request("c", None, list(a.prompt_token_ids[:20]), SamplingParams(max_tokens=2))
+    run_all(sched, [c])
+    assert c.num_cached_tokens == 16 and c.num_computed_prompt_tokens == 4
+    assert pool.num_free == pool.num_blocks
