@@ -32,14 +32,10 @@ class ServerConfig:
     gateway: gateway.GatewayConfig = field(default_factory=gateway.GatewayConfig)
 
 
-def create_app(engine: Any, config: ServerConfig | None = None, *,
-               sampling_params_cls: type | None = None) -> web.Application:
+def create_app(engine: Any, config: ServerConfig | None = None) -> web.Application:
     config = config or ServerConfig()
-    if sampling_params_cls is None:
-        from pyengine import SamplingParams as sampling_params_cls
     gw = config.gateway
-    serving = OpenAIServing(engine, config.served_model_name or engine.model_name, gw,
-                            max_n=config.max_n, sampling_params_cls=sampling_params_cls)
+    serving = OpenAIServing(engine, config.served_model_name or engine.model_name, gw, max_n=config.max_n)
     registry = CollectorRegistry()
     responses = Counter("pyengine_server:responses", "HTTP responses by path and status",
                         ["path", "status"], registry=registry)

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
+from pyengine.sampling_params import SamplingParams
 from server import gateway
 from server.protocol import (APIError, ChatRequest, CompletionRequest, GenerationRequest, get_bool,
                              get_str, parse_chat, parse_completion, parse_detokenize, parse_json)
@@ -60,13 +61,12 @@ class _Job:
 
 class OpenAIServing:
     def __init__(self, engine: Any, served_model_name: str, gw: gateway.GatewayConfig, *,
-                 max_n: int, sampling_params_cls: type, long_prompt_chars: int = 4096) -> None:
+                 max_n: int, long_prompt_chars: int = 4096) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model = served_model_name
         self.gw = gw
         self.max_n = max_n
-        self.params_cls = sampling_params_cls
         self.long_prompt_chars = long_prompt_chars
         self.limiter = gateway.RateLimiter(gw.rate_limit_rpm, gw.rate_limit_tpm)
         self.admission = gateway.AdmissionControl(gw.max_queue)
@@ -141,7 +141,7 @@ class OpenAIServing:
                 raise APIError(400, "The prompt is empty (0 tokens).", param="prompt")
             max_tokens = gateway.check_context(len(ids), req.max_tokens, max_len)
             try:
-                params.append(self.params_cls(**req.sampling, max_tokens=max_tokens,
+                params.append(SamplingParams(**req.sampling, max_tokens=max_tokens,
                                               logprobs=req.num_logprobs))
             except (ValueError, TypeError) as e:  # SamplingParams names the field first
                 field_name = str(e).split(" ", 1)[0]

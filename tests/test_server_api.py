@@ -24,31 +24,6 @@ ALPHABET = "abcdefghij klmnopqrstuvwxyz"
 BOS, EOS = 256, 257
 
 
-@dataclass
-class SamplingParams:  # the contract's fields (the real class validates more)
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-
-
 class FakeTokenizer:
     """Bytes are tokens 0..255; BOS/EOS special."""
 
@@ -142,7 +117,7 @@ class FakeEngine:
     def token(prompt: list[int], seed: int | None, choice: int, step: int) -> int:
         return ord(ALPHABET[(sum(prompt) + (seed or 0) + 7 * choice + 3 * step) % len(ALPHABET)])
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str, *, priority: int = 0):
+    async def generate(self, prompt, params, request_id: str, *, priority: int = 0):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if math.ceil((len(ids) + 1) / self.block_size) > self.num_blocks:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds "
@@ -201,7 +176,7 @@ async def engine():
 
 
 async def start(engine: FakeEngine, cfg: ServerConfig | None = None) -> TestClient:
-    app = create_app(engine, cfg or make_config(), sampling_params_cls=SamplingParams)
+    app = create_app(engine, cfg or make_config())
     client = TestClient(TestServer(app, handler_cancellation=True))
     await client.start_server()
     return client
@@ -547,10 +522,10 @@ async def test_official_openai_client(client, engine):
 SERVE_SCRIPT = """
 import asyncio, sys
 sys.path[:0] = [{root!r}, {tests!r}]
-from test_server_api import FakeEngine, SamplingParams, make_config
+from test_server_api import FakeEngine, make_config
 from server.__main__ import serve
 from server.app import create_app
-app = create_app(FakeEngine(step_delay=0.05), make_config(), sampling_params_cls=SamplingParams)
+app = create_app(FakeEngine(step_delay=0.05), make_config())
 asyncio.run(serve(app, "127.0.0.1", 0, {grace}, 16))
 """
 
