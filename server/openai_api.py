@@ -37,6 +37,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[Any] = field(default_factory=list)
+    logprob_chars: int = 0  # text length the streamed logprob tokens covered so far (text_offset)
     role_sent: bool = False
 
 
@@ -263,8 +264,11 @@ class OpenAIServing:
             c = {"index": idx, "delta": {"content": text} if text is not None else {},
                  "logprobs": {"content": lps} if lps else None, "finish_reason": finish}
         else:
-            c = {"index": idx, "text": text or "", "logprobs": _completion_logprobs(lps) if lps else None,
-                 "finish_reason": finish}
+            ch = job.choices[idx]
+            c = {"index": idx, "text": text or "", "finish_reason": finish,
+                 "logprobs": _completion_logprobs(lps, ch.logprob_chars) if lps else None}
+            if lps:
+                ch.logprob_chars += sum(len(e["token"]) for e in lps)
         if done:
             c["stop_reason"] = done.stop_reason
         return c
@@ -384,9 +388,9 @@ def _unpack_logprob(e: Any) -> tuple[int, float, list[tuple[int, float]]]:
     return int(e.token_id), float(e.logprob), [(int(i), float(v)) for i, v in (e.top or [])]
 
 
-def _completion_logprobs(lps: list[dict]) -> dict:
-    """Chat-style logprob entries -> the legacy completions format."""
-    offsets, pos = [], 0
+def _completion_logprobs(lps: list[dict], pos: int = 0) -> dict:
+    """Chat-style logprob entries -> the legacy completions format (text_offset from `pos`)."""
+    offsets = []
     for e in lps:
         offsets.append(pos)
         pos += len(e["token"])

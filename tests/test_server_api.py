@@ -309,6 +309,9 @@ async def test_logprobs_formats(client, engine):
     lp = (await r.json())["choices"][0]["logprobs"]
     assert lp["token_logprobs"] == [-0.25] * 3 and len(lp["tokens"]) == 3
     assert lp["text_offset"] == [0, 1, 2] and all(len(t) == 1 for t in lp["top_logprobs"])
+    r = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "logprobs": 0, "stream": True})
+    events = (await sse_events(r))[:-1]
+    assert [e["choices"][0]["logprobs"]["text_offset"] for e in events[:3]] == [[0], [1], [2]]
     r = await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
     assert (await r.json())["choices"][0]["logprobs"] is None
 
