@@ -98,3 +98,24 @@ async def test_metrics_registry(llm):
     assert "pyengine:time_to_first_token_seconds_count 1.0" in text
     assert "pyengine:generation_tokens_total 4.0" in text
     assert 'pyengine:request_success_total{finished_reason="length"} 1.0' in text
+
+
+async def test_real_model_streaming_matches_offline():
+    from pyengine.config import EngineConfig
+    from pyengine.engine.engine import Engine
+    from pyengine.llm import LLM
+
+    engine = Engine(EngineConfig(dtype="float32", kv_cache_memory=64 << 20))
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    want = LLM.from_engine(engine).generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
+    a = AsyncLLM(engine=engine)
+    await a.start()
+    try:
+        deltas = await collect(a, "The capital of France is", params, "p")
+        assert "".join(d.outputs[0].text for d in deltas) == want.text
+        assert [t for d in deltas for t in d.outputs[0].token_ids] == want.token_ids
+        assert deltas[-1].outputs[0].finish_reason == want.finish_reason
+        assert deltas[-1].metrics.ttft is not None and deltas[-1].metrics.e2e >= deltas[-1].metrics.ttft
+    finally:
+        await a.shutdown()
+    assert engine.pool.num_free == engine.pool.num_blocks

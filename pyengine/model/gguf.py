@@ -11,9 +11,12 @@ pairs); `_unpermute` undoes it so the neox-style rotary kernel matches the origi
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 import os
+import struct
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +46,15 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+def _ggml_type_name(type_id: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"#{type_id}"
+
+
 def hf_name(gguf_name: str) -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None for tensors we do not use)."""
     parts = gguf_name.split(".")
@@ -54,31 +66,37 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+    """The fp16 scalar at byte `start` of each block, as fp32 [nb, 1, 1]."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float().view(-1, 1, 1)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    return torch.cat([qs & 0xF, qs >> 4], dim=1)
+    """[nb, 16] bytes -> [nb, 2, 16] uint8: the low nibbles (values 0..15), then the high ones (16..31)."""
+    return torch.stack([qs & 0xF, qs >> 4], dim=1)
 
 
 def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """Raw GGUF tensor data -> fp32 (or the stored float dtype for F32/F16/BF16) tensor of `shape`."""
+    """Raw GGUF tensor data -> fp32 (or the stored float dtype for F32/F16/BF16) tensor of `shape`.
+
+    Quantized types: one fused multiply-add pass per tensor over a [blocks, 2, 16] view; the integer
+    operand is promoted inside the kernel, never materialised as floats.
+    """
     with warnings.catch_warnings():  # the memmap is read-only; we never write through these views
         warnings.simplefilter("ignore", UserWarning)
         data = torch.from_numpy(np.ascontiguousarray(raw))
     if type_name == "F32":
-        return data.view(torch.float32).reshape(shape)
+        return data.view(torch.float32).reshape(shape).clone()  # own memory, not the read-only map
     if type_name == "F16":
-        return data.view(torch.float16).reshape(shape)
+        return data.view(torch.float16).reshape(shape).clone()  # own memory, not the read-only map
     if type_name == "BF16":
-        return data.view(torch.uint8).view(torch.bfloat16).reshape(shape)
+        return data.view(torch.uint8).view(torch.bfloat16).reshape(shape).clone()
     blocks = data.view(torch.uint8).reshape(-1, _BLOCK_BYTES[type_name])
     if type_name == "Q8_0":
-        values = _half(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8)
+        values = _half(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).view(-1, 2, 16)
     elif type_name == "Q4_0":
-        values = _half(blocks, 0) * (_nibbles(blocks[:, 2:]).to(torch.int8) - 8)
+        values = _half(blocks, 0) * (_nibbles(blocks[:, 2:]).view(torch.int8) - 8)
     else:  # Q4_1
-        values = _half(blocks, 0) * _nibbles(blocks[:, 4:]) + _half(blocks, 2)
+        values = torch.addcmul(_half(blocks, 2), _half(blocks, 0), _nibbles(blocks[:, 4:]))
     return values.reshape(shape)
 
 
@@ -88,26 +106,87 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+               12: "<f8"}
+_STRING, _ARRAY = 8, 9
+# type id -> (values per block, bytes per block) for the types we read
+_TYPE_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34)}
+
+
+class TensorInfo(NamedTuple):
+    name: str
+    shape: tuple[int, ...]  # torch order (GGUF stores ne0 first; we reverse it)
+    type_id: int
+    offset: int  # absolute, in the file
+
+
+class _Parser:
+    """GGUF v2/v3 header parser (gguf.GGUFReader builds numpy views per array item: seconds per file)."""
+
+    def __init__(self, buf: memoryview):
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        self.pos += n
+        if self.pos > len(self.buf):
+            raise ValueError("string runs past the end of the file")
+        return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            itype, count = self.scalar("<I"), self.scalar("<Q")
+            if itype in _NP_SCALARS:
+                arr = np.frombuffer(self.buf, dtype=_NP_SCALARS[itype], count=count, offset=self.pos)
+                self.pos += arr.nbytes
+                return arr.tolist()
+            return [self.value(itype) for _ in range(count)]
+        if vtype not in _SCALARS:
+            raise ValueError(f"unknown GGUF value type {vtype}")
+        return self.scalar(_SCALARS[vtype])
+
+
 class GGUFFile:
     """An open GGUF file: its metadata as plain Python values and its tensors by Hugging Face name."""
 
     def __init__(self, path: str):
-        from gguf import GGUFReader
-
         self.path = path
         try:
-            self.reader = GGUFReader(path, "r")
-        except Exception as exc:  # truncated or not a GGUF at all
+            with open(path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            p = _Parser(memoryview(self._mmap))
+            if bytes(p.buf[:4]) != b"GGUF":
+                raise ValueError("bad magic (not a GGUF file)")
+            p.pos = 4
+            version, n_tensors, n_kv = p.scalar("<I"), p.scalar("<Q"), p.scalar("<Q")
+            if version not in (2, 3):
+                raise ValueError(f"GGUF version {version} (supported: 2, 3)")
+            self.fields: dict[str, Any] = {}
+            for _ in range(n_kv):
+                key = p.string()
+                self.fields[key] = p.value(p.scalar("<I"))
+            infos = []
+            for _ in range(n_tensors):
+                name, ndim = p.string(), p.scalar("<I")
+                dims = [p.scalar("<Q") for _ in range(ndim)]
+                infos.append((name, tuple(reversed(dims)), p.scalar("<I"), p.scalar("<Q")))
+            align = int(self.fields.get("general.alignment", 32))
+            data_start = (p.pos + align - 1) // align * align
+        except (ValueError, struct.error, OSError) as exc:  # truncated or not a GGUF at all
             raise ValueError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {n: TensorInfo(n, shape, t, data_start + off) for n, shape, t, off in infos}
         self.arch = str(self.meta("general.architecture", ""))
 
     def meta(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        value = field.contents()
-        return value
+        return self.fields.get(key, default)
 
     def arch_meta(self, key: str, default: Any = None) -> Any:
         return self.meta(f"{self.arch}.{key}", default)
@@ -124,7 +203,7 @@ class GGUFFile:
         heads = int(self.arch_meta("attention.head_count"))
         vocab = self.arch_meta("vocab_size") or len(self.meta("tokenizer.ggml.tokens", []))
         if not vocab:
-            vocab = int(self.tensors["token_embd.weight"].shape[1])
+            vocab = int(self.tensors["token_embd.weight"].shape[0])
         scaling = self.arch_meta("rope.scaling.type")
         rope_scaling = None
         if scaling and scaling != "none":
@@ -158,14 +237,18 @@ class GGUFFile:
     def tensor(self, gguf_name: str, cfg: ModelConfig) -> torch.Tensor:
         """One tensor, dequantized (fp32 for quantized types), Q/K rows un-permuted where needed."""
         t = self.tensors[gguf_name]
-        type_name = _TYPE_NAMES.get(int(t.tensor_type))
+        type_name = _TYPE_NAMES.get(t.type_id)
         if type_name is None:
             raise ValueError(
-                f"{self.path}: tensor {gguf_name!r} has GGML type {t.tensor_type.name}, which is not supported; "
-                f"supported: {', '.join(_TYPE_NAMES.values())}"
+                f"{self.path}: tensor {gguf_name!r} has GGML type {_ggml_type_name(t.type_id)}, which is not "
+                f"supported; supported: {', '.join(_TYPE_NAMES.values())}"
             )
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        w = dequantize(t.data, type_name, shape)
+        per_block, block_bytes = _TYPE_SIZES[t.type_id]
+        nbytes = math.prod(t.shape) // per_block * block_bytes
+        if t.offset + nbytes > len(self._mmap):
+            raise ValueError(f"{self.path}: tensor {gguf_name!r} runs past the end of the file (truncated?)")
+        raw = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=t.offset)
+        w = dequantize(raw, type_name, t.shape)
         if GGUF_ARCHITECTURES[self.arch][1]:
             if ".attn_q." in gguf_name:
                 w = _unpermute(w, cfg.num_attention_heads)

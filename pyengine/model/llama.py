@@ -1,0 +1,154 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM, TinyLlama) over the paged KV cache.
+
+Per layer: add_rms_norm -> fused QKV GEMM (+bias) -> RoPE -> cache write -> paged attention ->
+O GEMM -> add_rms_norm -> fused gate/up GEMM -> silu_and_mul -> down GEMM. The residual stream is
+carried separately and updated in place by add_rms_norm. Everything derivable is built at load:
+fused weights, the fp32 cos/sin cache, the split sizes, the attention scale.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from pyengine.config import ModelConfig
+from pyengine.model.metadata import AttentionMetadata, KVCache
+from pyengine.ops.attention import paged_attention
+from pyengine.ops.cache import reshape_and_cache
+from pyengine.ops.layers import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+
+WeightGetter = Callable[[str], "torch.Tensor | None"]  # HF tensor name -> tensor (None if absent)
+
+
+class LayerWeights(NamedTuple):
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2*KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * I, hidden]
+    down: torch.Tensor
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies as transformers computes them (default, linear and llama3 rope types)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def rope_cache(cfg: ModelConfig) -> torch.Tensor:
+    """[max_pos, head_dim] fp32: cos in the first half of each row, sin in the second."""
+    freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=1).contiguous()
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim**-0.5
+        h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.qkv_sizes = [h * d, kvh * d, kvh * d]
+        self.q_shape, self.kv_shape = (h, d), (kvh, d)
+
+        def w(name: str, required: bool = True) -> torch.Tensor | None:
+            t = get(name)
+            if t is None:
+                if required:
+                    raise ValueError(f"checkpoint has no tensor {name!r}")
+                return None
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        def cat(names: list[str], required: bool = True) -> torch.Tensor | None:
+            parts = [get(n) for n in names]
+            if any(p is None for p in parts):
+                if required or any(p is not None for p in parts):
+                    missing = [n for n, p in zip(names, parts) if p is None]
+                    raise ValueError(f"checkpoint has no tensor {missing[0]!r}")
+                return None
+            return torch.cat([p.to(dtype=dtype) for p in parts], dim=0).to(device).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.layers: list[LayerWeights] = []
+        for i in tqdm(range(cfg.num_hidden_layers), desc="Loading weights", unit="layer", leave=False):
+            p = f"model.layers.{i}."
+            attn = [p + f"self_attn.{x}_proj" for x in "qkv"]
+            self.layers.append(
+                LayerWeights(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=cat([n + ".weight" for n in attn]),
+                    qkv_bias=cat([n + ".bias" for n in attn], required=False),
+                    o=w(p + "self_attn.o_proj.weight"),
+                    o_bias=w(p + "self_attn.o_proj.bias", required=False),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    down=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.norm = w("model.norm.weight")
+        lm_head = None if cfg.tie_word_embeddings else w("lm_head.weight", required=False)
+        self.lm_head = self.embed if lm_head is None else lm_head
+        self.cos_sin_cache = rope_cache(cfg).to(device)
+
+    def weight_bytes(self) -> int:
+        tensors = {id(t): t for t in [self.embed, self.norm, self.lm_head, *(x for l in self.layers for x in l)]
+                   if t is not None}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64; logits_indices [B] int64 -> logits [B, V] fp32."""
+        t = input_ids.shape[0]
+        eps, scale, sizes, cos_sin, d = self.eps, self.scale, self.qkv_sizes, self.cos_sin_cache, self.cfg.head_dim
+        q_shape, kv_shape = (t, *self.q_shape), (t, *self.kv_shape)
+        residual = F.embedding(input_ids, self.embed)
+        x = None
+        for layer, cache in zip(self.layers, kv_caches):
+            if x is None:
+                x = rms_norm(residual, layer.input_norm, eps)
+            else:
+                add_rms_norm(x, residual, layer.input_norm, eps)
+            q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split(sizes, dim=1)
+            rotary_embedding(positions, q, k, cos_sin, d)  # in place on the strided column slices
+            # .contiguous() copies only for T > 1 (a single row is already contiguous)
+            reshape_and_cache(k.contiguous().view(kv_shape), v.contiguous().view(kv_shape), cache.k, cache.v,
+                              meta.slot_mapping, k_scales=cache.k_scales, v_scales=cache.v_scales)
+            attn = paged_attention(q.contiguous().view(q_shape), cache.k, cache.v, meta.block_tables, meta.seq_lens,
+                                   meta.query_start_loc, scale, k_scales=cache.k_scales, v_scales=cache.v_scales,
+                                   max_seq_len=meta.max_seq_len)
+            x = F.linear(attn.view(t, -1), layer.o, layer.o_bias)
+            add_rms_norm(x, residual, layer.post_norm, eps)
+            x = F.linear(silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+        add_rms_norm(x, residual, self.norm, eps)
+        return F.linear(x.index_select(0, logits_indices), self.lm_head).float()
