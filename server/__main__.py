@@ -28,11 +28,20 @@ def memory_size(text: str) -> float | int:
     return int(value * _UNITS[m.group(2)])
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows '(default: X)' except where there is no default value to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m server",
         description="Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     m = p.add_argument_group("model and engine")
     m.add_argument("--model", default=None,
                    help="HF model folder or .gguf file; omitted: the bundled default model")
