@@ -121,7 +121,11 @@ async def serve(app: web.Application, host: str, port: int, grace: float, block_
                            shutdown_timeout=1.0, access_log=None)
     await runner.setup()  # starts the engine
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError:  # e.g. the port is taken: stop the engine before reporting it
+        await runner.cleanup()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -151,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     app = create_app(engine, server_config(args))
-    asyncio.run(serve(app, args.host, args.port, args.shutdown_grace, args.block_size))
+    try:
+        asyncio.run(serve(app, args.host, args.port, args.shutdown_grace, args.block_size))
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
