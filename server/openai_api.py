@@ -19,8 +19,8 @@ from aiohttp import web
 
 from pyengine.sampling_params import SamplingParams
 from server import gateway
-from server.protocol import (APIError, ChatRequest, CompletionRequest, GenerationRequest, get_bool,
-                             get_str, parse_chat, parse_completion, parse_detokenize, parse_json)
+from server.protocol import (APIError, GenerationRequest, get_bool, get_str, parse_chat,
+                             parse_completion, parse_detokenize, parse_json)
 
 log = logging.getLogger("server")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

@@ -10,13 +10,19 @@ import argparse
 import asyncio
 import json
 import math
+import os
+import re
+import signal
+import sys
 from dataclasses import dataclass, field
 
+import aiohttp
+import openai
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, Gauge
 
+from bench import serve_load
 from server.app import ServerConfig, create_app
 from server.gateway import GatewayConfig
 
@@ -487,8 +493,6 @@ async def test_stream_error_after_headers(engine):
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 async def test_load_generator_against_fake(client, endpoint):
-    from bench import serve_load
-
     ns = argparse.Namespace(url=str(client.make_url("")), model=None, api_key=None, endpoint=endpoint,
                             concurrency=4, num_requests=8, prompt_len=5, output_len=6, temperature=0.0,
                             warmup=0, timeout=30.0, seed=0, json=None)
@@ -499,8 +503,6 @@ async def test_load_generator_against_fake(client, endpoint):
 
 
 async def test_official_openai_client(client, engine):
-    import openai
-
     oa = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none", max_retries=0)
     r = await oa.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
                                          max_tokens=4, n=2, logprobs=True, top_logprobs=1)
@@ -535,11 +537,6 @@ asyncio.run(serve(app, "127.0.0.1", 0, {grace}, 16))
 
 @pytest.mark.parametrize("grace, completes", [(10.0, True), (0.3, False)])
 async def test_sigterm_drains_then_exits_0(grace, completes):
-    import os
-    import re
-    import signal
-    import sys
-
     tests = os.path.dirname(os.path.abspath(__file__))
     script = SERVE_SCRIPT.format(root=os.path.dirname(tests), tests=tests, grace=grace)
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE,
@@ -568,8 +565,6 @@ async def test_sigterm_drains_then_exits_0(grace, completes):
             await proc.wait()
 
 
-def aiohttp_session():
-    import aiohttp
-
+def aiohttp_session() -> aiohttp.ClientSession:
     # force_close: a fresh connection per request, so the /health probe really connects anew
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))

@@ -21,6 +21,9 @@ import aiohttp
 import openai
 import pytest
 
+from pyengine.model.loader import resolve_model_path
+from pyengine.tokenizer import Tokenizer
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key"
 
@@ -127,9 +130,6 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from pyengine.model.loader import resolve_model_path
-    from pyengine.tokenizer import Tokenizer
-
     return Tokenizer.from_model_path(resolve_model_path(None))
 
 
