@@ -98,7 +98,7 @@ class OpenAIServing:
             chat = parse_chat({"messages": body["messages"]}, 1)
             ids = await self._chat_ids(chat.messages, get_bool(body, "add_generation_prompt", True))
         else:
-            prompt = get_str(body, "prompt")
+            prompt = get_str(body, "prompt") if "prompt" in body else get_str(body, "content")  # vLLM / llama.cpp
             if prompt is None:
                 raise APIError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
             add = get_bool(body, "add_special_tokens", True)
@@ -110,7 +110,8 @@ class OpenAIServing:
         body = parse_json(await read_body(request))
         self._check_model(get_str(body, "model"))
         ids = parse_detokenize(body, self.tokenizer.vocab_size)
-        return web.json_response({"prompt": self.tokenizer.decode(ids)})
+        text = self.tokenizer.decode(ids)
+        return web.json_response({"prompt": text, "content": text})  # vLLM's and llama.cpp's names
 
     # ------------------------------------------------------------ generation endpoints
     async def chat(self, request: web.Request) -> web.StreamResponse:

@@ -234,8 +234,10 @@ async def test_models_health_tokenize(client, engine):
     assert body["tokens"] == [BOS, 97, 98, 99] and body["count"] == 4
     r = await client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
     assert (await r.json())["tokens"] == chat_ids(engine)
+    r = await client.post("/tokenize", json={"content": "abc", "add_special_tokens": False})  # llama.cpp
+    assert (await r.json())["tokens"] == [97, 98, 99]
     r = await client.post("/detokenize", json={"tokens": [104, 105]})
-    assert (await r.json())["prompt"] == "hi"
+    assert await r.json() == {"prompt": "hi", "content": "hi"}
 
 
 async def test_chat_non_streaming(client, engine):
