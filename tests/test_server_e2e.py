@@ -278,6 +278,12 @@ def test_32_streams_a_third_disconnect(server, model):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=240)) as session:
             return await asyncio.gather(*(one(session, i) for i in range(32)))
 
+    def aborted() -> float:
+        m = re.search(r'^pyengine:request_success_total\{finished_reason="abort"\} (\S+)$',
+                      server.get("/metrics").text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = aborted()
     results = asyncio.run(run())
     assert results.count("left") == 11
     assert all(r == "length" for i, r in enumerate(results) if i % 3)
@@ -286,6 +292,7 @@ def test_32_streams_a_third_disconnect(server, model):
     metrics = server.get("/metrics").text
     assert re.search(r"^pyengine:num_requests_running(\{[^}]*\})? 0\.0$", metrics, re.M)
     assert "pyengine_server:requests_in_flight 0.0" in metrics
+    assert aborted() - before == 11  # the engine stopped each stream whose client left
 
 
 def test_back_pressure_timeout_and_rate_limit(tight):
