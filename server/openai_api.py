@@ -19,8 +19,8 @@ from aiohttp import web
 
 from pyengine.sampling_params import SamplingParams
 from server import gateway
-from server.protocol import (APIError, GenerationRequest, get_bool, get_str, parse_chat,
-                             parse_completion, parse_detokenize, parse_json)
+from server.protocol import (APIError, CompletionRequest, GenerationRequest, get_bool, get_str,
+                             parse_chat, parse_completion, parse_detokenize, parse_json)
 
 log = logging.getLogger("server")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -235,12 +235,16 @@ class OpenAIServing:
         events = []
         for o in out.outputs:
             idx = p * job.req.n + o.index
+            text = o.text or ""
+            if idx not in job.choices and isinstance(job.req, CompletionRequest) and job.req.echo:
+                prompt = job.req.prompts[p]
+                text = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) + text
             ch = job.choices.setdefault(idx, _Choice())
             if ch.finish_reason is not None:  # a finished choice has nothing more to say
                 continue
             ids = list(o.token_ids or [])
             ch.num_tokens += len(ids)
-            ch.text.append(o.text or "")
+            ch.text.append(text)
             lps = self._logprobs(job.kind, o.logprobs, ids) if job.req.num_logprobs is not None else None
             if lps:
                 ch.logprobs.extend(lps)
@@ -252,8 +256,8 @@ class OpenAIServing:
                 ch.role_sent = True
                 events.append(self._chunk(job, [{"index": idx, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]))
-            if o.text or lps:
-                events.append(self._chunk(job, [self._choice_delta(job, idx, o.text or "", lps, None)]))
+            if text or lps:
+                events.append(self._chunk(job, [self._choice_delta(job, idx, text, lps, None)]))
             if o.finish_reason is not None:
                 events.append(self._chunk(job, [self._choice_delta(job, idx, None, None, ch)]))
         return events

@@ -138,6 +138,7 @@ class ChatRequest(GenerationRequest):
 class CompletionRequest(GenerationRequest):
     # One engine request per prompt: text or token ids.
     prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False  # the prompt text comes first in each choice's text
 
 
 def _common(body: dict, max_n: int) -> dict[str, Any]:
@@ -246,7 +247,11 @@ def parse_completion(body: dict, max_n: int, vocab_size: int) -> CompletionReque
     common = _common(body, max_n)
     prompts = _prompts(body.get("prompt"), vocab_size)
     num_logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    return CompletionRequest(**common, num_logprobs=num_logprobs, prompts=prompts)
+    echo = bool(get_bool(body, "echo", False))
+    if echo and num_logprobs is not None:
+        raise invalid("echo", "'echo' together with 'logprobs' needs prompt logprobs, which this server "
+                      "does not compute; drop one of them")
+    return CompletionRequest(**common, num_logprobs=num_logprobs, prompts=prompts, echo=echo)
 
 
 def _prompts(v: Any, vocab_size: int) -> list[str | list[int]]:

@@ -296,6 +296,18 @@ async def test_completions_multiple_prompts_n2_and_stop(client, engine):
     assert c["finish_reason"] == "stop" and c["text"] == full[: full.index(stop)] and c["stop_reason"] == stop
 
 
+async def test_completions_echo(client, engine):
+    r = await client.post("/v1/completions", json={"prompt": ["ab", "cd"], "max_tokens": 2, "echo": True})
+    texts = [c["text"] for c in (await r.json())["choices"]]
+    assert texts == ["ab" + expected_text(engine, [BOS, 97, 98], 2), "cd" + expected_text(engine, [BOS, 99, 100], 2)]
+    r = await client.post("/v1/completions", json={"prompt": [104, 105], "max_tokens": 2, "echo": True,
+                                                   "stream": True})
+    events = await sse_events(r)
+    assert events[0]["choices"][0]["text"].startswith("hi")
+    r = await client.post("/v1/completions", json={"prompt": "ab", "echo": True, "logprobs": 1})
+    assert r.status == 400 and (await r.json())["error"]["param"] == "echo"
+
+
 async def test_completions_streaming(client, engine):
     r = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "stream": True})
     events = await sse_events(r)
