@@ -1,0 +1,167 @@
+"""`python -m server`: an OpenAI-compatible HTTP server over pyengine's AsyncLLM."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+import sys
+
+from aiohttp import web
+
+from server.app import SERVING, ServerConfig, create_app
+from server.gateway import GatewayConfig
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def memory_size(text: str) -> float | int:
+    """'0.5' -> fraction 0.5; '2GiB', '512M', '1073741824' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use a fraction like 0.5 or bytes like 2GiB)")
+    value = float(m.group(1))
+    if not m.group(2) and not m.group(3) and 0 < value <= 1:
+        return value
+    return int(value * _UNITS[m.group(2)])
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows '(default: X)' except where there is no default value to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m server",
+        description="Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming).",
+        formatter_class=_HelpFormatter)
+    m = p.add_argument_group("model and engine")
+    m.add_argument("--model", default=None,
+                   help="HF model folder or .gguf file; omitted: the bundled default model")
+    m.add_argument("--served-model-name", default=None,
+                   help="model name clients send and see in responses; default: the model's name")
+    m.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
+    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and activation dtype")
+    m.add_argument("--max-model-len", type=int, default=None,
+                   help="context window in tokens (prompt + completion); default: the model's")
+    m.add_argument("--kv-cache-memory", type=memory_size, default=None,
+                   help="KV-cache budget: a fraction (0,1] of the memory left after the weights, "
+                        "or a size such as 2GiB")
+    m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
+                   help="KV-cache element type; fp8/int8 halve or quarter its size")
+    m.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
+                   help="tokens per KV-cache block")
+    m.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences decoded together in one step")
+    m.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step (decodes + prompt chunks)")
+    m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of identical prompt prefixes")
+    m.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="order of waiting requests (priority: the request field 'priority')")
+    m.add_argument("--num-threads", type=int, default=None, help="CPU threads for the model")
+    m.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
+
+    s = p.add_argument_group("HTTP and gateway")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    s.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' (repeat for several keys; "
+                        "also read from PYENGINE_API_KEY); /health stays open")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait for their first token; more get 503 at once")
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take; then it is aborted (504); 0: no limit")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
+                   help="largest request body; larger ones get 413")
+    s.add_argument("--max-n", type=int, default=16, help="largest 'n' (choices per request)")
+    s.add_argument("--rate-limit-rpm", type=int, default=0,
+                   help="requests per minute per API key (or client address); 0: no limit")
+    s.add_argument("--rate-limit-tpm", type=int, default=0,
+                   help="prompt + completion tokens per minute per API key; 0: no limit")
+    s.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def engine_config(args: argparse.Namespace):
+    from pyengine import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        max_model_len=args.max_model_len, block_size=args.block_size,
+                        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+                        enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
+                        seed=args.seed)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    keys = list(args.api_key or [])
+    if not keys and os.environ.get("PYENGINE_API_KEY"):
+        keys = [os.environ["PYENGINE_API_KEY"]]
+    return ServerConfig(served_model_name=args.served_model_name, max_n=args.max_n, gateway=GatewayConfig(
+        api_keys=keys, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+        request_timeout=args.request_timeout or None, rate_limit_rpm=args.rate_limit_rpm,
+        rate_limit_tpm=args.rate_limit_tpm))
+
+
+async def serve(app: web.Application, host: str, port: int, grace: float, block_size: int) -> None:
+    """Run until SIGTERM/SIGINT; then stop accepting, drain up to `grace` seconds, shut down."""
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
+                           shutdown_timeout=1.0, access_log=None)
+    await runner.setup()  # starts the engine
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError:  # e.g. the port is taken: stop the engine before reporting it
+        await runner.cleanup()
+        raise
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    serving = app[SERVING]
+    bound = runner.addresses[0]
+    blocks = serving.engine.stats().num_total_blocks
+    print(f"pyengine server listening on http://{bound[0]}:{bound[1]}\n"
+          f"  model: {serving.model} (context {serving.engine.max_model_len} tokens)\n"
+          f"  KV cache: {blocks} blocks x {block_size} tokens = {blocks * block_size} tokens", flush=True)
+    await stop.wait()
+    print("shutting down: draining in-flight requests", flush=True)
+    await site.stop()  # no new connections
+    await serving.drain(grace)
+    await runner.cleanup()  # closes idle connections, stops the engine
+    print("stopped", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pyengine import AsyncLLM
+
+    try:
+        engine = AsyncLLM(engine_config(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(engine, server_config(args))
+    try:
+        asyncio.run(serve(app, args.host, args.port, args.shutdown_grace, args.block_size))
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,416 @@
+"""OpenAI-compatible endpoints over an AsyncLLM-like engine, with SSE streaming.
+
+Request path: auth (middleware) -> request rate limit -> parse + validate -> tokenize (off the
+event loop when long) -> context budget -> SamplingParams -> token rate limit -> admission
+(bounded queue) -> engine.generate(). Every exit before the request finished (client gone,
+timeout, error) aborts it in the engine so its KV blocks return to the pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from pyengine.sampling_params import SamplingParams
+from server import gateway
+from server.protocol import (APIError, CompletionRequest, GenerationRequest, get_bool, get_str,
+                             parse_chat, parse_completion, parse_detokenize, parse_json)
+
+log = logging.getLogger("server")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+RATE_KEY = web.RequestKey("rate_key", str)  # the caller's API key, or its address without auth
+
+
+@dataclass
+class _Choice:
+    """Accumulated state of one output choice."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[Any] = field(default_factory=list)
+    logprob_chars: int = 0  # text length the streamed logprob tokens covered so far (text_offset)
+    role_sent: bool = False
+
+
+@dataclass
+class _Job:
+    """One HTTP generation request after the gateway: one engine request per prompt."""
+
+    request_id: str
+    kind: str  # "chat" | "completion"
+    req: GenerationRequest
+    prompt_ids: list[list[int]]
+    params: list[Any]
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: dict[int, _Choice] = field(default_factory=dict)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        p = sum(len(x) for x in self.prompt_ids)
+        c = sum(ch.num_tokens for ch in self.choices.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class OpenAIServing:
+    def __init__(self, engine: Any, served_model_name: str, gw: gateway.GatewayConfig, *,
+                 max_n: int, long_prompt_chars: int = 4096) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model = served_model_name
+        self.gw = gw
+        self.max_n = max_n
+        self.long_prompt_chars = long_prompt_chars
+        self.limiter = gateway.RateLimiter(gw.rate_limit_rpm, gw.rate_limit_tpm)
+        self.admission = gateway.AdmissionControl(gw.max_queue)
+        self.created = int(time.time())
+        self.tasks: set[asyncio.Task] = set()  # handlers of admitted generation requests
+
+    async def drain(self, grace: float) -> None:
+        """Refuse new requests; give in-flight ones `grace` seconds, then end them cleanly."""
+        self.admission.draining = True
+        deadline = time.monotonic() + grace
+        while self.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for t in list(self.tasks):
+            t.cancel()  # _respond answers 503 / ends the stream with an error event
+        while self.tasks and time.monotonic() < deadline + 5:
+            await asyncio.sleep(0.01)
+
+    # ------------------------------------------------------------ simple endpoints
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": self.created, "owned_by": "pyengine",
+            "root": self.engine.model_name, "max_model_len": self.engine.max_model_len}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = parse_json(await read_body(request))
+        self._check_model(get_str(body, "model"))
+        if "messages" in body:
+            chat = parse_chat({"messages": body["messages"]}, 1)
+            ids = await self._chat_ids(chat.messages, get_bool(body, "add_generation_prompt", True))
+        else:
+            prompt = get_str(body, "prompt") if "prompt" in body else get_str(body, "content")  # vLLM / llama.cpp
+            if prompt is None:
+                raise APIError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
+            add = get_bool(body, "add_special_tokens", True)
+            ids = await self._off_loop(len(prompt), self.tokenizer.encode, prompt, add)
+        return web.json_response({"tokens": ids, "count": len(ids),
+                                  "max_model_len": self.engine.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = parse_json(await read_body(request))
+        self._check_model(get_str(body, "model"))
+        ids = parse_detokenize(body, self.tokenizer.vocab_size)
+        text = self.tokenizer.decode(ids)
+        return web.json_response({"prompt": text, "content": text})  # vLLM's and llama.cpp's names
+
+    # ------------------------------------------------------------ generation endpoints
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        key = request[RATE_KEY]
+        self.limiter.check_request(key)
+        req = parse_chat(parse_json(await read_body(request)), self.max_n)
+        self._check_model(req.model)
+        ids = await self._chat_ids(req.messages, True)
+        return await self._serve(request, key, "chat", req, [ids])
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        key = request[RATE_KEY]
+        self.limiter.check_request(key)
+        req = parse_completion(parse_json(await read_body(request)), self.max_n,
+                               self.tokenizer.vocab_size)
+        self._check_model(req.model)
+        prompt_ids = []
+        for p in req.prompts:
+            ids = p if isinstance(p, list) else await self._off_loop(len(p), self.tokenizer.encode, p, True)
+            prompt_ids.append(list(ids))
+        return await self._serve(request, key, "completion", req, prompt_ids)
+
+    async def _serve(self, request: web.Request, key: str, kind: str, req: GenerationRequest,
+                     prompt_ids: list[list[int]]) -> web.StreamResponse:
+        max_len = self.engine.max_model_len
+        params, cost = [], 0
+        for ids in prompt_ids:
+            if not ids:
+                raise APIError(400, "The prompt is empty (0 tokens).", param="prompt")
+            max_tokens = gateway.check_context(len(ids), req.max_tokens, max_len)
+            try:
+                params.append(SamplingParams(**req.sampling, max_tokens=max_tokens,
+                                              logprobs=req.num_logprobs))
+            except (ValueError, TypeError) as e:  # SamplingParams names the field first
+                field_name = str(e).split(" ", 1)[0]
+                raise APIError(400, str(e), param=field_name if field_name in req.sampling else None,
+                               code="invalid_value") from None
+            cost += len(ids) + max_tokens * req.n
+        self.limiter.check_tokens(key, cost)
+        self.admission.admit()
+        task = asyncio.current_task()
+        self.tasks.add(task)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        job = _Job(f"{prefix}-{uuid.uuid4().hex}", kind, req, prompt_ids, params)
+        try:
+            return await self._respond(request, job)
+        finally:
+            self.tasks.discard(task)
+            self.admission.finished()
+            spent = sum(len(x) for x in prompt_ids) + job.usage["completion_tokens"]
+            self.limiter.refund_tokens(key, cost - spent)
+
+    async def _respond(self, request: web.Request, job: _Job) -> web.StreamResponse:
+        stream = _merged(self.engine, job)
+        timeout = self.gw.request_timeout
+        resp: web.StreamResponse | None = None
+        waiting = True
+        try:
+            async with asyncio.timeout(timeout):
+                async for p, out in stream:
+                    if waiting:
+                        waiting = False
+                        self.admission.started()
+                        if job.req.stream:
+                            resp = web.StreamResponse(headers=SSE_HEADERS)
+                            await resp.prepare(request)
+                    events = self._absorb(job, p, out)
+                    if resp is not None and events:
+                        await resp.write("".join(f"data: {json.dumps(e)}\n\n" for e in events).encode())
+        except TimeoutError:
+            if resp is None:
+                raise gateway.timeout_error(timeout) from None
+            await resp.write(_sse(gateway.timeout_error(timeout).body()) + b"data: [DONE]\n\n")
+            return resp
+        except ValueError as e:  # the engine refuses before queueing (e.g. prompt beyond the KV pool)
+            if resp is None:
+                raise APIError(400, str(e)) from None
+            await self._stream_error(resp, e)
+            return resp
+        except ConnectionResetError:  # the client left: the finally below aborts
+            raise
+        except asyncio.CancelledError:
+            if not self.admission.draining:  # the client left
+                raise
+            # drain(): the shutdown grace period is over. Tell the client instead of cutting the stream.
+            asyncio.current_task().uncancel()
+            err = APIError(503, "The server shut down before the request finished.", type="server_error",
+                           code="server_shutting_down")
+            if resp is None:
+                raise err from None
+            await resp.write(_sse(err.body()) + b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        except Exception as e:
+            if resp is None:
+                raise
+            await self._stream_error(resp, e)
+            return resp
+        finally:
+            if waiting:
+                self.admission.started()
+            await stream.aclose()
+        if resp is None:
+            return web.json_response(self._final_body(job))
+        tail = b""
+        if job.req.include_usage:
+            tail += _sse(self._chunk(job, [], usage=job.usage))
+        await resp.write(tail + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _stream_error(self, resp: web.StreamResponse, e: Exception) -> None:
+        """Headers are gone already: report the failure as a last event, then end the stream."""
+        log.exception("stream failed", exc_info=e)
+        body = APIError(500, f"The request failed while streaming: {e}", type="server_error").body()
+        await resp.write(_sse(body) + b"data: [DONE]\n\n")
+
+    # ------------------------------------------------------------ response building
+    def _absorb(self, job: _Job, p: int, out: Any) -> list[dict]:
+        """Fold one engine delta into the job's choices; return the stream chunks it makes."""
+        events = []
+        for o in out.outputs:
+            idx = p * job.req.n + o.index
+            text = o.text or ""
+            if idx not in job.choices and isinstance(job.req, CompletionRequest) and job.req.echo:
+                prompt = job.req.prompts[p]
+                text = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) + text
+            ch = job.choices.setdefault(idx, _Choice())
+            if ch.finish_reason is not None:  # a finished choice has nothing more to say
+                continue
+            ids = list(o.token_ids or [])
+            ch.num_tokens += len(ids)
+            ch.text.append(text)
+            lps = self._logprobs(job.kind, o.logprobs, ids) if job.req.num_logprobs is not None else None
+            if lps:
+                ch.logprobs.extend(lps)
+            if o.finish_reason is not None:
+                ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+            if not job.req.stream:
+                continue
+            if job.kind == "chat" and not ch.role_sent:
+                ch.role_sent = True
+                events.append(self._chunk(job, [{"index": idx, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]))
+            if text or lps:
+                events.append(self._chunk(job, [self._choice_delta(job, idx, text, lps, None)]))
+            if o.finish_reason is not None:
+                events.append(self._chunk(job, [self._choice_delta(job, idx, None, None, ch)]))
+        return events
+
+    def _choice_delta(self, job: _Job, idx: int, text: str | None, lps: list | None,
+                      done: _Choice | None) -> dict:
+        finish = done.finish_reason if done else None
+        if job.kind == "chat":
+            c = {"index": idx, "delta": {"content": text} if text is not None else {},
+                 "logprobs": {"content": lps} if lps else None, "finish_reason": finish}
+        else:
+            ch = job.choices[idx]
+            c = {"index": idx, "text": text or "", "finish_reason": finish,
+                 "logprobs": _completion_logprobs(lps, ch.logprob_chars) if lps else None}
+            if lps:
+                ch.logprob_chars += sum(len(e["token"]) for e in lps)
+        if done:
+            c["stop_reason"] = done.stop_reason
+        return c
+
+    def _chunk(self, job: _Job, choices: list[dict], usage: dict | None = None) -> dict:
+        obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+        c = {"id": job.request_id, "object": obj, "created": job.created, "model": self.model,
+             "choices": choices}
+        if job.req.include_usage:
+            c["usage"] = usage
+        return c
+
+    def _final_body(self, job: _Job) -> dict:
+        choices = []
+        for idx in sorted(job.choices):
+            ch = job.choices[idx]
+            text = "".join(ch.text)
+            lp = ch.logprobs if job.req.num_logprobs is not None else None
+            if job.kind == "chat":
+                choices.append({"index": idx, "message": {"role": "assistant", "content": text},
+                                "logprobs": {"content": lp} if lp is not None else None,
+                                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+            else:
+                choices.append({"index": idx, "text": text,
+                                "logprobs": _completion_logprobs(lp) if lp is not None else None,
+                                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+        obj = "chat.completion" if job.kind == "chat" else "text_completion"
+        return {"id": job.request_id, "object": obj, "created": job.created, "model": self.model,
+                "choices": choices, "usage": job.usage}
+
+    def _logprobs(self, kind: str, entries: list | None, ids: list[int]) -> list[dict]:
+        """Engine logprob entries (one per new token) -> chat-style dicts."""
+        res = []
+        for e in (entries or [])[-len(ids):] if ids else []:
+            tid, lp, top = _unpack_logprob(e)
+            tok = self.tokenizer.decode([tid])
+            res.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
+                        "top_logprobs": [{"token": (t := self.tokenizer.decode([j])), "logprob": v,
+                                          "bytes": list(t.encode("utf-8"))} for j, v in top]})
+        return res
+
+    # ------------------------------------------------------------ helpers
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves "
+                           f"`{self.model}`.", param="model", code="model_not_found")
+
+    async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        n = sum(len(m["content"]) for m in messages)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # a template may reject a role order, e.g. two system messages
+            raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
+        return await self._off_loop(n, self.tokenizer.encode, text, False)
+
+    async def _off_loop(self, size: int, fn, *args):
+        """Tokenize long inputs in a thread so the event loop keeps streaming other requests."""
+        if size <= self.long_prompt_chars:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def _merged(engine: Any, job: _Job) -> AsyncIterator[tuple[int, Any]]:
+    """Run one engine request per prompt; yield (prompt index, delta) as they come.
+
+    On any exit (finished, client gone, timeout) requests that have not finished are aborted.
+    """
+    rids = [f"{job.request_id}-{i}" for i in range(len(job.prompt_ids))]
+    live = set(range(len(rids)))
+    prio = job.req.priority
+    tasks: list[asyncio.Task] = []
+    try:
+        if len(rids) == 1:
+            gen = engine.generate(job.prompt_ids[0], job.params[0], rids[0], priority=prio)
+            try:
+                async for out in gen:
+                    if out.finished:
+                        live.discard(0)
+                    yield 0, out
+            finally:
+                await gen.aclose()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in engine.generate(job.prompt_ids[i], job.params[i], rids[i], priority=prio):
+                    await queue.put((i, out, None))
+            except Exception as e:  # handed to the consumer, which re-raises it
+                await queue.put((i, None, e))
+            await queue.put((i, None, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(rids))]
+        open_streams = len(tasks)
+        while open_streams:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                open_streams -= 1
+                continue
+            if out.finished:
+                live.discard(i)
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for i in live:
+            try:
+                await asyncio.shield(engine.abort(rids[i]))
+            except Exception:  # already gone: nothing to free
+                log.debug("abort of %s failed", rids[i], exc_info=True)
+
+
+def _unpack_logprob(e: Any) -> tuple[int, float, list[tuple[int, float]]]:
+    """(token id, logprob, [(id, logprob), ...] best first) from an engine TokenLogprob."""
+    return int(e.token_id), float(e.logprob), [(int(i), float(v)) for i, v in (e.top or [])]
+
+
+def _completion_logprobs(lps: list[dict], pos: int = 0) -> dict:
+    """Chat-style logprob entries -> the legacy completions format (text_offset from `pos`)."""
+    offsets = []
+    for e in lps:
+        offsets.append(pos)
+        pos += len(e["token"])
+    return {"tokens": [e["token"] for e in lps], "token_logprobs": [e["logprob"] for e in lps],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in lps],
+            "text_offset": offsets}
+
+
+def _sse(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+async def read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"The request body is larger than {request.client_max_size} bytes.",
+                       code="request_too_large") from None

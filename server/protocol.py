@@ -1,0 +1,282 @@
+"""OpenAI request parsing and validation, and OpenAI-style error bodies.
+
+Everything here is pure (no aiohttp, no engine): a request body (already decoded JSON) goes in,
+a validated ``ChatRequest``/``CompletionRequest`` comes out, or an ``APIError`` naming the field.
+Unknown fields are ignored, as OpenAI's server does.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+INT64_MAX = 2**63 - 1
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class APIError(Exception):
+    """An error that reaches the client as ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """Decode a request body; anything but a JSON object is a 400."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"We could not parse the JSON body of your request: {e}",
+                       code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+# ---------------------------------------------------------------- typed field getters
+def _typename(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def get_bool(body: dict, name: str, default: bool | None = None) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(name, f"'{name}' must be a boolean, got {_typename(v)}")
+    return v
+
+
+def get_int(body: dict, name: str, default: int | None = None, *, lo: int | None = None,
+            hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise invalid(name, f"'{name}' must be an integer, got {_typename(v)}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise invalid(name, f"'{name}' must be {_range(lo, hi)}, got {v}")
+    return v
+
+
+def get_float(body: dict, name: str, default: float | None = None, *, lo: float | None = None,
+              hi: float | None = None, lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise invalid(name, f"'{name}' must be a number, got {_typename(v)}")
+    v = float(v)
+    if v != v or (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+        raise invalid(name, f"'{name}' must be {_range(lo, hi, lo_open)}, got {v:g}")
+    return v
+
+
+def get_str(body: dict, name: str, default: str | None = None) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise invalid(name, f"'{name}' must be a string, got {_typename(v)}")
+    return v
+
+
+def _range(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
+    if lo is not None and hi is not None:
+        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {lo:g}"
+    return f"<= {hi:g}"
+
+
+# ---------------------------------------------------------------- requests
+@dataclass
+class GenerationRequest:
+    """Fields shared by chat and completions requests, validated."""
+
+    model: str | None
+    n: int
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # None: what is left of the context window
+    priority: int
+    # Keyword arguments for SamplingParams (max_tokens and logprobs are added by the handler).
+    sampling: dict[str, Any] = field(default_factory=dict)
+    num_logprobs: int | None = None  # None: no logprobs; N: sampled token + top N
+
+
+@dataclass
+class ChatRequest(GenerationRequest):
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionRequest(GenerationRequest):
+    # One engine request per prompt: text or token ids.
+    prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False  # the prompt text comes first in each choice's text
+
+
+def _common(body: dict, max_n: int) -> dict[str, Any]:
+    """Validate the fields both endpoints share; return GenerationRequest kwargs."""
+    model = get_str(body, "model")
+    n = get_int(body, "n", 1, lo=1, hi=max_n)
+    stream = get_bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise invalid("stream_options", "'stream_options' must be an object")
+        include_usage = bool(get_bool(opts, "include_usage", False)) and stream
+    max_tokens = get_int(body, "max_completion_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", None, lo=1)
+    get_str(body, "user")
+    s: dict[str, Any] = {
+        "temperature": get_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        "top_p": get_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
+        "top_k": get_int(body, "top_k", 0, lo=-1),
+        "min_p": get_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        "presence_penalty": get_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        "frequency_penalty": get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        "repetition_penalty": get_float(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
+        "seed": get_int(body, "seed", None, lo=0, hi=INT64_MAX),
+        "min_tokens": get_int(body, "min_tokens", 0, lo=0),
+        "ignore_eos": get_bool(body, "ignore_eos", False),
+        "stop": _stop(body.get("stop")),
+        "stop_token_ids": _int_list(body, "stop_token_ids"),
+        "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output", False),
+        "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
+    }
+    if s["top_k"] == -1:
+        s["top_k"] = 0
+    s["n"] = n
+    if max_tokens is not None and s["min_tokens"] > max_tokens:
+        raise invalid("min_tokens", f"'min_tokens' ({s['min_tokens']}) must not exceed "
+                      f"max_tokens ({max_tokens})")
+    return dict(model=model, n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
+                priority=get_int(body, "priority", 0), sampling=s)
+
+
+def _stop(v: Any) -> list[str] | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise invalid("stop", "'stop' must be a string or a list of strings")
+    if len(v) > MAX_STOP:
+        raise invalid("stop", f"'stop' may hold at most {MAX_STOP} strings, got {len(v)}")
+    v = [x for x in v if x]
+    return v or None
+
+
+def _int_list(body: dict, name: str) -> list[int] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                          for x in v):
+        raise invalid(name, f"'{name}' must be a list of non-negative integers")
+    return v or None
+
+
+def parse_chat(body: dict, max_n: int) -> ChatRequest:
+    common = _common(body, max_n)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise invalid("messages", "'messages' must be a non-empty list of messages")
+    messages = [_message(m, i) for i, m in enumerate(msgs)]
+    num_logprobs = None
+    if get_bool(body, "logprobs", False):
+        num_logprobs = get_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+    elif body.get("top_logprobs") is not None:
+        get_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+        raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
+    return ChatRequest(**common, num_logprobs=num_logprobs, messages=messages)
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    p = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise invalid(p, f"'{p}' must be an object with 'role' and 'content'")
+    role = m.get("role")
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise invalid(f"{p}.role", f"'{p}.role' must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+    content = m.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{p}.content[{j}]", f"'{p}.content[{j}]' must be a text part "
+                              "{\"type\": \"text\", \"text\": ...}; only text is supported")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise invalid(f"{p}.content", f"'{p}.content' must be a string or a list of text parts")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def parse_completion(body: dict, max_n: int, vocab_size: int) -> CompletionRequest:
+    common = _common(body, max_n)
+    prompts = _prompts(body.get("prompt"), vocab_size)
+    num_logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    echo = bool(get_bool(body, "echo", False))
+    if echo and num_logprobs is not None:
+        raise invalid("echo", "'echo' together with 'logprobs' needs prompt logprobs, which this server "
+                      "does not compute; drop one of them")
+    return CompletionRequest(**common, num_logprobs=num_logprobs, prompts=prompts, echo=echo)
+
+
+def _prompts(v: Any, vocab_size: int) -> list[str | list[int]]:
+    def ids_ok(x: Any) -> bool:
+        return (isinstance(x, list) and len(x) > 0 and
+                all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in x))
+
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and v:
+        if all(isinstance(x, str) for x in v):
+            return list(v)
+        if ids_ok(v):
+            return [v]
+        if all(ids_ok(x) for x in v):
+            return list(v)
+    raise invalid("prompt", "'prompt' must be a string, a non-empty list of strings, a list of token "
+                  f"ids in [0, {vocab_size}) or a list of such lists")
+
+
+# ---------------------------------------------------------------- /tokenize, /detokenize
+def parse_detokenize(body: dict, vocab_size: int) -> list[int]:
+    v = body.get("tokens")
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
+                                          0 <= t < vocab_size for t in v):
+        raise invalid("tokens", f"'tokens' must be a list of token ids in [0, {vocab_size})")
+    return v
+

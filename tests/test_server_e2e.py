@@ -1,0 +1,339 @@
+"""End to end: real `python -m server` processes with the default model, driven by the official
+`openai` client and raw HTTP. Two servers per module: a main one, and a tight one (queue of 1,
+one sequence at a time, 3 requests/minute, short timeout) for the gateway's limits.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import aiohttp
+import openai
+import pytest
+
+from pyengine.model.loader import resolve_model_path
+from pyengine.tokenizer import Tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = "test-key"
+
+
+class ServerProcess:
+    """`python -m server` on a free port; stdout is collected by a thread (the pipe never fills)."""
+
+    def __init__(self, key: str, *args: str) -> None:
+        self.key = key
+        self.url = ""
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server", "--port", "0", "--log-level", "warning", "--api-key", key, *args],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def wait_ready(self) -> "ServerProcess":
+        deadline = time.monotonic() + 240
+        while not self.url:
+            m = re.search(r"listening on (http://\S+)", "".join(self.lines))
+            if m:
+                self.url = m.group(1)
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("server did not start:\n" + "".join(self.lines))
+            time.sleep(0.1)
+        return self
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+    def get(self, path: str, key: str | None = "") -> "Response":
+        """key "": the server's own key; None: no Authorization header."""
+        return http("GET", self.url + path, self.key if key == "" else key)
+
+    def post(self, path: str, key: str | None = "", json_body: dict | None = None,
+             content: bytes | None = None) -> "Response":
+        data = content if content is not None else json.dumps(json_body).encode()
+        return http("POST", self.url + path, self.key if key == "" else key, data)
+
+
+@dataclass
+class Response:
+    status_code: int
+    headers: dict
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def http(method: str, url: str, key: str | None, data: bytes | None = None) -> Response:
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **_auth(key)})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return Response(r.status, dict(r.headers), r.read().decode())
+    except urllib.error.HTTPError as e:
+        return Response(e.code, dict(e.headers), e.read().decode())
+
+
+def _auth(key: str | None) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """Both servers load the model at the same time (start-up dominates this module's runtime)."""
+    main = ServerProcess(KEY, "--max-num-seqs", "32", "--max-model-len", "1024", "--kv-cache-memory", "256MiB")
+    tight = ServerProcess("k1", "--api-key", "k2", "--max-queue", "1", "--max-num-seqs", "1",
+                          "--rate-limit-rpm", "3", "--request-timeout", "2", "--max-model-len", "1024",
+                          "--kv-cache-memory", "64MiB")
+    try:
+        yield main.wait_ready(), tight.wait_ready()
+    finally:
+        main.stop()
+        tight.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def tight(servers):
+    return servers[1]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_model_path(resolve_model_path(None))
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def stats(server: ServerProcess) -> dict:
+    return server.get("/stats").json()["engine"]
+
+
+def wait_idle(server: ServerProcess) -> dict:
+    """Poll until the engine runs nothing and the KV pool is full again; return the stats."""
+    for _ in range(200):
+        s = stats(server)
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]:
+            return s
+        time.sleep(0.05)
+    raise AssertionError(f"engine not idle: {s}")
+
+
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_startup_banner_and_endpoints(server, model):
+    banner = "".join(server.lines)
+    assert re.search(r"listening on http://127\.0\.0\.1:\d+", banner)
+    assert f"model: {model}" in banner and re.search(r"KV cache: \d+ blocks x 16 tokens", banner)
+    assert server.get("/health", key=None).status_code == 200
+    assert server.get("/v1/models", key=None).status_code == 401
+    assert "pyengine:" in server.get("/metrics").text
+
+
+def test_chat_usage_matches_tokenizer(client, model, tokenizer):
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(prompt)
+    (c,) = r.choices
+    assert c.message.role == "assistant" and c.message.content
+    assert r.usage.completion_tokens == len(c.logprobs.content) <= 8
+    assert c.finish_reason in ("stop", "length")
+    for e in c.logprobs.content:  # greedy: the sampled token is the most likely one
+        assert len(e.top_logprobs) == 3
+        assert e.logprob == pytest.approx(max(t.logprob for t in e.top_logprobs), abs=1e-4)
+
+
+def test_chat_streaming_with_usage(client, model):
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, n=2,
+                                                 temperature=0.8, seed=1, stream=True,
+                                                 stream_options={"include_usage": True}))
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens > 0
+    for idx in (0, 1):
+        mine = [ch.choices[0] for ch in chunks[:-1] if ch.choices[0].index == idx]
+        assert mine[0].delta.role == "assistant"
+        assert mine[-1].finish_reason in ("stop", "length")
+    plain = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3, stream=True))
+    assert all(ch.usage is None and ch.choices for ch in plain)
+
+
+def test_completions_n2_seed_and_stop(client, model, tokenizer):
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=1234)
+    a = client.completions.create(n=2, **kw)
+    b = client.completions.create(n=2, **kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # same seed, same text
+    assert a.usage.prompt_tokens == len(tokenizer.encode("Once upon a time"))
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **kw))
+    assert streamed == a.choices[0].text
+    greedy = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0)
+    text = greedy.choices[0].text
+    stop = text.strip()[2:4] if len(text.strip()) >= 4 else text.strip()[:1]
+    cut = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+def test_completions_logprobs(client, model):
+    r = client.completions.create(model=model, prompt="The sky is", max_tokens=4, temperature=0,
+                                  logprobs=2, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert r.usage.completion_tokens == 4 == len(lp.tokens) == len(lp.token_logprobs)
+    assert all(len(t) <= 2 for t in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+
+
+def test_error_paths_then_good_request(server, client, model):
+    cases = [
+        (lambda: client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=-1),
+         openai.BadRequestError, "max_tokens"),
+        (lambda: client.chat.completions.create(model=model, messages=MESSAGES, temperature=-1),
+         openai.BadRequestError, "temperature"),
+        (lambda: client.chat.completions.create(model=model, messages=[]), openai.BadRequestError, "messages"),
+        (lambda: client.chat.completions.create(model="no-such-model", messages=MESSAGES),
+         openai.NotFoundError, "model"),
+        (lambda: client.completions.create(model=model, prompt="hi " * 2000, max_tokens=5),
+         openai.BadRequestError, "messages"),
+    ]
+    for call, exc, param in cases:
+        with pytest.raises(exc) as e:
+            call()
+        assert e.value.body["param"] == param and e.value.body["message"]
+        assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices[0].text is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hi " * 1100)
+    assert re.match(r"This model's maximum context length is 1024 tokens\. However, you requested "
+                    r"\d+ tokens \(\d+ in the messages, 1 in the completion\)\.", e.value.body["message"])
+    r = server.post("/v1/completions", content=b"{oops")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = server.post("/v1/completions", content=b"x" * (5 * 2**20))
+    assert r.status_code == 413 and "error" in r.json()
+    r = server.post("/v1/completions", key="wrong", json_body={"prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+    wait_idle(server)
+
+
+def test_tokenize_detokenize(server, tokenizer):
+    r = server.post("/tokenize", json_body={"prompt": "hello world"}).json()
+    assert r["tokens"] == tokenizer.encode("hello world") and r["count"] == len(r["tokens"])
+    assert server.post("/detokenize", json_body={"tokens": r["tokens"]}).json()["prompt"].endswith("hello world")
+
+
+def test_32_streams_a_third_disconnect(server, model):
+    async def one(session: aiohttp.ClientSession, i: int) -> str | None:
+        body = {"model": model, "prompt": f"Story number {i}:", "max_tokens": 16, "stream": True,
+                "ignore_eos": True, "temperature": 0.7, "seed": i}
+        async with session.post(server.url + "/v1/completions", json=body, headers=_auth(KEY)) as r:
+            assert r.status == 200
+            finish, seen = None, 0
+            async for line in r.content:
+                if not line.startswith(b"data: "):
+                    continue
+                if line.strip() == b"data: [DONE]":
+                    return finish
+                chunk = json.loads(line[6:])
+                seen += 1
+                finish = chunk["choices"][0]["finish_reason"] or finish
+                if i % 3 == 0 and seen == 3:
+                    r.close()  # leave mid-stream
+                    return "left"
+        return None
+
+    async def run() -> list:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=240)) as session:
+            return await asyncio.gather(*(one(session, i) for i in range(32)))
+
+    def aborted() -> float:
+        m = re.search(r'^pyengine:request_success_total\{finished_reason="abort"\} (\S+)$',
+                      server.get("/metrics").text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = aborted()
+    results = asyncio.run(run())
+    assert results.count("left") == 11
+    assert all(r == "length" for i, r in enumerate(results) if i % 3)
+    s = wait_idle(server)
+    assert s["num_free_blocks"] == s["num_total_blocks"]
+    metrics = server.get("/metrics").text
+    assert re.search(r"^pyengine:num_requests_running(\{[^}]*\})? 0\.0$", metrics, re.M)
+    assert "pyengine_server:requests_in_flight 0.0" in metrics
+    assert aborted() - before == 11  # the engine stopped each stream whose client left
+
+
+def test_back_pressure_timeout_and_rate_limit(tight):
+    async def run():
+        hdr = _auth("k1")
+        long = {"prompt": "Count:", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
+        async with aiohttp.ClientSession() as session:
+            a = await session.post(tight.url + "/v1/completions", json={**long, "stream": True}, headers=hdr)
+            assert a.status == 200
+            await a.content.readuntil(b"\n\n")  # A runs; its first token is out
+            b = asyncio.ensure_future(session.post(tight.url + "/v1/completions", json=long, headers=hdr))
+            while (await (await session.get(tight.url + "/stats", headers=hdr)).json())["gateway"]["waiting"] < 1:
+                await asyncio.sleep(0.02)
+            c = await session.post(tight.url + "/v1/completions", json=long, headers=hdr)  # B waits: full
+            assert c.status == 503 and c.headers["Retry-After"]
+            assert (await c.json())["error"]["code"] == "server_overloaded"
+            text = await a.text()  # A is cut by the 2 s timeout: an error event, then [DONE]
+            assert '"type": "timeout"' in text and text.endswith("data: [DONE]\n\n")
+            b = await b
+            assert b.status == 504 and (await b.json())["error"]["type"] == "timeout"
+
+    asyncio.run(run())
+    wait_idle(tight)
+    for _ in range(3):
+        assert tight.post("/v1/completions", key="k2", json_body={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+    r = tight.post("/v1/completions", key="k2", json_body={"prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_sigterm_drains_in_flight_then_exits_0(server, model):
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            body = {"model": model, "prompt": "Go", "max_tokens": 16, "ignore_eos": True, "stream": True}
+            r = await session.post(server.url + "/v1/completions", json=body, headers=_auth(KEY))
+            await r.content.readuntil(b"\n\n")
+            server.proc.send_signal(signal.SIGTERM)
+            text = await r.text()
+            assert '"finish_reason": "length"' in text and text.endswith("data: [DONE]\n\n")
+
+    asyncio.run(run())
+    assert server.proc.wait(30) == 0
+    with pytest.raises(urllib.error.URLError):
+        http("GET", server.url + "/health", None)
