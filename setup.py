@@ -33,7 +33,9 @@ def rel(pattern: str) -> list[str]:
 
 
 CPU_ARCH = os.environ.get("PYENGINE_CPU_ARCH", "native")
-CXX_FLAGS = ["-O3", f"-march={CPU_ARCH}", "-fno-math-errno", "-pthread", "-Wall", "-Wno-unused-function"]
+# -fopenmp links libgomp.so.1, the soname torch ships: torch loads first, so both share one runtime
+# (native/include/pyengine/parallel.h says why that matters).
+CXX_FLAGS = ["-O3", f"-march={CPU_ARCH}", "-fno-math-errno", "-fopenmp", "-Wall", "-Wno-unused-function"]
 
 ext_modules = [
     Pybind11Extension(
@@ -42,7 +44,7 @@ ext_modules = [
         include_dirs=["native/include"],
         depends=rel("native/include/pyengine/*.h") + rel("native/cpu/*.h") + rel("native/bindings/*.h"),
         extra_compile_args=CXX_FLAGS,
-        extra_link_args=["-pthread"],
+        extra_link_args=["-fopenmp"],
         cxx_std=17,
     )
 ]

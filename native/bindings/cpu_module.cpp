@@ -14,9 +14,9 @@ std::vector<OpsRegistrar>& ops_registrars() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pyengine CPU kernels";
   m.def("num_threads", [] { return pyengine::ThreadPool::instance().num_threads(); },
-        "Threads the native CPU kernels use (the caller plus the pool's workers).");
+        "Threads the native CPU kernels use (an OpenMP team shared with torch).");
   m.def("set_num_threads", [](int n) { pyengine::ThreadPool::instance().set_num_threads(n); },
-        py::arg("n"), "Resize the native thread pool (n >= 1).");
+        py::arg("n"), "Set the threads the native CPU kernels use (n >= 1).");
   m.def("isa", [] {
 #if defined(__AVX512F__)
     return "avx512";
