@@ -13,6 +13,7 @@ Environment switches:
   PYENGINE_CUDA_ARCHS space-separated SM list (default "80 90").
   MAX_JOBS            parallel compile jobs (default: CPU count).
 """
+import concurrent.futures
 import glob
 import os
 import shutil
@@ -39,6 +40,7 @@ ext_modules = [
         "pyengine._C",
         rel("native/bindings/cpu_*.cpp") + rel("native/cpu/*.cpp"),
         include_dirs=["native/include"],
+        depends=rel("native/include/pyengine/*.h") + rel("native/cpu/*.h") + rel("native/bindings/*.h"),
         extra_compile_args=CXX_FLAGS,
         extra_link_args=["-pthread"],
         cxx_std=17,
@@ -88,6 +90,7 @@ if NVCC and rel("native/cuda/*.cu"):
             "pyengine._cuda",
             rel("native/bindings/cuda_*.cpp"),
             include_dirs=["native/include", os.path.join(CUDA_HOME, "include")],
+            depends=rel("native/include/pyengine/*.h") + rel("native/bindings/*.h"),
             library_dirs=[os.path.join(CUDA_HOME, "lib64")],
             runtime_library_dirs=[os.path.join(CUDA_HOME, "lib64")],
             libraries=["cudart"],
@@ -110,17 +113,20 @@ class BuildExt(build_ext):
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
         out_dir = os.path.join(self.build_temp, "cuda")
         os.makedirs(out_dir, exist_ok=True)
-        objects = []
+        headers = rel("native/include/pyengine/*.h") + rel("native/cuda/*.cuh")
+        commands, objects = [], []
         for src in rel("native/cuda/*.cu"):
             obj = os.path.join(out_dir, os.path.basename(src) + ".o")
-            headers = rel("native/include/pyengine/*.h") + rel("native/cuda/*.cuh")
             newest_input = max(os.path.getmtime(p) for p in [src, *headers])
             if self.force or not os.path.exists(obj) or os.path.getmtime(obj) < newest_input:
-                cmd = [NVCC, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Inative/include",
-                       "--compiler-options", "-fPIC", "--expt-relaxed-constexpr", *gencode]
-                print(" ".join(cmd), file=sys.stderr)
-                subprocess.run(cmd, check=True, cwd=ROOT)
+                commands.append([NVCC, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Inative/include",
+                                 "--compiler-options", "-fPIC", "--expt-relaxed-constexpr", *gencode])
             objects.append(obj)
+        jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+            for cmd in commands:
+                print(" ".join(cmd), file=sys.stderr)
+            list(pool.map(lambda cmd: subprocess.run(cmd, check=True, cwd=ROOT), commands))
         return objects
 
 

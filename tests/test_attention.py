@@ -97,15 +97,17 @@ def test_mixed_step_matches_reference(gqa, kv_heads, head_dim, block_size, dtype
         [(520, 16), (5, 1)],  # a prompt tile straddling a split boundary (some rows see nothing in a split)
     ],
 )
-def test_long_context_split_path(specs):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_context_split_path(specs, dtype):
     threads = _C.num_threads()
     _C.set_num_threads(2)  # splits need > 1 thread
     try:
-        q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, 16, torch.float32, seed=1)
+        q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, 16, dtype, seed=1)
         out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125, max_seq_len=int(sl.max()))
     finally:
         _C.set_num_threads(threads)
-    torch.testing.assert_close(out, reference(q, kc, vc, bt, sl, qsl, 0.125), atol=2e-5, rtol=2e-5)
+    ref = reference(q, kc, vc, bt, sl, qsl, 0.125)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
@@ -118,13 +120,34 @@ def test_quantized_cache_matches_dequantized_reference(cache_dtype, dtype):
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_strided_q_and_out_buffer():
-    q, kc, vc, bt, sl, qsl, _ = make_batch([(40, 7), (9, 1)], 4, 2, 64, 8, torch.float32, seed=3)
-    qkv = torch.cat([q.reshape(8, -1), torch.randn(8, 2 * 2 * 64)], dim=1)  # a fused QKV output
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_quantized_code_decodes_exactly(cache_dtype, dtype):
+    """With one cached token the output is that token's V row: every code (x 0.5) must come back exactly."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if cache_dtype == torch.float8_e4m3fn:
+        codes[(codes & 0x7F) == 0x7F] = 0  # NaN codes are never written
+    v_cache = codes.view(cache_dtype).view(2, 1, 1, 128)
+    k_cache = torch.zeros_like(v_cache)
+    scales = torch.full((2, 1, 1), 0.5)
+    bt = torch.tensor([[0], [1]], dtype=torch.int32)
+    ones = torch.ones(2, dtype=torch.int32)
+    q = torch.randn(2, 2, 128).to(dtype)
+    out = paged_attention(q, k_cache, v_cache, bt, ones, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1,
+                          k_scales=scales, v_scales=scales)
+    want = (v_cache.float() * 0.5).view(2, 1, 128).expand(2, 2, 128)
+    assert torch.equal(out.float(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_q_and_out_buffer(dtype):
+    q, kc, vc, bt, sl, qsl, _ = make_batch([(40, 7), (9, 1)], 4, 2, 64, 8, dtype, seed=3)
+    qkv = torch.cat([q.reshape(8, -1), torch.randn(8, 2 * 2 * 64).to(dtype)], dim=1)  # a fused QKV output
     q_view = qkv[:, : 4 * 64].view(8, 4, 64)
     out = torch.full_like(q, float("nan"))
     assert paged_attention(q_view, kc, vc, bt, sl, qsl, 0.3, out=out) is out
-    torch.testing.assert_close(out, reference(q, kc, vc, bt, sl, qsl, 0.3), atol=2e-5, rtol=2e-5)
+    ref = reference(q, kc, vc, bt, sl, qsl, 0.3)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def good_args():

@@ -99,6 +99,20 @@ def test_rotary_embedding_large_positions_and_fused_qkv_slices():
     torch.testing.assert_close(v, want_v, atol=0, rtol=0)
 
 
+def test_rotary_embedding_3d_head_views_of_fused_qkv():
+    heads, kv_heads, head_dim, tokens = 9, 3, 64, 40
+    cache = cos_sin_cache(4096, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(9))
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim).to(torch.bfloat16)
+    q, k = qkv[:, :heads], qkv[:, heads:heads + kv_heads]
+    want_q, want_k = ref_rope(positions, q, cache, head_dim), ref_rope(positions, k, cache, head_dim)
+    want_v = qkv[:, heads + kv_heads:].clone()
+    rotary_embedding(positions, q, k, cache, head_dim)
+    torch.testing.assert_close(q, want_q, **TOL[torch.bfloat16])
+    torch.testing.assert_close(k, want_k, **TOL[torch.bfloat16])
+    assert torch.equal(qkv[:, heads + kv_heads:], want_v)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1536), (3, 7), (64, 1536), (2, 5000)])
 def test_silu_and_mul(dtype, shape):

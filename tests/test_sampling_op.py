@@ -122,6 +122,14 @@ def test_all_masked_but_one_and_tiny_temperature():
     assert res.token_ids.tolist() == [42, 17]
 
 
+@pytest.mark.parametrize("top_k", [0, 50])
+def test_masked_tokens_are_never_drawn(top_k):
+    logits = torch.full((1, 3000), float("-inf"))
+    logits[0, [5, 900, 2999]] = torch.tensor([0.0, 1.0, -1.0])
+    counts = draw(logits[0], 3000, top_k=top_k, top_p=0.999)
+    assert counts.sum() == 3000 and counts[[5, 900, 2999]].sum() == 3000 and (counts[[5, 900, 2999]] > 0).all()
+
+
 def test_seeded_draws_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(16, 5000, generator=g) * 2
@@ -261,3 +269,19 @@ def test_penalties_bad_arguments():
         apply_penalties(logits, ids, torch.tensor([0, 3, 2], dtype=torch.int32), ids, offsets, zeros, zeros, ones)
     with pytest.raises(ValueError, match=r"repetition\[0\]"):
         apply_penalties(logits, ids, offsets, ids, offsets, zeros, zeros, torch.tensor([0.0, 1.0]))
+
+
+def test_first_parallel_call_after_import_returns():
+    """Regression: the thread pool's workers once missed a parallel_for issued before they first ran,
+    and the first multi-row sample() after import hung forever."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from pyengine.ops.sampling import sample; b = 2; "
+            "print(sample(torch.randn(b, 20000), torch.ones(b), torch.zeros(b, dtype=torch.int32), torch.ones(b), "
+            "torch.zeros(b), torch.arange(b), torch.arange(b)).token_ids.shape[0])")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYENGINE_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "2", out.stderr

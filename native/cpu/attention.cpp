@@ -16,8 +16,12 @@
 // (max, sum, acc) triples are merged afterwards. Online softmax in base 2 (q is pre-scaled by
 // scale * log2 e); the score matrix is never materialised beyond one chunk of one row. fp32 throughout.
 //
-// SIMD: AVX-512 intrinsics under __AVX512F__; otherwise portable loops written in 16-lane strips,
-// which GCC vectorizes for AVX2 (-march=x86-64-v3) and leaves scalar elsewhere.
+// Paths (chosen at compile time by the -march of the build, PYENGINE_CPU_ARCH):
+//   bf16 q with a bf16/fp8/int8 cache, head_dim 64/128, AVX512_BF16: run_item_bf16 (vdpbf16ps, no fp32
+//     scratch; see its comment). This is the decode hot path of bf16 models.
+//   everything else (fp32/fp16, other head dims, no AVX512_BF16): run_item, which dequantizes each K/V
+//     chunk once into fp32 scratch; AVX-512 intrinsics under __AVX512F__, otherwise portable loops in
+//     16-lane strips that GCC vectorizes for AVX2 (-march=x86-64-v3) and leaves scalar elsewhere.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -37,6 +41,14 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
+
+
+
+
+
+
+
+
 
 namespace pyengine {
 namespace {
@@ -77,6 +89,13 @@ struct Partials {
 
 struct Workspace {
   std::vector<float> qf, acc, m, l, kf, vf, sc;
+  // bf16 path: q rows, widened K codes, token-pair-interleaved V, bf16 probabilities, K/V row
+  // pointers and per-token scales of the chunk
+  std::vector<uint16_t> qb, kq, vi, pb;
+  std::vector<const uint16_t*> kp;
+  std::vector<const char*> vp;
+  std::vector<float> ksc, vsc;
+  std::vector<int64_t> pf;  // cache rows of the next chunk (prefetch)
   void fit(int64_t rows, int64_t Dp, int64_t chunk) {
     const int64_t chunk16 = (chunk + 15) / 16 * 16;
     if (static_cast<int64_t>(qf.size()) < rows * Dp) qf.resize(rows * Dp), acc.resize(rows * Dp);
@@ -289,6 +308,20 @@ void softmax_pv(float* sc, int64_t nv, const float* V, int64_t Dp, float& m, flo
 // ---------------------------------------------------------------------------------------------
 // One work item: a query tile of one kv head over cache positions [kv_lo, min(kv_hi, causal end)).
 // ---------------------------------------------------------------------------------------------
+
+// Writes a finished row (acc in natural order): the output row, or the item's split partial.
+void finish_row(const Args& a, const Item& it, Partials& parts, int64_t tok, int64_t head, const float* acc, float m,
+                float l) {
+  if (it.nsplit > 1) {
+    const int64_t idx = (tok * a.H + head) * parts.nsplit + it.split;
+    parts.ml[idx * 2] = m;
+    parts.ml[idx * 2 + 1] = l;
+    std::copy(acc, acc + a.D, parts.acc.data() + idx * a.Dp);
+  } else {
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < a.D; ++d) store_float(a.out, (tok * a.H + head) * a.D + d, a.qdt, acc[d] * inv);
+  }
+}
 template <DType CD, int NC>
 void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
   constexpr bool kQuant = CD == DType::kFloat8E4M3 || CD == DType::kInt8;
@@ -336,20 +369,239 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
     }
   }
 
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = q_start + it.tok0 + r / G, head = it.kvh * G + r % G;
-    const float* acc = ws.acc.data() + r * Dp;
-    if (it.nsplit > 1) {
-      const int64_t idx = (tok * a.H + head) * parts.nsplit + it.split;
-      parts.ml[idx * 2] = ws.m[r];
-      parts.ml[idx * 2 + 1] = ws.l[r];
-      std::copy(acc, acc + D, parts.acc.data() + idx * Dp);
-    } else {
-      const float inv = 1.0f / ws.l[r];
-      for (int64_t d = 0; d < D; ++d) store_float(a.out, (tok * a.H + head) * D + d, a.qdt, acc[d] * inv);
-    }
+  for (int64_t r = 0; r < rows; ++r)
+    finish_row(a, it, parts, q_start + it.tok0 + r / G, it.kvh * G + r % G, ws.acc.data() + r * Dp, ws.m[r], ws.l[r]);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// ---------------------------------------------------------------------------------------------
+// bf16 q over a bf16, fp8 or int8 cache (head_dim = 32 * NC32). QK uses vdpbf16ps on K rows (read
+// straight from a bf16 cache; fp8/int8 codes are first widened to bf16, which is exact) and scales
+// the scores afterwards (softmax scale, and the per-token K scale). PV interleaves the V rows of a
+// token pair once per chunk, (V[t][d], V[t+1][d]), and accumulates dpbf16(pair, (p_t, p_t+1)) with
+// p (times the per-token V scale) rounded to bf16, as flash attention does on GPUs; for a bf16 cache
+// the softmax sum uses the same rounded p. The accumulators then hold d in unpack order: vector k,
+// lane i is d = (k / 2) * 32 + (i / 4) * 8 + (k % 2) * 4 + i % 4, restored when the row finishes.
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t kBf16Chunk = 64;
+
+// 32 cache elements -> 32 bf16 (exact for every fp8 e4m3 and int8 code).
+template <DType CD>
+inline __m512i load32_bf16(const void* p) {
+  if constexpr (CD == DType::kBFloat16) {
+    return _mm512_loadu_si512(p);
+  } else if constexpr (CD == DType::kFloat8E4M3) {
+    alignas(64) static const uint16_t kSub[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};  // m * 2^-9
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+    const __m512i em = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
+    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+    const __m512i sub = _mm512_permutexvar_epi16(em, _mm512_load_si512(kSub));
+    const __mmask32 is_normal = _mm512_cmpge_epu16_mask(em, _mm512_set1_epi16(8));
+    return _mm512_or_si512(_mm512_mask_blend_epi16(is_normal, sub, normal), sign);
+  } else {  // int8
+    const __m256i raw = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
   }
 }
+
+template <DType CD, int NC32>
+void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
+  constexpr bool kQuant = CD != DType::kBFloat16;
+  constexpr int NV = 2 * NC32;  // fp32 accumulator vectors per row
+  constexpr int64_t D = 32 * NC32;
+  constexpr int64_t es = kQuant ? 1 : 2;
+  const int64_t G = a.G;
+  const int64_t q_start = a.qsl[it.seq], q_len = a.qsl[it.seq + 1] - q_start;
+  const int64_t first_pos = a.seq_lens[it.seq] - q_len;
+  const int64_t rows = (it.tok1 - it.tok0) * G;
+  if (static_cast<int64_t>(ws.acc.size()) < rows * D) ws.acc.resize(rows * D);
+  if (static_cast<int64_t>(ws.m.size()) < rows) ws.m.resize(rows), ws.l.resize(rows);
+  if (static_cast<int64_t>(ws.qb.size()) < rows * D) ws.qb.resize(rows * D);
+  if (static_cast<int64_t>(ws.vi.size()) < kBf16Chunk * D) {  // zero-filled: lanes past n stay finite
+    ws.vi.resize(kBf16Chunk * D), ws.kq.resize(kBf16Chunk * D);
+    ws.pb.resize(kBf16Chunk), ws.sc.resize(kBf16Chunk), ws.kp.resize(kBf16Chunk), ws.vp.resize(kBf16Chunk);
+    ws.ksc.resize(kBf16Chunk), ws.vsc.resize(kBf16Chunk), ws.pf.resize(kBf16Chunk);
+  }
+
+  // Raw pointers: through the vectors of a thread_local workspace GCC reloads them (and the TLS
+  // address) after every store, which serializes the loads of the hot loops.
+  const uint16_t** kp = ws.kp.data();
+  const char** vp = ws.vp.data();
+  uint16_t* kq = ws.kq.data();
+  __m512i* vi = reinterpret_cast<__m512i*>(ws.vi.data());
+  float* ksc = ws.ksc.data();
+  float* vsc = ws.vsc.data();
+  int64_t* pf = ws.pf.data();
+  const uint16_t* qb = ws.qb.data();
+  float* acc_all = ws.acc.data();
+  float* m_all = ws.m.data();
+  float* l_all = ws.l.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = q_start + it.tok0 + r / G, head = it.kvh * G + r % G;
+    std::memcpy(ws.qb.data() + r * D, static_cast<const uint16_t*>(a.q) + tok * a.q_stride + head * D, D * 2);
+    std::fill(ws.acc.data() + r * D, ws.acc.data() + (r + 1) * D, 0.0f);
+    ws.m[r] = kNegInf;
+    ws.l[r] = 0.0f;
+  }
+  const __m512 qscale = _mm512_set1_ps(a.scale * kLog2e);
+  const char* kc = static_cast<const char*>(a.k);
+  const char* vc = static_cast<const char*>(a.v);
+  const int32_t* table = a.bt + it.seq * a.MB;
+  const int64_t kv_end = std::min<int64_t>(it.kv_hi, first_pos + it.tok1);
+  float* sc = ws.sc.data();
+  uint16_t* pb = ws.pb.data();
+  // Calls fn(t, cache row index, run) for each block run of the chunk [c, min(c + chunk, kv_end)).
+  auto for_runs = [&](int64_t c, auto&& fn) {
+    const int64_t end = std::min(kv_end, c + kBf16Chunk);
+    for (int64_t p = c; p < end;) {
+      const int64_t off = p % a.BS, run = std::min(a.BS - off, end - p);
+      fn(p - c, (static_cast<int64_t>(table[p / a.BS]) * a.KVH + it.kvh) * a.BS + off, run);
+      p += run;
+    }
+  };
+  for (int64_t c0 = it.kv_lo; c0 < kv_end; c0 += kBf16Chunk) {
+    const int64_t n = std::min(kBf16Chunk, kv_end - c0);
+    for_runs(c0, [&](int64_t t, int64_t row, int64_t run) {
+      for (int64_t i = 0; i < run; ++i) {
+        vp[t + i] = vc + (row + i) * D * es;
+        if constexpr (kQuant) {
+          ksc[t + i] = a.ks[row + i];
+          vsc[t + i] = a.vs[row + i];
+          uint16_t* dst = kq + (t + i) * D;
+          for (int c = 0; c < NC32; ++c)
+            _mm512_storeu_si512(dst + c * 32, load32_bf16<CD>(kc + (row + i) * D + c * 32));
+          kp[t + i] = dst;
+        } else {
+          kp[t + i] = reinterpret_cast<const uint16_t*>(kc + (row + i) * D * es);
+        }
+      }
+    });
+    for (int64_t t = n; t < (n + 15) / 16 * 16; ++t) kp[t] = kp[0];  // lanes past n: any valid row
+    const int64_t nnext = std::min(kBf16Chunk, kv_end - c0 - kBf16Chunk);
+    if (nnext > 0)
+      for_runs(c0 + kBf16Chunk, [&](int64_t t, int64_t row, int64_t run) {
+        for (int64_t i = 0; i < run; ++i) pf[t + i] = row + i;
+      });
+    for (int64_t j = 0; j < (n + 1) / 2; ++j) {  // interleave V rows of token pairs
+      // and prefetch the next chunk's rows: blocks are scattered, so the hardware prefetcher stops at
+      // every block edge; spread over this loop, the prefetches overlap this chunk's work
+      for (int64_t t = 2 * j; t < std::min(2 * j + 2, nnext); ++t)
+        for (int64_t b = 0; b < D * es; b += 64)
+          _mm_prefetch(kc + pf[t] * D * es + b, _MM_HINT_T0), _mm_prefetch(vc + pf[t] * D * es + b, _MM_HINT_T0);
+      __m512i* dst = vi + j * NV;
+      const char* v0 = vp[2 * j];
+      const char* v1 = 2 * j + 1 < n ? vp[2 * j + 1] : nullptr;
+      for (int c = 0; c < NC32; ++c) {
+        const __m512i x = load32_bf16<CD>(v0 + c * 32 * es);
+        const __m512i y = v1 ? load32_bf16<CD>(v1 + c * 32 * es) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + 2 * c, _mm512_unpacklo_epi16(x, y));
+        _mm512_storeu_si512(dst + 2 * c + 1, _mm512_unpackhi_epi16(x, y));
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t nv = std::min(n, first_pos + it.tok0 + r / G + 1 - c0);
+      if (nv <= 0) continue;
+      __m512bh qv[NC32];
+      for (int c = 0; c < NC32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qb + r * D + c * 32);
+      __m512 vmax = _mm512_set1_ps(kNegInf);
+      for (int64_t t0 = 0; t0 < nv; t0 += 16) {
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) {
+          __m512 s = _mm512_setzero_ps();
+          for (int c = 0; c < NC32; ++c) s = _mm512_dpbf16_ps(s, qv[c], (__m512bh)_mm512_loadu_si512(kp[t0 + i] + c * 32));
+          acc[i] = s;
+        }
+        __m512 s = _mm512_mul_ps(hsum16(acc), qscale);
+        if constexpr (kQuant) s = _mm512_mul_ps(s, _mm512_loadu_ps(ksc + t0));
+        _mm512_storeu_ps(sc + t0, s);
+        vmax = _mm512_mask_max_ps(vmax, tail_mask(nv - t0), vmax, s);
+      }
+      float& m = m_all[r];
+      float& l = l_all[r];
+      const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+      const float alpha = std::exp2(m - m_new);
+      const __m512 vm = _mm512_set1_ps(m_new);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < nv; t0 += 16) {
+        const __m512 p = _mm512_maskz_mov_ps(tail_mask(nv - t0), exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
+        if constexpr (kQuant) {
+          const __m256bh ph = _mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(vsc + t0)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t0), (__m256i)ph);
+          vsum = _mm512_add_ps(vsum, p);
+        } else {
+          const __m256bh ph = _mm512_cvtneps_pbh(p);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t0), (__m256i)ph);
+          vsum = _mm512_add_ps(vsum, _mm512_cvtpbh_ps(ph));
+        }
+      }
+      l = l * alpha + _mm512_reduce_add_ps(vsum);
+      m = m_new;
+      float* accr = acc_all + r * D;
+      const __m512 va = _mm512_set1_ps(alpha);
+      __m512 x[NV], y[NV];
+      for (int k = 0; k < NV; ++k) x[k] = _mm512_mul_ps(_mm512_loadu_ps(accr + k * 16), va), y[k] = _mm512_setzero_ps();
+      const int64_t npairs = (nv + 1) / 2;
+      int64_t j = 0;
+      for (; j + 1 < npairs; j += 2) {
+        int32_t w0, w1;
+        std::memcpy(&w0, pb + 2 * j, 4);
+        std::memcpy(&w1, pb + 2 * j + 2, 4);
+        const __m512bh p0 = (__m512bh)_mm512_set1_epi32(w0), p1 = (__m512bh)_mm512_set1_epi32(w1);
+        for (int k = 0; k < NV; ++k) {
+          x[k] = _mm512_dpbf16_ps(x[k], (__m512bh)_mm512_loadu_si512(vi + j * NV + k), p0);
+          y[k] = _mm512_dpbf16_ps(y[k], (__m512bh)_mm512_loadu_si512(vi + (j + 1) * NV + k), p1);
+        }
+      }
+      if (j < npairs) {  // p of a token past nv is 0, so a half-used last pair adds nothing extra
+        int32_t w0;
+        std::memcpy(&w0, pb + 2 * j, 4);
+        const __m512bh p0 = (__m512bh)_mm512_set1_epi32(w0);
+        for (int k = 0; k < NV; ++k) x[k] = _mm512_dpbf16_ps(x[k], (__m512bh)_mm512_loadu_si512(vi + j * NV + k), p0);
+      }
+      for (int k = 0; k < NV; ++k) _mm512_storeu_ps(accr + k * 16, _mm512_add_ps(x[k], y[k]));
+    }
+  }
+
+  float nat[D];
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* accr = ws.acc.data() + r * D;
+    for (int k = 0; k < NV; ++k)
+      for (int i = 0; i < 16; ++i) nat[(k / 2) * 32 + (i / 4) * 8 + (k % 2) * 4 + i % 4] = accr[k * 16 + i];
+    finish_row(a, it, parts, q_start + it.tok0 + r / G, it.kvh * G + r % G, nat, ws.m[r], ws.l[r]);
+  }
+}
+
+template <DType CD, int NC32>
+void run_all_bf16(const Args& a, const std::vector<Item>& items, Partials& parts) {
+  ThreadPool::instance().parallel_for(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    thread_local Workspace ws;
+    run_item_bf16<CD, NC32>(a, items[i], parts, ws);
+  });
+}
+
+template <DType CD>
+bool bf16_head_dim(const Args& a, const std::vector<Item>& items, Partials& parts) {
+  if (a.D == 64) run_all_bf16<CD, 2>(a, items, parts);
+  else if (a.D == 128) run_all_bf16<CD, 4>(a, items, parts);
+  else return false;
+  return true;
+}
+
+bool try_bf16_path(const Args& a, const std::vector<Item>& items, Partials& parts) {
+  if (a.qdt != DType::kBFloat16) return false;
+  switch (a.cdt) {
+    case DType::kBFloat16: return bf16_head_dim<DType::kBFloat16>(a, items, parts);
+    case DType::kFloat8E4M3: return bf16_head_dim<DType::kFloat8E4M3>(a, items, parts);
+    case DType::kInt8: return bf16_head_dim<DType::kInt8>(a, items, parts);
+    default: return false;
+  }
+}
+#else
+bool try_bf16_path(const Args&, const std::vector<Item>&, Partials&) { return false; }
+#endif
 
 // Merge the split partials of one (token, q head) into the output row.
 void merge_partials(const Args& a, const Partials& parts, int64_t tok, int64_t head, int64_t nsplit, float* tmp) {
@@ -469,7 +721,7 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
     parts.acc.assign(a.T * a.H * parts.nsplit * a.Dp, 0.0f);
   }
 
-  switch (cache_dtype) {
+  if (!try_bf16_path(a, items, parts)) switch (cache_dtype) {
     case DType::kFloat32: dispatch_head_dim<DType::kFloat32>(a, items, parts); break;
     case DType::kBFloat16: dispatch_head_dim<DType::kBFloat16>(a, items, parts); break;
     case DType::kFloat16: dispatch_head_dim<DType::kFloat16>(a, items, parts); break;

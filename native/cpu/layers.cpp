@@ -21,6 +21,7 @@
 
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
+#include "pyengine/vec_exp.h"
 
 // GCC 12 flags its own AVX-512 intrinsics (_mm512_undefined_*) as maybe-uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -73,20 +74,7 @@ inline vfloat vdiv(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline vfloat vfms(vfloat a, vfloat b, vfloat c) { return _mm512_fmsub_ps(a, b, c); }  // a*b - c
 inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
-inline vfloat vexp(vfloat x) {  // Cephes expf: |rel err| < 2e-7
-  x = _mm512_min_ps(_mm512_max_ps(x, vset(-104.0f)), vset(89.0f));
-  const vfloat n = _mm512_roundscale_ps(vmul(x, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-  vfloat r = _mm512_fnmadd_ps(n, vset(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, vset(-2.12194440e-4f), r);
-  vfloat p = vset(1.9875691500e-4f);
-  p = vfma(p, r, vset(1.3981999507e-3f));
-  p = vfma(p, r, vset(8.3334519073e-3f));
-  p = vfma(p, r, vset(4.1665795894e-2f));
-  p = vfma(p, r, vset(1.6666665459e-1f));
-  p = vfma(p, r, vset(5.0000001201e-1f));
-  p = vfma(vmul(p, r), r, vadd(r, vset(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+inline vfloat vexp(vfloat x) { return exp512(x); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int64_t kLanes = 8;
 using vfloat = __m256;
@@ -123,21 +111,7 @@ inline float vsum(vfloat v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-inline vfloat vexp(vfloat x) {  // Cephes expf; inputs clamped to the normal range
-  x = _mm256_min_ps(_mm256_max_ps(x, vset(-87.3f)), vset(88.3f));
-  const vfloat n = _mm256_round_ps(vmul(x, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  vfloat r = _mm256_fnmadd_ps(n, vset(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, vset(-2.12194440e-4f), r);
-  vfloat p = vset(1.9875691500e-4f);
-  p = vfma(p, r, vset(1.3981999507e-3f));
-  p = vfma(p, r, vset(8.3334519073e-3f));
-  p = vfma(p, r, vset(4.1665795894e-2f));
-  p = vfma(p, r, vset(1.6666665459e-1f));
-  p = vfma(p, r, vset(5.0000001201e-1f));
-  p = vfma(vmul(p, r), r, vadd(r, vset(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return vmul(p, _mm256_castsi256_ps(e));
-}
+inline vfloat vexp(vfloat x) { return exp256(x); }
 #else
 constexpr int64_t kLanes = 1;
 using vfloat = float;

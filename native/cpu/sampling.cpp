@@ -4,8 +4,9 @@
 //   top_k int32, seeds/steps int64; writes token_ids [B] int32 and, on request, logprobs [B] fp32
 //   and top_ids/top_logprobs [B, N]. One row at a time, no state shared between rows:
 //   1. T == 0: exact argmax, ties to the lowest id.
-//   2. top-k: the k-th largest logit by one vectorized scan against a size-k heap's minimum
-//      (O(V) compares, O(k log(V/k) log k) heap work for typical logits; never a sort of V).
+//   2. top-k: the minimum of the maxima of k disjoint id groups bounds the k-th largest logit from
+//      below; one vectorized gather above it leaves a few*k candidates, whose k-th largest value is
+//      found by selection (nth_element). O(V) vector work, never a sort of V. Top-N logprobs reuse it.
 //   3. min-p: p_i >= min_p * p_max  <=>  x_i >= x_max + T*log(min_p), a logit threshold; with
 //      top-k the two thresholds combine (both keep the max, so their order does not matter).
 //   4. candidates x_i >= threshold are gathered (id order) with weights w_i = exp((x_i - x_max)/T).
@@ -26,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -33,6 +35,7 @@
 
 #include "pyengine/parallel.h"
 #include "pyengine/philox.h"
+#include "pyengine/vec_exp.h"
 
 // GCC 12 flags its own AVX-512 intrinsics (_mm512_undefined_*) as maybe-uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -44,39 +47,10 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
-inline __m512 vexp(__m512 x) {  // Cephes expf, |rel err| < 2e-7; exp(-inf) = 0
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+inline __m512 vexp(__m512 x) { return exp512(x); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kLanes = 8;
-inline __m256 vexp(__m256 x) {  // Cephes expf; below -87.3 it returns ~1e-38 rather than 0
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+inline __m256 vexp(__m256 x) { return exp256(x); }
 #else
 constexpr int64_t kLanes = 1;
 #endif
@@ -152,44 +126,6 @@ void exp_inplace(float* x, int64_t n, float shift, float scale) {
   for (; i < n; ++i) x[i] = std::exp(scale * (x[i] - shift));
 }
 
-struct Cand {
-  float v;
-  int32_t id;
-};
-// a ranks before b: higher value, then lower id.
-inline bool ranks_before(const Cand& a, const Cand& b) { return a.v > b.v || (a.v == b.v && a.id < b.id); }
-
-// The n best (value, id) pairs of x[0, V) as a heap whose front is the n-th best (0 < n <= V).
-// A vectorized scan compares each element against the current n-th best; only the few that beat
-// it touch the heap. Strict '>' keeps the lowest ids among equal values (ids are scanned upwards).
-void top_n_heap(const float* x, int64_t V, int64_t n, std::vector<Cand>& heap) {
-  heap.resize(n);
-  for (int64_t i = 0; i < n; ++i) heap[i] = {x[i], static_cast<int32_t>(i)};
-  std::make_heap(heap.begin(), heap.end(), ranks_before);
-  float thr = heap.front().v;
-  auto offer = [&](int64_t i) {
-    if (x[i] > thr) {
-      std::pop_heap(heap.begin(), heap.end(), ranks_before);
-      heap.back() = {x[i], static_cast<int32_t>(i)};
-      std::push_heap(heap.begin(), heap.end(), ranks_before);
-      thr = heap.front().v;
-    }
-  };
-  int64_t i = n;
-#if defined(__AVX512F__)
-  for (; i + 16 <= V; i += 16) {
-    __mmask16 m = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(thr), _CMP_GT_OQ);
-    for (; m; m &= m - 1) offer(i + __builtin_ctz(m));
-  }
-#elif defined(__AVX2__)
-  for (; i + 8 <= V; i += 8) {
-    int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(thr), _CMP_GT_OQ));
-    for (; m; m &= m - 1) offer(i + __builtin_ctz(m));
-  }
-#endif
-  for (; i < V; ++i) offer(i);
-}
-
 // Gathers (x_i, i) with x_i >= thr, in id order, into vals/ids (each sized >= V + kLanes); returns count.
 int64_t gather_at_least(const float* x, int64_t V, float thr, float* vals, int32_t* ids) {
   int64_t n = 0, i = 0;
@@ -214,6 +150,29 @@ int64_t gather_at_least(const float* x, int64_t V, float thr, float* vals, int32
   }
   return n;
 }
+
+// Gathers every (x_i, i) that can be among the n largest of x[0, V) (0 < n <= V), in id order:
+// the minimum of the maxima of n disjoint groups is <= the n-th largest value (n distinct elements
+// reach it), so one max pass and one gather pass above that bound leave a few times n candidates.
+// Returns the count (>= n unless x holds NaN); xmax = max of x.
+int64_t gather_top_candidates(const float* x, int64_t V, int64_t n, float* vals, int32_t* ids, float& xmax) {
+  const int64_t group = V / n;
+  float lo = std::numeric_limits<float>::infinity();
+  xmax = kNegInf;
+  for (int64_t j = 0; j < n; ++j) {
+    const float m = row_max(x + j * group, j == n - 1 ? V - j * group : group);
+    lo = std::min(lo, m);
+    xmax = std::max(xmax, m);
+  }
+  return gather_at_least(x, V, lo, vals, ids);
+}
+
+struct Cand {
+  float v;
+  int32_t id;
+};
+// a ranks before b: higher value, then lower id.
+inline bool ranks_before(const Cand& a, const Cand& b) { return a.v > b.v || (a.v == b.v && a.id < b.id); }
 
 // The top-p threshold: the value t of w (positive weights, n >= 1) such that the descending prefix
 // ending at t is the shortest with mass >= target. Radix refinement over the float bits (monotone
@@ -257,7 +216,7 @@ float nucleus_threshold(const float* w, int64_t n, double target, std::vector<fl
 struct Scratch {
   std::vector<float> vals, work;
   std::vector<int32_t> ids;
-  std::vector<Cand> heap;
+  std::vector<Cand> top;
 };
 
 Scratch& scratch(int64_t V) {
@@ -279,17 +238,28 @@ struct RowParams {
 int32_t sample_row(const float* x, int64_t V, const RowParams& p, Scratch& s) {
   if (p.temperature == 0.0f) return row_argmax(x, V);
   float thr = kNegInf, xmax;
-  if (p.top_k > 0 && p.top_k < V) {
-    top_n_heap(x, V, p.top_k, s.heap);
-    thr = s.heap.front().v;
-    xmax = thr;
-    for (const Cand& c : s.heap) xmax = std::max(xmax, c.v);
+  const bool use_top_k = p.top_k > 0 && p.top_k < V;
+  int64_t n = 0;
+  if (use_top_k) {  // candidates for the top k, then the k-th largest among them by selection
+    n = gather_top_candidates(x, V, p.top_k, s.vals.data(), s.ids.data(), xmax);
+    if (n < p.top_k) return row_argmax(x, V);  // only with NaN logits
+    s.work.assign(s.vals.begin(), s.vals.begin() + n);
+    std::nth_element(s.work.begin(), s.work.begin() + (p.top_k - 1), s.work.end(), std::greater<float>());
+    thr = s.work[p.top_k - 1];
   } else {
     xmax = row_max(x, V);
   }
   if (!(xmax > kNegInf)) return row_argmax(x, V);  // nothing finite to sample from
   if (p.min_p > 0.0f) thr = std::max(thr, xmax + p.temperature * std::log(p.min_p));
-  const int64_t n = gather_at_least(x, V, thr, s.vals.data(), s.ids.data());
+  thr = std::max(thr, std::numeric_limits<float>::lowest());  // a -inf (masked) token is never a candidate
+  if (use_top_k) {  // keep the candidates >= thr, in place (id order is kept)
+    int64_t kept = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if (s.vals[i] >= thr) s.vals[kept] = s.vals[i], s.ids[kept++] = s.ids[i];
+    n = kept;
+  } else {
+    n = gather_at_least(x, V, thr, s.vals.data(), s.ids.data());
+  }
   // (x - xmax) / T, with 1/T capped so that the max stays exp(0) = 1 even for a denormal T
   exp_inplace(s.vals.data(), n, xmax, std::min(1.0f / p.temperature, 1e30f));
   float cut = 0.0f;
@@ -358,11 +328,15 @@ void sample(uintptr_t logits, int64_t B, int64_t V, uintptr_t temperature, uintp
     const float lse = m + static_cast<float>(std::log(sum_exp(row, V, m, 1.0f)));
     ptr<float>(logprobs)[b] = row[tok] - lse;
     if (num_top <= 0) return;
-    top_n_heap(row, V, num_top, s.heap);
-    std::sort(s.heap.begin(), s.heap.end(), ranks_before);
+    float unused_max;
+    const int64_t n = gather_top_candidates(row, V, num_top, s.vals.data(), s.ids.data(), unused_max);
+    s.top.resize(n);
+    for (int64_t i = 0; i < n; ++i) s.top[i] = {s.vals[i], s.ids[i]};
+    const int64_t shown = std::min(num_top, n);  // n < num_top only with NaN logits
+    std::partial_sort(s.top.begin(), s.top.begin() + shown, s.top.end(), ranks_before);
     for (int64_t j = 0; j < num_top; ++j) {
-      ptr<int32_t>(top_ids)[b * num_top + j] = s.heap[j].id;
-      ptr<float>(top_logprobs)[b * num_top + j] = s.heap[j].v - lse;
+      ptr<int32_t>(top_ids)[b * num_top + j] = j < shown ? s.top[j].id : 0;
+      ptr<float>(top_logprobs)[b * num_top + j] = j < shown ? s.top[j].v - lse : kNegInf;
     }
   });
 }

@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -55,9 +56,10 @@ class ThreadPool {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
     }
+    using Fn = std::remove_reference_t<F>;
     std::lock_guard<std::mutex> call_lock(call_mutex_);
-    invoke_ = [](void* ctx, int64_t i) { (*static_cast<F*>(ctx))(i); };
-    ctx_ = static_cast<void*>(&fn);
+    invoke_ = [](void* ctx, int64_t i) { (*static_cast<Fn*>(ctx))(i); };
+    ctx_ = const_cast<void*>(static_cast<const void*>(&fn));
     n_ = n;
     next_.store(0, std::memory_order_relaxed);
     pending_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);

@@ -1,0 +1,100 @@
+"""Decode attention at the default model's shape, beside the machine's read bandwidth and torch SDPA.
+
+Run: python -m pytest bench/bench_attention.py -q --benchmark-columns=mean,stddev,rounds
+Shape: 9 q heads, 3 kv heads, head_dim 64, block 16, bf16 cache; batch 1/8/32 x context 512/2048/8192;
+2 threads for both pyengine and torch. Per point, in the same run:
+  paged  pyengine paged_attention over a shuffled paged cache (one decode token per sequence)
+  read   pyengine read_bandwidth over a buffer of the same size as the K/V the kernel reads
+  sdpa   torch scaled_dot_product_attention (enable_gqa) on already-gathered contiguous K/V
+GB/s = K/V bytes / time. A table of the fastest round of each (min: the most robust figure on a
+shared machine; the means are in pytest-benchmark's own table) is printed at the end of the module.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyengine import _C
+from pyengine.ops.attention import paged_attention
+
+H, KVH, D, BS, DTYPE = 9, 3, 64, 16, torch.bfloat16
+BATCHES, CONTEXTS = (1, 8, 32), (512, 2048, 8192)
+RESULTS: dict[tuple[int, int, str], float] = {}
+
+
+def kv_bytes(batch: int, ctx: int) -> int:
+    return 2 * batch * ctx * KVH * D * DTYPE.itemsize
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_threads_and_table(request):
+    threads = (torch.get_num_threads(), _C.num_threads())
+    torch.set_num_threads(2)
+    _C.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads[0])
+    _C.set_num_threads(threads[1])
+    lines = ["", "decode attention (bf16, 9/3 heads, D 64, block 16, 2 threads): min us, GB/s of K/V read",
+             f"{'batch':>5} {'ctx':>5} {'paged us':>9} {'GB/s':>6} {'read us':>8} {'GB/s':>6} {'%read':>6} "
+             f"{'sdpa us':>8} {'x sdpa':>7}"]
+    for b in BATCHES:
+        for c in CONTEXTS:
+            t = {k: RESULTS.get((b, c, k)) for k in ("paged", "read", "sdpa")}
+            if None in t.values():
+                continue
+            gb = kv_bytes(b, c) / 1e9
+            lines.append(f"{b:>5} {c:>5} {t['paged'] * 1e6:>9.1f} {gb / t['paged']:>6.1f} {t['read'] * 1e6:>8.1f} "
+                         f"{gb / t['read']:>6.1f} {100 * t['read'] / t['paged']:>5.0f}% {t['sdpa'] * 1e6:>8.1f} "
+                         f"{t['sdpa'] / t['paged']:>6.1f}x")
+    # printed after pytest's own summary, once output capture is over
+    request.config.add_cleanup(lambda: print("\n".join(lines)))
+
+
+def record(benchmark, batch: int, ctx: int, kind: str) -> None:
+    best = benchmark.stats.stats.min
+    RESULTS[(batch, ctx, kind)] = best
+    benchmark.extra_info["kv_GBps_at_min"] = kv_bytes(batch, ctx) / best / 1e9
+
+
+def decode_batch(batch: int, ctx: int):
+    g = torch.Generator().manual_seed(0)
+    nb = ctx // BS
+    k_cache = torch.randn(batch * nb, KVH, BS, D, generator=g).to(DTYPE)
+    v_cache = torch.randn(batch * nb, KVH, BS, D, generator=g).to(DTYPE)
+    block_tables = torch.randperm(batch * nb, generator=g).int().view(batch, nb)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    q = torch.randn(batch, H, D, generator=g).to(DTYPE)
+    return q, k_cache, v_cache, block_tables, seq_lens, qsl
+
+
+params = pytest.mark.parametrize("ctx", CONTEXTS), pytest.mark.parametrize("batch", BATCHES)
+
+
+@params[0]
+@params[1]
+def test_paged(benchmark, batch, ctx):
+    q, kc, vc, bt, sl, qsl = decode_batch(batch, ctx)
+    out = torch.empty_like(q)
+    benchmark(paged_attention, q, kc, vc, bt, sl, qsl, D**-0.5, max_seq_len=ctx, out=out)
+    record(benchmark, batch, ctx, "paged")
+
+
+@params[0]
+@params[1]
+def test_read(benchmark, batch, ctx):
+    buf = torch.ones(kv_bytes(batch, ctx), dtype=torch.uint8)
+    benchmark(_C.read_bandwidth, buf.data_ptr(), buf.numel(), 0)
+    record(benchmark, batch, ctx, "read")
+
+
+@params[0]
+@params[1]
+def test_sdpa(benchmark, batch, ctx):
+    q, kc, vc, bt, _, _ = decode_batch(batch, ctx)
+    k = kc[bt.long()].permute(0, 2, 1, 3, 4).reshape(batch, KVH, ctx, D).contiguous()
+    v = vc[bt.long()].permute(0, 2, 1, 3, 4).reshape(batch, KVH, ctx, D).contiguous()
+    qq = q.view(batch, H, 1, D)
+    benchmark(F.scaled_dot_product_attention, qq, k, v, enable_gqa=True)
+    record(benchmark, batch, ctx, "sdpa")
