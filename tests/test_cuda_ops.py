@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pyengine.ops.layers import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+from test_layer_ops import cos_sin_cache, ref_rms_norm, ref_rope  # the same torch references as the CPU tests
 
 pytestmark = pytest.mark.cuda
 
@@ -24,25 +25,6 @@ def gen(seed: int) -> torch.Generator:
 
 
 # ---- layers -------------------------------------------------------------------------------------
-
-def ref_rms_norm(x, w, eps):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
-
-
-def cos_sin_cache(max_pos, head_dim, base=10000.0):
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
-
-
-def ref_rope(positions, x, cache, head_dim):
-    half = head_dim // 2
-    cos, sin = cache[positions, :half][:, None, :], cache[positions, half:][:, None, :]
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,dim", [(1, 64), (7, 576), (300, 100), (3, 4096)])
