@@ -126,3 +126,11 @@ def test_bad_args():
         PackedLinear(w, torch.randn(31))
     with pytest.raises(ValueError, match="max_native_rows"):
         PackedLinear(w, max_native_rows=-1)
+
+
+def test_non_cpu_weight_uses_torch():
+    """Off the CPU (CUDA; here the meta device stands in) nothing is packed and torch runs."""
+    lin = PackedLinear(torch.empty(48, 32, dtype=torch.bfloat16, device="meta"))
+    assert lin.packed is None
+    y = lin(torch.empty(3, 32, dtype=torch.bfloat16, device="meta"), out_dtype=torch.float32)
+    assert y.shape == (3, 48) and y.dtype == torch.float32 and y.device.type == "meta"

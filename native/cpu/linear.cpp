@@ -15,15 +15,18 @@
 // Parallel shape: the NB tiles are split into contiguous ranges, one per thread when the weight is
 // big enough (kMinParallelBytes), else the caller runs everything. Within a range, groups of NT
 // tiles (NT = 4, 2 or 1 by M: NT * min(M, 16) accumulators <= 16 zmm) are streamed together; each
-// 64-byte weight line is loaded once and fed to every row of a 16-row chunk of x (x pairs
-// broadcast as 32-bit values). Rows beyond 16 re-read the group's tiles from L2, not from memory.
+// 64-byte weight line is loaded once and fed to every row of a 16-row chunk of x. Rows beyond 16
+// re-read the group's tiles from L2, not from memory.
+// x is first repacked by the caller into k pairs, xp[r0 * KP + kp * MR + m] = (x[r, 2kp], x[r, 2kp+1])
+// as one 32-bit word (r = r0 + m, chunks of MR <= 16 rows from r0; the pair past an odd K is zero),
+// so the kernel broadcasts consecutive words from one pointer.
 // The weight stream is prefetched kPrefetchLines lines ahead per tile.
 // SIMD: AVX512-BF16 (vdpbf16ps) when the build targets it, else a plain loop (correct, slower).
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
@@ -42,7 +45,7 @@ constexpr int64_t kMinParallelBytes = 64 * 1024;   // below this weight size the
 constexpr int64_t kPrefetchLines = 8;
 
 struct Args {
-  const uint16_t* x;
+  const uint32_t* xp;
   const uint16_t* w;
   const float* bias;
   void* out;
@@ -54,13 +57,6 @@ inline int tiles_per_group(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 2 
 
 #if defined(__AVX512BF16__)
 
-// The x pair (x[2kp], x[2kp+1]) as one 32-bit lane value for vdpbf16ps.
-inline int32_t x_pair(const uint16_t* row, int64_t kp) {
-  int32_t v;
-  std::memcpy(&v, row + 2 * kp, sizeof(v));
-  return v;
-}
-
 // Rows [r0, r0 + MR) x tiles [t0, t0 + NT).
 template <int MR, int NT>
 void tile_block(const Args& a, int64_t r0, int64_t t0) {
@@ -69,9 +65,8 @@ void tile_block(const Args& a, int64_t r0, int64_t t0) {
     for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
   const int64_t tile_stride = a.KP * kTileLine;
   const uint16_t* w = a.w + t0 * tile_stride;
-  const uint16_t* xr = a.x + r0 * a.K;
-  const int64_t full = a.K / 2;  // k pairs with both halves inside K
-  for (int64_t kp = 0; kp < full; ++kp) {
+  const uint32_t* xp = a.xp + r0 * a.KP;
+  for (int64_t kp = 0; kp < a.KP; ++kp, xp += MR) {
     __m512bh wv[NT];
     for (int t = 0; t < NT; ++t) {
       const uint16_t* line = w + t * tile_stride + kp * kTileLine;
@@ -79,17 +74,8 @@ void tile_block(const Args& a, int64_t r0, int64_t t0) {
       wv[t] = (__m512bh)_mm512_load_si512(line);
     }
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(x_pair(xr + m * a.K, kp));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xp[m]));
       for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xb, wv[t]);
-    }
-  }
-  if (a.K & 1) {  // last k alone: its pair partner is zero in the weight, and must not be read from x
-    for (int t = 0; t < NT; ++t) {
-      const __m512bh wv = (__m512bh)_mm512_load_si512(w + t * tile_stride + full * kTileLine);
-      for (int m = 0; m < MR; ++m) {
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[m * a.K + a.K - 1]);
-        acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xb, wv);
-      }
     }
   }
   for (int t = 0; t < NT; ++t) {
@@ -142,12 +128,15 @@ void tile_group(const Args& a, int64_t t0, int nt) {
     const int64_t n0 = tile * kTileN;
     const int64_t valid = std::min<int64_t>(kTileN, a.N - n0);
     for (int64_t m = 0; m < a.M; ++m) {
-      const uint16_t* xr = a.x + m * a.K;
+      const int64_t r0 = m / kMaxRows * kMaxRows, rows = std::min(kMaxRows, a.M - r0);
+      const uint32_t* xp = a.xp + r0 * a.KP + (m - r0);
       float acc[kTileN] = {};
-      for (int64_t k = 0; k < a.K; ++k) {
-        const float xv = bf16_to_float(xr[k]);
-        const uint16_t* line = w + (k / 2) * kTileLine + (k & 1);
-        for (int64_t j = 0; j < kTileN; ++j) acc[j] += xv * bf16_to_float(line[2 * j]);
+      for (int64_t kp = 0; kp < a.KP; ++kp) {
+        const uint32_t pair = xp[kp * rows];
+        const float x0 = bf16_to_float(static_cast<uint16_t>(pair)), x1 = bf16_to_float(pair >> 16);
+        const uint16_t* line = w + kp * kTileLine;
+        for (int64_t j = 0; j < kTileN; ++j)
+          acc[j] += x0 * bf16_to_float(line[2 * j]) + x1 * bf16_to_float(line[2 * j + 1]);
       }
       for (int64_t j = 0; j < valid; ++j) {
         const float v = acc[j] + (a.bias ? a.bias[n0 + j] : 0.0f);
@@ -163,6 +152,21 @@ void tile_group(const Args& a, int64_t t0, int nt) {
 }
 
 #endif
+
+// x [M, K] -> xp (layout above).
+void pack_x(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp) {
+  const int64_t KP = (K + 1) / 2;
+  for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+    const int64_t rows = std::min(kMaxRows, M - r0);
+    uint32_t* chunk = xp + r0 * KP;
+    for (int64_t m = 0; m < rows; ++m) {
+      const uint16_t* row = x + (r0 + m) * K;
+      for (int64_t kp = 0; kp < K / 2; ++kp)
+        chunk[kp * rows + m] = static_cast<uint32_t>(row[2 * kp]) | static_cast<uint32_t>(row[2 * kp + 1]) << 16;
+      if (K & 1) chunk[(KP - 1) * rows + m] = row[K - 1];
+    }
+  }
+}
 
 // Tiles [begin, end): groups of NT, then the remainder in groups of 2 and 1.
 void tile_range(const Args& a, int64_t begin, int64_t end) {
@@ -181,7 +185,10 @@ void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, i
     throw std::invalid_argument("linear_bf16: out dtype must be fp32 or bf16");
   if (packed % 64 != 0) throw std::invalid_argument("linear_bf16: packed weight must be 64-byte aligned");
   if (M == 0) return;
-  const Args a{reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(packed),
+  static thread_local std::vector<uint32_t> xp;
+  xp.resize(static_cast<size_t>(M * ((K + 1) / 2)));
+  pack_x(reinterpret_cast<const uint16_t*>(x), M, K, xp.data());
+  const Args a{xp.data(), reinterpret_cast<const uint16_t*>(packed),
                reinterpret_cast<const float*>(bias), reinterpret_cast<void*>(out), M, N, K, (K + 1) / 2,
                out_dtype == static_cast<int>(DType::kFloat32)};
   const int64_t tiles = (N + kTileN - 1) / kTileN;
