@@ -12,6 +12,7 @@ distinct weights) and reports what that alone allows in tokens/s.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import Callable
@@ -53,16 +54,20 @@ def make_calls(impl: str, weights: list[torch.Tensor], x: torch.Tensor) -> list[
     return [lambda w=w: F.linear(xf, w) for w in wf]
 
 
+@functools.lru_cache(maxsize=1)
+def cold_weights(shape: str) -> list[torch.Tensor]:
+    """Copies of the shape's weight, COLD_BYTES in all (cached for the runs of one shape)."""
+    n, k = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(n, k, generator=g).bfloat16() for _ in range(max(1, -(-COLD_BYTES // (n * k * 2))))]
+
+
 def shape_calls(impl: str, shape: str, rows: int) -> tuple[Callable[[], torch.Tensor], int]:
     """A call that streams the next cold copy of the shape's weight; bytes of bf16 weight per call."""
     n, k = SHAPES[shape]
-    nbytes = n * k * 2
-    copies = max(1, -(-COLD_BYTES // nbytes))
-    g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g).bfloat16() for _ in range(copies)]
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    cycle = itertools.cycle(make_calls(impl, weights, x))
-    return lambda: next(cycle)(), nbytes
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    cycle = itertools.cycle(make_calls(impl, cold_weights(shape), x))
+    return lambda: next(cycle)(), n * k * 2
 
 
 def step_calls(impl: str, rows: int) -> tuple[Callable[[], None], int]:
