@@ -5,6 +5,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pyengine  # noqa: E402,F401  (before torch: it sets the OpenMP spin policy)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import random
 
+import pyengine  # noqa: F401  (before torch: it sets the OpenMP spin policy)
 import torch
 
 from engine_common import Timer, load_hf

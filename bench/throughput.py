@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import pyengine  # noqa: F401  (before torch: it sets the OpenMP spin policy)
 import torch
 
 from engine_common import Timer, load_hf
@@ -63,6 +64,12 @@ def bench_hf(prompts, olens, args) -> dict:
     return {"requests": len(prompts), "gen_tokens": gen, "s": total}
 
 
+def report(name: str, r: dict) -> None:
+    extra = f", {r['steps']} steps, {r['preemptions']} preemptions" if "steps" in r else ""
+    print(f"{name}: {r['gen_tokens'] / r['s']:.1f} generated tok/s, {r['requests'] / r['s']:.2f} req/s "
+          f"({r['requests']} requests in {r['s']:.1f}s{extra})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-requests", type=int, default=200)
@@ -80,13 +87,11 @@ def main() -> None:
     print(f"{len(prompts)} requests: prompt tokens {sum(map(len, prompts))} (median {int(np.median(list(map(len, prompts))))}),"
           f" output tokens {sum(olens)} (median {int(np.median(olens))}); {args.threads} threads, {args.dtype}")
     rows = [("pyengine", bench_pyengine(prompts, olens, args))]
+    report(*rows[0])
     if not args.skip_hf:
         k = min(args.hf_requests, len(prompts))
         rows.append((f"transformers (static batch {args.hf_batch_size}, first {k})", bench_hf(prompts[:k], olens[:k], args)))
-    for name, r in rows:
-        extra = f", {r['steps']} steps, {r['preemptions']} preemptions" if "steps" in r else ""
-        print(f"{name}: {r['gen_tokens'] / r['s']:.1f} generated tok/s, {r['requests'] / r['s']:.2f} req/s "
-              f"({r['requests']} requests in {r['s']:.1f}s{extra})")
+        report(*rows[1])
     if len(rows) > 1:
         a, b = rows[0][1], rows[1][1]
         print(f"pyengine / transformers: {(a['gen_tokens'] / a['s']) / (b['gen_tokens'] / b['s']):.2f}x generated tok/s")

@@ -3,7 +3,20 @@
 The public names are imported lazily, so `import pyengine.ops` (or the server's light imports)
 does not pull in the engine, torch models or the Cython modules.
 """
+import os
+import sys
+import warnings
 from importlib import import_module
+
+# torch and our kernels share one OpenMP team (native/include/pyengine/parallel.h). libgomp's default
+# spin after each parallel region (300k iterations) starves the 2-core machines we measure on: batch-1
+# bf16 decode ran at 2.6 tok/s with it, 50.8 with 10k, 38.3 with OMP_WAIT_POLICY=PASSIVE
+# (bench/bench_decode.py). libgomp reads this once, when torch loads it, so it must be set first.
+if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "10000"
+    if "torch" in sys.modules:
+        warnings.warn("pyengine was imported after torch, so its OpenMP spin setting (GOMP_SPINCOUNT=10000) "
+                      "cannot take effect; import pyengine first or set GOMP_SPINCOUNT yourself", stacklevel=2)
 
 _EXPORTS = {
     "LLM": "pyengine.llm",

@@ -144,3 +144,28 @@ def test_bad_paths(tmp_path):
     with pytest.raises(ValueError, match="junk.gguf.*not a readable GGUF"):
         load_model(str(tmp_path / "junk.gguf"), torch.float32, "cpu")
     assert resolve_model_path(str(tmp_path)) == str(tmp_path / "junk.gguf")
+
+
+def test_mistral_sliding_window_limits_context(tmp_path):
+    from pyengine.model.loader import config_from_hf
+
+    write_tiny_checkpoint(str(tmp_path), "mistral")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert config_from_hf(str(tmp_path)).max_position_embeddings == raw["max_position_embeddings"] == 512
+    raw["sliding_window"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = config_from_hf(str(tmp_path))
+    assert cfg.architecture == "MistralForCausalLM" and cfg.max_position_embeddings == 128
+    assert cfg.num_key_value_heads == 1 and cfg.eos_token_ids == [2]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantized_kv_cache_forward(tiny_llama, cache_dtype):
+    cfg, model = load_model(tiny_llama, torch.float32, "cpu")
+    ids = list(range(3, 90))
+    ref = SequenceRunner(model, cfg, 96).prefill(ids)
+    runner = SequenceRunner(model, cfg, 96, cache_dtype=cache_dtype)
+    runner.prefill(ids[:-1], chunk=32)
+    got = runner.step(ids[-1:])
+    assert runner.caches[0].k_scales.abs().sum() > 0
+    assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.99

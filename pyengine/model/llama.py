@@ -64,6 +64,25 @@ def rope_cache(cfg: ModelConfig) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=1).contiguous()
 
 
+def _packed_linear_op():
+    """oneDNN linear over weights pre-packed at load (CPU bf16): about 2x torch's bf16 GEMV, and faster
+    than fp32. None when this torch build or CPU lacks it (then F.linear is used)."""
+    try:
+        op = torch.ops.mkldnn._linear_pointwise.default
+        w = torch.randn(8, 16).bfloat16()
+        x = torch.randn(2, 16).bfloat16()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        if torch.equal(op(x, packed, None, "none", [], ""), F.linear(x, w)):
+            return op
+    except (AttributeError, RuntimeError):
+        pass
+    return None
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+
+
 class LlamaForCausalLM(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
@@ -113,6 +132,13 @@ class LlamaForCausalLM(torch.nn.Module):
         lm_head = None if cfg.tie_word_embeddings else w("lm_head.weight", required=False)
         self.lm_head = self.embed if lm_head is None else lm_head
         self.cos_sin_cache = rope_cache(cfg).to(device)
+        self.linear = F.linear
+        op = _packed_linear_op() if dtype == torch.bfloat16 and torch.device(device).type == "cpu" else None
+        if op is not None:
+            self.linear = lambda x, w, b=None: op(x, w, b, "none", [], "")
+            self.layers = [l._replace(qkv=_pack(l.qkv), o=_pack(l.o), gate_up=_pack(l.gate_up), down=_pack(l.down))
+                           for l in self.layers]
+            self.lm_head = _pack(self.lm_head)
 
     def weight_bytes(self) -> int:
         tensors = {id(t): t for t in [self.embed, self.norm, self.lm_head, *(x for l in self.layers for x in l)]
@@ -131,6 +157,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """input_ids, positions [T] int64; logits_indices [B] int64 -> logits [B, V] fp32."""
         t = input_ids.shape[0]
         eps, scale, sizes, cos_sin, d = self.eps, self.scale, self.qkv_sizes, self.cos_sin_cache, self.cfg.head_dim
+        linear = self.linear
         q_shape, kv_shape = (t, *self.q_shape), (t, *self.kv_shape)
         residual = F.embedding(input_ids, self.embed)
         x = None
@@ -139,7 +166,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 x = rms_norm(residual, layer.input_norm, eps)
             else:
                 add_rms_norm(x, residual, layer.input_norm, eps)
-            q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split(sizes, dim=1)
+            q, k, v = linear(x, layer.qkv, layer.qkv_bias).split(sizes, dim=1)
             rotary_embedding(positions, q, k, cos_sin, d)  # in place on the strided column slices
             # .contiguous() copies only for T > 1 (a single row is already contiguous)
             reshape_and_cache(k.contiguous().view(kv_shape), v.contiguous().view(kv_shape), cache.k, cache.v,
@@ -147,8 +174,8 @@ class LlamaForCausalLM(torch.nn.Module):
             attn = paged_attention(q.contiguous().view(q_shape), cache.k, cache.v, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, scale, k_scales=cache.k_scales, v_scales=cache.v_scales,
                                    max_seq_len=meta.max_seq_len)
-            x = F.linear(attn.view(t, -1), layer.o, layer.o_bias)
+            x = linear(attn.view(t, -1), layer.o, layer.o_bias)
             add_rms_norm(x, residual, layer.post_norm, eps)
-            x = F.linear(silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            x = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
         add_rms_norm(x, residual, self.norm, eps)
-        return F.linear(x.index_select(0, logits_indices), self.lm_head).float()
+        return linear(x.index_select(0, logits_indices), self.lm_head).float()

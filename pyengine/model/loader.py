@@ -83,6 +83,11 @@ def config_from_hf(folder: str) -> ModelConfig:
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
     heads = raw["num_attention_heads"]
+    max_pos = _first(raw, "max_position_embeddings", default=2048)
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "MistralForCausalLM") else None
+    if window and window < max_pos:  # our attention has no sliding window: stay where it makes no difference
+        logger.warning("%s: sliding_window=%d; limiting the context to %d tokens", path, window, window)
+        max_pos = window
     eos = _ids(raw.get("eos_token_id"))
     gen_path = os.path.join(folder, "generation_config.json")
     if os.path.exists(gen_path):
@@ -100,7 +105,7 @@ def config_from_hf(folder: str) -> ModelConfig:
         rms_norm_eps=_first(raw, "rms_norm_eps", default=1e-6),
         rope_theta=float(_first(raw, "rope_theta", default=rope.get("rope_theta", 10000.0))),
         rope_scaling=scaling,
-        max_position_embeddings=_first(raw, "max_position_embeddings", default=2048),
+        max_position_embeddings=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
         bos_token_id=raw.get("bos_token_id"),
