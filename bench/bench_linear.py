@@ -6,7 +6,7 @@ to overflow the L3 (>= 256 MB), as in a real decode step where ~270 MB of weight
 "decode_step" runs one token's worth of projections (30 layers x qkv/o/gate_up/down + lm_head, all
 distinct weights) and reports what that alone allows in tokens/s.
 
-    python bench/bench_linear.py                 # table: min time, GB/s of weights (M=1, 4, 16, 64)
+    PYTHONPATH=. python bench/bench_linear.py    # table: min time, GB/s of weights (M=1, 4, 16, 64)
     python -m pytest bench/bench_linear.py --benchmark-group-by=param:shape,param:rows \
         --benchmark-columns=min,median,rounds
 """
@@ -17,6 +17,7 @@ import itertools
 import time
 from typing import Callable
 
+import pyengine  # noqa: F401  (first: sets libgomp's spin count before torch loads it, as the engine does)
 import pytest
 import torch
 import torch.nn.functional as F
