@@ -125,10 +125,17 @@ def test_decode_step(benchmark, rows, impl):
     benchmark.pedantic(fn, rounds=10, warmup_rounds=1)
 
 
+def read_bandwidth() -> float:
+    """GB/s of a plain read (torch sum of 256 MB fp32) now: the ceiling for the rows above."""
+    x = torch.ones(COLD_BYTES // 4)
+    return x.numel() * 4 / min_time(x.sum, 10) / 1e9
+
+
 def main() -> None:
     set_threads(2)
     print(f"threads: torch {torch.get_num_threads()}, pyengine {_C.num_threads()}; min time over reps, "
           "weights cold (rotating copies >= 256 MB); GB/s = bf16 weight bytes / time")
+    print(f"plain 2-thread read (torch sum, 256 MB): {read_bandwidth():.1f} GB/s")
     header = f"{'shape':>8} {'N x K':>11} {'M':>3} |" + "|".join(f"{i:^21}" for i in IMPLS)
     print(header)
     print("-" * len(header))
@@ -148,6 +155,7 @@ def main() -> None:
             t = min_time(fn, 10)
             cells.append(f"{impl} {t * 1e3:6.2f}ms {nbytes / t / 1e9:5.1f}GB/s {1 / t:6.1f}steps/s")
         print(f"M={rows}: " + " | ".join(cells))
+    print(f"plain 2-thread read (torch sum, 256 MB): {read_bandwidth():.1f} GB/s")
 
 
 if __name__ == "__main__":
