@@ -1,0 +1,30 @@
+// pybind11 binding of the CPU small-M bf16 linear kernel (native/cpu/linear.cpp).
+// Pointers are tensor.data_ptr() values; the out dtype code follows pyengine/ops/_common.py DTYPE_CODES;
+// the trailing `stream` is the CUDA stream handle, ignored on the CPU.
+#include <cstdint>
+
+#include "registry.h"
+
+namespace py = pybind11;
+
+namespace pyengine::cpu {
+void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K,
+                 int out_dtype);
+}  // namespace pyengine::cpu
+
+namespace {
+
+void register_linear_ops(py::module_& m) {
+  m.def(
+      "linear_bf16",
+      [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K,
+         int out_dtype, uintptr_t) { pyengine::cpu::linear_bf16(x, packed, bias, out, M, N, K, out_dtype); },
+      py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"), py::arg("M"), py::arg("N"), py::arg("K"),
+      py::arg("out_dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+      "out[M, N] = x[M, K] @ W^T + bias; x bf16, W packed [ceil(N/16), ceil(K/2), 16, 2] bf16 (64-byte "
+      "aligned), bias fp32 [N] or 0, out bf16 or fp32.");
+}
+
+}  // namespace
+
+PYENGINE_REGISTER_OPS(register_linear_ops);

@@ -1,0 +1,201 @@
+// Small-M linear layer on bf16 weights: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp32 accumulation.
+//
+// Built for decode, where M (tokens in the step) is 1..16 and the time is the weight stream:
+// every weight byte is read from memory exactly once per call and reused for all M rows.
+//
+// Layouts (element strides, all contiguous):
+//   x       [M, K] bf16.
+//   packed  [NB, KP, 16, 2] bf16 with NB = ceil(N / 16), KP = ceil(K / 2):
+//           packed[nb, kp, j, i] = W[16 * nb + j, 2 * kp + i], zero where that is outside W.
+//           One 64-byte line holds 16 outputs x 2 k: exactly the B operand of _mm512_dpbf16_ps.
+//           Tile nb (16 outputs, all of K) is one contiguous run of KP * 64 bytes.
+//   bias    [N] fp32, or none (0).
+//   out     [M, N] bf16 (rounded once, to nearest even) or fp32.
+//
+// Parallel shape: the NB tiles are split into contiguous ranges, one per thread when the weight is
+// big enough (kMinParallelBytes), else the caller runs everything. Within a range, groups of NT
+// tiles (NT = 4, 2 or 1 by M: NT * min(M, 16) accumulators <= 16 zmm) are streamed together; each
+// 64-byte weight line is loaded once and fed to every row of a 16-row chunk of x. Rows beyond 16
+// re-read the group's tiles from L2, not from memory.
+// x is first repacked by the caller into k pairs, xp[r0 * KP + kp * MR + m] = (x[r, 2kp], x[r, 2kp+1])
+// as one 32-bit word (r = r0 + m, chunks of MR <= 16 rows from r0; the pair past an odd K is zero),
+// so the kernel broadcasts consecutive words from one pointer.
+// No software prefetch: the NT sequential streams are what the hardware prefetchers follow best;
+// prefetching 4..32 lines ahead measured equal or slower (decode step, 1 and 2 threads).
+// SIMD: AVX512-BF16 (vdpbf16ps) when the build targets it, else a plain loop (correct, slower).
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "pyengine/dtype.h"
+#include "pyengine/parallel.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace pyengine::cpu {
+namespace {
+
+constexpr int64_t kTileN = 16;
+constexpr int64_t kTileLine = 32;                  // bf16 elements per (tile, k pair): 64 bytes
+constexpr int64_t kMaxRows = 16;                   // rows of x per pass over a tile group
+constexpr int64_t kMinParallelBytes = 64 * 1024;   // below this weight size the caller runs alone
+
+struct Args {
+  const uint32_t* xp;
+  const uint16_t* w;
+  const float* bias;
+  void* out;
+  int64_t M, N, K, KP;
+  bool out_f32;
+};
+
+inline int tiles_per_group(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 2 : 1; }
+
+#if defined(__AVX512BF16__)
+
+// Rows [r0, r0 + MR) x tiles [t0, t0 + NT).
+template <int MR, int NT>
+void tile_block(const Args& a, int64_t r0, int64_t t0) {
+  __m512 acc[MR][NT];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  const int64_t tile_stride = a.KP * kTileLine;
+  const uint16_t* w = a.w + t0 * tile_stride;
+  const uint32_t* xp = a.xp + r0 * a.KP;
+  for (int64_t kp = 0; kp < a.KP; ++kp, xp += MR) {
+    __m512bh wv[NT];
+    for (int t = 0; t < NT; ++t) {
+      wv[t] = (__m512bh)_mm512_load_si512(w + t * tile_stride + kp * kTileLine);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xp[m]));
+      for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xb, wv[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int64_t n0 = (t0 + t) * kTileN;
+    const int64_t valid = std::min<int64_t>(kTileN, a.N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m512 v = _mm512_add_ps(acc[m][t], b);
+      const int64_t off = (r0 + m) * a.N + n0;
+      if (a.out_f32) {
+        _mm512_mask_storeu_ps(static_cast<float*>(a.out) + off, mask, v);
+      } else {
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + off, mask, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+
+using BlockFn = void (*)(const Args&, int64_t, int64_t);
+
+template <int MR>
+constexpr BlockFn block_fn(int nt) {
+  return nt == 4 ? &tile_block<MR, 4> : nt == 2 ? &tile_block<MR, 2> : &tile_block<MR, 1>;
+}
+
+template <int... MRs>
+BlockFn pick(int64_t rows, int nt, std::integer_sequence<int, MRs...>) {
+  static constexpr BlockFn table[][3] = {{block_fn<MRs + 1>(1), block_fn<MRs + 1>(2), block_fn<MRs + 1>(4)}...};
+  return table[rows - 1][nt == 4 ? 2 : nt - 1];
+}
+
+inline BlockFn block_for(int64_t rows, int nt) {
+  return pick(rows, nt, std::make_integer_sequence<int, kMaxRows>{});
+}
+
+// Tiles [t0, t0 + nt) for all rows, in 16-row chunks.
+void tile_group(const Args& a, int64_t t0, int nt) {
+  for (int64_t r0 = 0; r0 < a.M; r0 += kMaxRows) {
+    const int64_t rows = std::min(kMaxRows, a.M - r0);
+    block_for(rows, nt)(a, r0, t0);
+  }
+}
+
+#else  // portable path: same layout, plain loops
+
+void tile_group(const Args& a, int64_t t0, int nt) {
+  for (int64_t tile = t0; tile < t0 + nt; ++tile) {
+    const uint16_t* w = a.w + tile * a.KP * kTileLine;
+    const int64_t n0 = tile * kTileN;
+    const int64_t valid = std::min<int64_t>(kTileN, a.N - n0);
+    for (int64_t m = 0; m < a.M; ++m) {
+      const int64_t r0 = m / kMaxRows * kMaxRows, rows = std::min(kMaxRows, a.M - r0);
+      const uint32_t* xp = a.xp + r0 * a.KP + (m - r0);
+      float acc[kTileN] = {};
+      for (int64_t kp = 0; kp < a.KP; ++kp) {
+        const uint32_t pair = xp[kp * rows];
+        const float x0 = bf16_to_float(static_cast<uint16_t>(pair)), x1 = bf16_to_float(pair >> 16);
+        const uint16_t* line = w + kp * kTileLine;
+        for (int64_t j = 0; j < kTileN; ++j)
+          acc[j] += x0 * bf16_to_float(line[2 * j]) + x1 * bf16_to_float(line[2 * j + 1]);
+      }
+      for (int64_t j = 0; j < valid; ++j) {
+        const float v = acc[j] + (a.bias ? a.bias[n0 + j] : 0.0f);
+        const int64_t off = m * a.N + n0 + j;
+        if (a.out_f32) {
+          static_cast<float*>(a.out)[off] = v;
+        } else {
+          static_cast<uint16_t*>(a.out)[off] = float_to_bf16(v);
+        }
+      }
+    }
+  }
+}
+
+#endif
+
+// x [M, K] -> xp (layout above).
+void pack_x(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp) {
+  const int64_t KP = (K + 1) / 2;
+  for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+    const int64_t rows = std::min(kMaxRows, M - r0);
+    uint32_t* chunk = xp + r0 * KP;
+    for (int64_t m = 0; m < rows; ++m) {
+      const uint16_t* row = x + (r0 + m) * K;
+      for (int64_t kp = 0; kp < K / 2; ++kp)
+        chunk[kp * rows + m] = static_cast<uint32_t>(row[2 * kp]) | static_cast<uint32_t>(row[2 * kp + 1]) << 16;
+      if (K & 1) chunk[(KP - 1) * rows + m] = row[K - 1];
+    }
+  }
+}
+
+// Tiles [begin, end): groups of NT, then the remainder in groups of 2 and 1.
+void tile_range(const Args& a, int64_t begin, int64_t end) {
+  const int group = tiles_per_group(std::min(a.M, kMaxRows));
+  int64_t t = begin;
+  for (int nt = group; nt >= 1; nt /= 2)
+    for (; t + nt <= end; t += nt) tile_group(a, t, nt);
+}
+
+}  // namespace
+
+void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K,
+                 int out_dtype) {
+  if (M < 0 || N <= 0 || K <= 0) throw std::invalid_argument("linear_bf16: need M >= 0, N > 0, K > 0");
+  if (out_dtype != static_cast<int>(DType::kFloat32) && out_dtype != static_cast<int>(DType::kBFloat16))
+    throw std::invalid_argument("linear_bf16: out dtype must be fp32 or bf16");
+  if (packed % 64 != 0) throw std::invalid_argument("linear_bf16: packed weight must be 64-byte aligned");
+  if (M == 0) return;
+  static thread_local std::vector<uint32_t> xp;
+  xp.resize(static_cast<size_t>(M * ((K + 1) / 2)));
+  pack_x(reinterpret_cast<const uint16_t*>(x), M, K, xp.data());
+  const Args a{xp.data(), reinterpret_cast<const uint16_t*>(packed),
+               reinterpret_cast<const float*>(bias), reinterpret_cast<void*>(out), M, N, K, (K + 1) / 2,
+               out_dtype == static_cast<int>(DType::kFloat32)};
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  const int64_t bytes = tiles * a.KP * kTileLine * 2;
+  const int64_t chunks =
+      bytes < kMinParallelBytes ? 1 : std::min<int64_t>(tiles, ThreadPool::instance().num_threads());
+  ThreadPool::instance().parallel_for(chunks, [&](int64_t c) {
+    tile_range(a, tiles * c / chunks, tiles * (c + 1) / chunks);
+  });
+}
+
+}  // namespace pyengine::cpu

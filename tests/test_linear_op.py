@@ -1,0 +1,136 @@
+"""PackedLinear (native small-M bf16 linear, torch above the row threshold) against fp32 torch on the
+same bf16 weights."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyengine.ops.linear import DEFAULT_MAX_NATIVE_ROWS, PackedLinear, pack_weight
+
+# (N, K): SmolLM2-135M projections, a 49152-like lm_head stand-in, and sizes off the 16 x 2 tile.
+SHAPES = [(960, 576), (576, 1536), (3072, 576), (4099, 576), (100, 33), (33, 100), (1, 1), (17, 7)]
+ROWS = [1, 2, 3, 4, 5, 8, 9, 16, 17]
+
+
+def reference(x, w, bias):
+    """fp32 math on the bf16 operands (and the bf16-rounded bias, which both paths use)."""
+    y = x.float() @ w.to(torch.bfloat16).float().T
+    return y if bias is None else y + bias.to(torch.bfloat16).float()
+
+
+def bf16_tol(ref):
+    """One bf16 rounding of the output (rel 2^-8) plus fp32 summation-order noise."""
+    return dict(atol=1e-3 * ref.abs().max().item() + 1e-4, rtol=2 ** -8)
+
+
+def make(n, k, rows, seed, with_bias=False, wdtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(wdtype)
+    b = torch.randn(n, generator=g) if with_bias else None
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    return w, b, x
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_native_rows(n, k, rows):
+    w, _, x = make(n, k, rows, seed=n * 7919 + k * 31 + rows)
+    lin = PackedLinear(w, max_native_rows=32)
+    ref = reference(x, w, None)
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    torch.testing.assert_close(y.float(), ref, **bf16_tol(ref))
+    y32 = lin(x, out_dtype=torch.float32)
+    assert y32.dtype == torch.float32
+    torch.testing.assert_close(y32, ref, atol=1e-4 * ref.abs().max().item() + 1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (100, 33), (33, 577)])
+@pytest.mark.parametrize("rows", [1, 7, 16, 40])
+def test_bias_and_fp32_out(n, k, rows):
+    w, b, x = make(n, k, rows, seed=rows + n, with_bias=True)
+    lin = PackedLinear(w, b, out_dtype=torch.float32, max_native_rows=64)  # 40 rows: 16-row chunks + 8
+    ref = reference(x, w, b)
+    y = lin(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, atol=1e-4 * ref.abs().max().item() + 1e-5, rtol=1e-4)
+    torch.testing.assert_close(lin(x, out_dtype=torch.bfloat16).float(), ref, **bf16_tol(ref))
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.float16])
+def test_weight_converted_to_bf16(wdtype):
+    w, b, x = make(64, 96, 3, seed=5, with_bias=True, wdtype=wdtype)
+    lin = PackedLinear(w, b.to(wdtype))
+    assert lin.weight.dtype == torch.bfloat16
+    ref = reference(x, w, b.to(wdtype))
+    torch.testing.assert_close(lin(x).float(), ref, **bf16_tol(ref))
+
+
+@pytest.mark.parametrize("rows", [DEFAULT_MAX_NATIVE_ROWS, DEFAULT_MAX_NATIVE_ROWS + 1, 64])
+def test_threshold_native_and_torch_agree(rows):
+    """Both sides of the default threshold give the same rows (torch above it, native at or below)."""
+    w, b, x = make(576, 576, rows, seed=rows, with_bias=True)
+    lin = PackedLinear(w, b)
+    ref = reference(x, w, b)
+    torch.testing.assert_close(lin(x).float(), ref, **bf16_tol(ref))
+    torch.testing.assert_close(lin(x, out_dtype=torch.float32), ref, **bf16_tol(ref))
+    # A row's result does not depend on which path ran: compare against a forced-native run.
+    native = PackedLinear(w, b, max_native_rows=1 << 30)(x)
+    torch.testing.assert_close(lin(x), native, atol=ref.abs().max().item() * 2 ** -7, rtol=2 ** -7)
+
+
+def test_zero_rows():
+    lin = PackedLinear(torch.randn(20, 8).bfloat16())
+    assert lin(torch.empty(0, 8, dtype=torch.bfloat16)).shape == (0, 20)
+
+
+def test_pack_layout():
+    w = torch.arange(20 * 5, dtype=torch.float32).view(20, 5)
+    p = pack_weight(w)
+    assert p.shape == (2, 3, 16, 2) and p.dtype == torch.bfloat16
+    assert p[1, 2, 3, 0] == w[19, 4] and p[0, 1, 5, 1] == w[5, 3]
+    assert (p[1, :, 4:] == 0).all() and (p[:, 2, :, 1] == 0).all()  # padding rows / k column
+
+
+def test_nonfinite_x_beyond_odd_k_is_not_read():
+    """With K odd, the last k pair has one real element: what follows the row in memory must not leak in."""
+    w = torch.ones(16, 3).bfloat16()
+    x = torch.tensor([[1.0, 2.0, 3.0], [float("inf"), float("nan"), 1.0]]).bfloat16()
+    lin = PackedLinear(w)
+    assert torch.equal(lin(x[:1]), torch.full((1, 16), 6.0).bfloat16())  # x[:1] shares x's storage
+    y = lin(torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]).bfloat16())
+    assert torch.equal(y.float(), torch.tensor([[6.0] * 16, [15.0] * 16]))
+
+
+def test_bad_args():
+    w = torch.randn(32, 16).bfloat16()
+    lin = PackedLinear(w)
+    with pytest.raises(TypeError, match="x has dtype float32"):
+        lin(torch.randn(2, 16))
+    with pytest.raises(ValueError, match=r"x must have shape \[\*, 16\]"):
+        lin(torch.randn(2, 15).bfloat16())
+    with pytest.raises(ValueError, match="x must have shape"):
+        lin(torch.randn(16).bfloat16())
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        lin(torch.randn(16, 2).bfloat16().T)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        lin([[0.0] * 16])
+    with pytest.raises(TypeError, match="out_dtype"):
+        lin(torch.randn(2, 16).bfloat16(), out_dtype=torch.float16)
+    with pytest.raises(TypeError, match="weight has dtype int64"):
+        PackedLinear(torch.ones(4, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="weight must have 2 dimensions"):
+        PackedLinear(torch.randn(4).bfloat16())
+    with pytest.raises(ValueError, match="weight must be non-empty"):
+        PackedLinear(torch.randn(0, 4).bfloat16())
+    with pytest.raises(ValueError, match=r"bias must have shape \[32\]"):
+        PackedLinear(w, torch.randn(31))
+    with pytest.raises(ValueError, match="max_native_rows"):
+        PackedLinear(w, max_native_rows=-1)
+
+
+def test_non_cpu_weight_uses_torch():
+    """Off the CPU (CUDA; here the meta device stands in) nothing is packed and torch runs."""
+    lin = PackedLinear(torch.empty(48, 32, dtype=torch.bfloat16, device="meta"))
+    assert lin.packed is None
+    y = lin(torch.empty(3, 32, dtype=torch.bfloat16, device="meta"), out_dtype=torch.float32)
+    assert y.shape == (3, 48) and y.dtype == torch.float32 and y.device.type == "meta"
