@@ -19,6 +19,7 @@ from pyengine.model.metadata import AttentionMetadata, KVCache
 from pyengine.ops.attention import paged_attention
 from pyengine.ops.cache import reshape_and_cache
 from pyengine.ops.layers import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+from pyengine.ops.linear import PackedLinear
 
 WeightGetter = Callable[[str], "torch.Tensor | None"]  # HF tensor name -> tensor (None if absent)
 
@@ -64,23 +65,25 @@ def rope_cache(cfg: ModelConfig) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=1).contiguous()
 
 
-def _packed_linear_op():
-    """oneDNN linear over weights pre-packed at load (CPU bf16): about 2x torch's bf16 GEMV, and faster
-    than fp32. None when this torch build or CPU lacks it (then F.linear is used)."""
-    try:
-        op = torch.ops.mkldnn._linear_pointwise.default
-        w = torch.randn(8, 16).bfloat16()
-        x = torch.randn(2, 16).bfloat16()
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        if torch.equal(op(x, packed, None, "none", [], ""), F.linear(x, w)):
-            return op
-    except (AttributeError, RuntimeError):
-        pass
-    return None
+Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _pack(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> Linear:
+    """bf16 weights on the CPU: PackedLinear, whose native kernel streams the weight at memory bandwidth
+    for decode-sized batches (2x torch's bf16 GEMM at M=1, bench/bench_linear.py) and hands larger
+    batches to torch. Anything else: torch's F.linear. `out_dtype` (fp32 for the lm_head) is the result type."""
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        return PackedLinear(weight, bias, out_dtype=out_dtype or torch.bfloat16)
+    if out_dtype is None or out_dtype == weight.dtype:
+        return lambda x: F.linear(x, weight, bias)
+    return lambda x: F.linear(x, weight, bias).to(out_dtype)
+
+
+class LayerLinears(NamedTuple):
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -131,14 +134,10 @@ class LlamaForCausalLM(torch.nn.Module):
         self.norm = w("model.norm.weight")
         lm_head = None if cfg.tie_word_embeddings else w("lm_head.weight", required=False)
         self.lm_head = self.embed if lm_head is None else lm_head
+        self.linears = [LayerLinears(make_linear(l.qkv, l.qkv_bias), make_linear(l.o, l.o_bias),
+                                     make_linear(l.gate_up, None), make_linear(l.down, None)) for l in self.layers]
+        self.lm_head_linear = make_linear(self.lm_head, None, out_dtype=torch.float32)
         self.cos_sin_cache = rope_cache(cfg).to(device)
-        self.linear = F.linear
-        op = _packed_linear_op() if dtype == torch.bfloat16 and torch.device(device).type == "cpu" else None
-        if op is not None:
-            self.linear = lambda x, w, b=None: op(x, w, b, "none", [], "")
-            self.layers = [l._replace(qkv=_pack(l.qkv), o=_pack(l.o), gate_up=_pack(l.gate_up), down=_pack(l.down))
-                           for l in self.layers]
-            self.lm_head = _pack(self.lm_head)
 
     def weight_bytes(self) -> int:
         tensors = {id(t): t for t in [self.embed, self.norm, self.lm_head, *(x for l in self.layers for x in l)]
@@ -157,16 +156,15 @@ class LlamaForCausalLM(torch.nn.Module):
         """input_ids, positions [T] int64; logits_indices [B] int64 -> logits [B, V] fp32."""
         t = input_ids.shape[0]
         eps, scale, sizes, cos_sin, d = self.eps, self.scale, self.qkv_sizes, self.cos_sin_cache, self.cfg.head_dim
-        linear = self.linear
         q_shape, kv_shape = (t, *self.q_shape), (t, *self.kv_shape)
         residual = F.embedding(input_ids, self.embed)
         x = None
-        for layer, cache in zip(self.layers, kv_caches):
+        for layer, lin, cache in zip(self.layers, self.linears, kv_caches):
             if x is None:
                 x = rms_norm(residual, layer.input_norm, eps)
             else:
                 add_rms_norm(x, residual, layer.input_norm, eps)
-            q, k, v = linear(x, layer.qkv, layer.qkv_bias).split(sizes, dim=1)
+            q, k, v = lin.qkv(x).split(sizes, dim=1)
             rotary_embedding(positions, q, k, cos_sin, d)  # in place on the strided column slices
             # .contiguous() copies only for T > 1 (a single row is already contiguous)
             reshape_and_cache(k.contiguous().view(kv_shape), v.contiguous().view(kv_shape), cache.k, cache.v,
@@ -174,8 +172,8 @@ class LlamaForCausalLM(torch.nn.Module):
             attn = paged_attention(q.contiguous().view(q_shape), cache.k, cache.v, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, scale, k_scales=cache.k_scales, v_scales=cache.v_scales,
                                    max_seq_len=meta.max_seq_len)
-            x = linear(attn.view(t, -1), layer.o, layer.o_bias)
+            x = lin.o(attn.view(t, -1))
             add_rms_norm(x, residual, layer.post_norm, eps)
-            x = linear(silu_and_mul(linear(x, layer.gate_up)), layer.down)
+            x = lin.down(silu_and_mul(lin.gate_up(x)))
         add_rms_norm(x, residual, self.norm, eps)
-        return linear(x.index_select(0, logits_indices), self.lm_head).float()
+        return self.lm_head_linear(x.index_select(0, logits_indices))
