@@ -74,7 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--kv-gib", type=int, default=4)
