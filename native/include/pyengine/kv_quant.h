@@ -15,11 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define PYENGINE_HD __host__ __device__ __forceinline__
-#else
-#define PYENGINE_HD inline
-#endif
+#include "pyengine/portable.h"
 
 namespace pyengine {
 

@@ -9,11 +9,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define PYENGINE_HD __host__ __device__ __forceinline__
-#else
-#define PYENGINE_HD inline
-#endif
+#include "pyengine/portable.h"
 
 namespace pyengine {
 
