@@ -5,11 +5,10 @@ import random
 
 import pytest
 
-from pyengine.engine.request import RequestStatus
 from pyengine.llm import LLM
 from pyengine.sampling_params import SamplingParams
 
-from engine_fakes import EOS, fake_engine, reference
+from engine_fakes import fake_engine, reference
 
 GREEDY = dict(temperature=0.0)
 

@@ -2,7 +2,6 @@
 same bf16 weights."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pyengine.ops.linear import DEFAULT_MAX_NATIVE_ROWS, PackedLinear, pack_weight
 
