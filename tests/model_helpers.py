@@ -69,10 +69,10 @@ class SequenceRunner:
     cache whose block table is a shuffled permutation (so paging bugs cannot hide)."""
 
     def __init__(self, model, cfg: ModelConfig, max_tokens: int, block_size: int = 16,
-                 cache_dtype: torch.dtype | None = None):
-        self.model, self.cfg, self.block_size = model, cfg, block_size
+                 cache_dtype: torch.dtype | None = None, device: str = "cpu"):
+        self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, torch.device(device)
         nb = (max_tokens + block_size - 1) // block_size + 1
-        self.caches = allocate_kv_caches(cfg, nb + 2, block_size, cache_dtype or model.dtype, "cpu")
+        self.caches = allocate_kv_caches(cfg, nb + 2, block_size, cache_dtype or model.dtype, self.device)
         self.block_table = torch.randperm(nb + 2, generator=torch.Generator().manual_seed(0))[:nb].to(torch.int32)
         self.length = 0
 
@@ -80,10 +80,14 @@ class SequenceRunner:
         """Compute `ids` (appended to the sequence): logits [V] fp32 of the last one ([n, V] if all_logits)."""
         n = len(ids)
         meta = step_metadata(self.block_table, self.block_size, self.length, n)
+        dev = self.device
+        meta = AttentionMetadata(meta.slot_mapping.to(dev), meta.block_tables.to(dev), meta.seq_lens.to(dev),
+                                 meta.query_start_loc.to(dev), meta.max_seq_len)
         rows = torch.arange(n) if all_logits else torch.tensor([n - 1])
-        out = self.model(torch.tensor(ids, dtype=torch.int64), torch.arange(self.length, self.length + n),
-                         self.caches, meta, rows)
+        out = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
+                         torch.arange(self.length, self.length + n, device=dev), self.caches, meta, rows.to(dev))
         self.length += n
+        out = out.cpu()
         return out if all_logits else out[0]
 
     def prefill(self, ids: list[int], chunk: int | None = None) -> torch.Tensor:
