@@ -15,5 +15,5 @@ python3 -m pytest -m cuda -q -rf --tb=short -p no:cacheprovider tests/test_cuda_
 rc=$?
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
 echo "tests: rc $rc, $(( $(date +%s) - start )) s"
-timeout 180 python3 bench/bench_cuda.py 2>&1 | tee "$OUT/bench.log" | tail -25
+PYTHONPATH=. timeout 180 python3 bench/bench_cuda.py 2>&1 | tee "$OUT/bench.log" | tail -25
 exit $rc
