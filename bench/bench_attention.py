@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pyengine import _C
-from pyengine.ops.attention import paged_attention
+from pyengine.ops.attention import paged_attention, to_cache_layout
 
 H, KVH, D, BS, DTYPE = 9, 3, 64, 16, torch.bfloat16
 BATCHES, CONTEXTS = (1, 8, 32), (512, 2048, 8192)
@@ -58,6 +58,7 @@ def record(benchmark, batch: int, ctx: int, kind: str) -> None:
 
 
 def decode_batch(batch: int, ctx: int):
+    """q, logical [NB, KVH, BS, D] K/V caches over shuffled blocks, and the step's metadata."""
     g = torch.Generator().manual_seed(0)
     nb = ctx // BS
     k_cache = torch.randn(batch * nb, KVH, BS, D, generator=g).to(DTYPE)
@@ -76,6 +77,7 @@ params = pytest.mark.parametrize("ctx", CONTEXTS), pytest.mark.parametrize("batc
 @params[1]
 def test_paged(benchmark, batch, ctx):
     q, kc, vc, bt, sl, qsl = decode_batch(batch, ctx)
+    kc, vc = to_cache_layout(kc, vc, "cpu")
     out = torch.empty_like(q)
     benchmark(paged_attention, q, kc, vc, bt, sl, qsl, D**-0.5, max_seq_len=ctx, out=out)
     record(benchmark, batch, ctx, "paged")

@@ -1,8 +1,8 @@
 """Stand-ins that drive the real Engine without a real model (fast plumbing tests).
 
-PagedEchoModel writes each token id (K) and position (V) into its KV-cache slot and predicts the
-next token from the whole context read back through the block tables: any error in slot mapping,
-block tables, prefix-cache reuse or preemption changes the output.
+PagedEchoModel writes each (token id, position) into its K and V cache slots (through the real
+reshape_and_cache) and predicts the next token from the whole context read back through the block
+tables: any error in slot mapping, block tables, prefix-cache reuse or preemption changes the output.
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 
 from pyengine.config import EngineConfig, ModelConfig
 from pyengine.engine.engine import Engine
+from pyengine.ops.attention import from_cache_layout
+from pyengine.ops.cache import reshape_and_cache
 
 VOCAB = 500
 EOS = 2
@@ -30,10 +32,10 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 class PagedEchoModel(torch.nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta, logits_indices):
         kv = kv_caches[0]
-        bs = kv.k.shape[2]
-        slots = meta.slot_mapping
-        kv.k.view(-1)[slots] = input_ids.float()
-        kv.v.view(-1)[slots] = positions.float()
+        rows = torch.stack([input_ids.float(), positions.float()], -1).view(-1, 1, 2)  # (token id, position)
+        reshape_and_cache(rows, rows, kv.k, kv.v, meta.slot_mapping)
+        k, v = from_cache_layout(kv.k, kv.v)
+        bs = k.shape[2]
         qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
         assert len(seq_lens) == meta.block_tables.shape[0] and max(seq_lens) == meta.max_seq_len
         last_row = {qsl[s + 1] - 1: s for s in range(len(seq_lens))}
@@ -42,9 +44,10 @@ class PagedEchoModel(torch.nn.Module):
             s = last_row[idx]
             n = seq_lens[s]
             blocks = meta.block_tables[s, : -(-n // bs)].long()
-            ctx = kv.k[blocks].reshape(-1)[:n].long().tolist()
-            assert kv.v[blocks].reshape(-1)[:n].long().tolist() == list(range(n)), "positions/slots mismatch"
-            nxt = next_token(ctx)
+            ctx = k[blocks, 0].reshape(-1, 2)[:n]
+            assert ctx[:, 1].long().tolist() == list(range(n)), "positions/slots mismatch"
+            assert torch.equal(v[blocks, 0].reshape(-1, 2)[:n], ctx), "K and V caches disagree"
+            nxt = next_token(ctx[:, 0].long().tolist())
             logits[i] = -0.5 * (torch.arange(VOCAB) - nxt).abs().float()
             logits[i, nxt] = 5.0
         return logits
@@ -68,9 +71,9 @@ class FakeTokenizer:
 
 def fake_engine(kv_tokens: int = 4096, **config) -> Engine:
     cfg = ModelConfig(architecture="PagedEcho", vocab_size=VOCAB, hidden_size=1, intermediate_size=1,
-                      num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=1,
+                      num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=2,
                       max_position_embeddings=8192, eos_token_ids=[EOS])
     block_size = config.get("block_size", 16)
-    config.setdefault("kv_cache_memory", kv_tokens * 8 + block_size * 8 - 1)  # 8 bytes per token
+    config.setdefault("kv_cache_memory", kv_tokens * 16 + block_size * 16 - 1)  # 16 bytes per token
     config.setdefault("dtype", "float32")
     return Engine(EngineConfig(**config), parts=(cfg, PagedEchoModel(), FakeTokenizer(), "paged-echo"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pyengine import _C
-from pyengine.ops.attention import paged_attention
+from pyengine.ops.attention import from_cache_layout, paged_attention, to_cache_layout
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -15,6 +15,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 def reference(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, k_scales=None, v_scales=None):
     """Dense causal attention per sequence over the gathered (dequantized) cache, in fp32."""
     T, H, D = q.shape
+    k_cache, v_cache = from_cache_layout(k_cache, v_cache)
     kvh, bs = k_cache.shape[1], k_cache.shape[2]
     kf, vf = k_cache.float(), v_cache.float()
     if k_scales is not None:
@@ -62,6 +63,7 @@ def make_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, *, c
             caches.append(x.to(cache_dtype) if cache_dtype == torch.float8_e4m3fn else x.round().to(torch.int8))
             scales.append(s)
         k_cache, v_cache = caches
+    k_cache, v_cache = to_cache_layout(k_cache, v_cache, "cpu")
     return q, k_cache, v_cache, block_tables, seq_lens, qsl, scales
 
 
@@ -79,6 +81,8 @@ MIXED = [(1, 1), (17, 17), (50, 1), (3000, 1), (300, 37), (48, 16), (33, 5), (10
         (8, 2, 128, 8, torch.bfloat16),
         (3, 1, 80, 8, torch.float32),  # generic head_dim
         (3, 2, 64, 32, torch.float16),
+        (4, 2, 64, 32, torch.bfloat16),  # bf16 tiles: half a block each
+        (2, 2, 64, 24, torch.bfloat16),  # a block size the bf16 tiles do not fit: the generic path
     ],
 )
 def test_mixed_step_matches_reference(gqa, kv_heads, head_dim, block_size, dtype):
@@ -110,11 +114,13 @@ def test_long_context_split_path(specs, dtype):
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_cache_matches_dequantized_reference(cache_dtype, dtype):
+def test_quantized_cache_matches_dequantized_reference(cache_dtype, dtype, block_size):
     specs = [(1, 1), (200, 20), (1000, 1), (64, 3)]
-    q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(specs, 6, 2, 64, 16, dtype, cache_dtype=cache_dtype, seed=2)
+    q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(specs, 6, 2, 64, block_size, dtype, cache_dtype=cache_dtype,
+                                                  seed=2)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125, k_scales=ks, v_scales=vs)
     ref = reference(q, kc, vc, bt, sl, qsl, 0.125, ks, vs)
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
@@ -127,15 +133,16 @@ def test_every_quantized_code_decodes_exactly(cache_dtype, dtype):
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     if cache_dtype == torch.float8_e4m3fn:
         codes[(codes & 0x7F) == 0x7F] = 0  # NaN codes are never written
-    v_cache = codes.view(cache_dtype).view(2, 1, 1, 128)
-    k_cache = torch.zeros_like(v_cache)
-    scales = torch.full((2, 1, 1), 0.5)
+    v_rows = codes.view(cache_dtype).view(2, 1, 1, 128)
+    v_logical = torch.cat([v_rows, torch.zeros_like(v_rows)], dim=2)  # block size 2, the token at offset 0
+    k_cache, v_cache = to_cache_layout(torch.zeros_like(v_logical), v_logical, "cpu")
+    scales = torch.full((2, 1, 2), 0.5)
     bt = torch.tensor([[0], [1]], dtype=torch.int32)
     ones = torch.ones(2, dtype=torch.int32)
     q = torch.randn(2, 2, 128).to(dtype)
     out = paged_attention(q, k_cache, v_cache, bt, ones, torch.tensor([0, 1, 2], dtype=torch.int32), 0.1,
                           k_scales=scales, v_scales=scales)
-    want = (v_cache.float() * 0.5).view(2, 1, 128).expand(2, 2, 128)
+    want = (v_rows.float() * 0.5).view(2, 1, 128).expand(2, 2, 128)
     assert torch.equal(out.float(), want)
 
 
@@ -165,13 +172,14 @@ def _with(**changes):
     "changes,exc,match",
     [
         (dict(q=lambda a: a["q"].double()), TypeError, "q has dtype float64"),
-        (dict(q=lambda a: a["q"][:, :, :32].contiguous()), ValueError, "k_cache must have shape"),
+        (dict(q=lambda a: a["q"][:, :, :32].contiguous()), ValueError, "k_cache has head_dim 64; expected 32"),
         (dict(q=lambda a: a["q"][:, :, :32]), ValueError, "q must have contiguous"),
         (dict(q=lambda a: a["q"].transpose(0, 1).contiguous().transpose(0, 1)), ValueError, "q must have contiguous"),
         (dict(q=lambda a: a["q"][:, :3]), ValueError, "not a multiple"),
         (dict(k_cache=lambda a: a["k_cache"].bfloat16()), TypeError, "k_cache has dtype"),
-        (dict(v_cache=lambda a: a["v_cache"][:, :, :8]), ValueError, "v_cache must have shape"),
+        (dict(v_cache=lambda a: a["v_cache"][:, :, :4]), ValueError, "v_cache must have shape"),
         (dict(k_cache=lambda a: a["k_cache"].transpose(1, 2)), ValueError, "k_cache must"),
+        (dict(k_cache=lambda a: a["k_cache"].flatten(2, 3)), ValueError, "k_cache on cpu must be shaped"),
         (dict(k_cache=lambda a: a["k_cache"].to(torch.int8), v_cache=lambda a: a["v_cache"].to(torch.int8)),
          ValueError, "k_scales is required"),
         (dict(block_tables=lambda a: a["block_tables"].long()), TypeError, "block_tables has dtype"),
@@ -198,3 +206,22 @@ def test_bad_out_and_scales():
         paged_attention(**args, out=torch.empty(args["q"].shape, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="only for fp8_e4m3fn/int8"):
         paged_attention(**args, k_scales=torch.ones(3), v_scales=torch.ones(3))
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_past_each_sequence_are_never_read(dtype, block_size):
+    """NaN in every cache slot no sequence owns (partial last blocks, spare blocks) must not leak."""
+    specs = [(1, 1), (37, 5), (130, 1), (61, 61)]
+    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 6, 2, 64, block_size, dtype, seed=5)
+    k, v = from_cache_layout(kc, vc)
+    owned = torch.zeros(k.shape[0], block_size, dtype=torch.bool)
+    for s, (L, _) in enumerate(specs):
+        for pos in range(L):
+            owned[bt[s, pos // block_size], pos % block_size] = True
+    k[~owned[:, None, :, None].expand_as(k)] = float("nan")
+    v[~owned[:, None, :, None].expand_as(v)] = float("nan")
+    kc, vc = to_cache_layout(k, v, "cpu")
+    out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
+    ref = reference(q, kc.nan_to_num(), vc.nan_to_num(), bt, sl, qsl, 0.125)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])

@@ -4,15 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyengine.ops.attention import paged_attention
+from pyengine.ops.attention import from_cache_layout, kv_cache_shapes, paged_attention
 from pyengine.ops.cache import reshape_and_cache
 
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 
 
 def make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, quant=False):
-    k = torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype)
-    v = torch.zeros_like(k)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, kv_heads, block_size, head_dim, "cpu")
+    k, v = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
     if not quant:
         return k, v, None, None
     s = torch.full((num_blocks, kv_heads, block_size), -1.0)
@@ -20,7 +20,7 @@ def make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, quant=False):
 
 
 def cache_rows(cache, slots, block_size):
-    """[T, KVH, D] rows of `cache` at the given slots."""
+    """[T, KVH, D] rows of a logical [NB, KVH, BS, D] cache (from_cache_layout) at the given slots."""
     return cache[slots // block_size, :, slots % block_size]
 
 
@@ -33,9 +33,11 @@ def test_writes_rows_and_skips_minus_one(dtype):
     kc, vc, _, _ = make_cache(nb, kvh, bs, D, dtype)
     reshape_and_cache(key, value, kc, vc, slots)
     keep = slots >= 0
-    assert torch.equal(cache_rows(kc, slots[keep], bs), key[keep])
-    assert torch.equal(cache_rows(vc, slots[keep], bs), value[keep])
-    assert int((kc != 0).any(-1).sum()) == int(keep.sum()) * kvh  # nothing else written
+    k, v = from_cache_layout(kc, vc)
+    assert torch.equal(cache_rows(k, slots[keep], bs), key[keep])
+    assert torch.equal(cache_rows(v, slots[keep], bs), value[keep])
+    assert int((k != 0).any(-1).sum()) == int(keep.sum()) * kvh  # nothing else written
+    assert int((v != 0).any(-1).sum()) == int(keep.sum()) * kvh
 
 
 def test_strided_key_value_views():
@@ -46,7 +48,8 @@ def test_strided_key_value_views():
     slots = torch.arange(T, dtype=torch.int64) + 3
     kc, vc, _, _ = make_cache(2, kvh, bs, D, torch.float32)
     reshape_and_cache(key, value, kc, vc, slots)
-    assert torch.equal(cache_rows(kc, slots, bs), key) and torch.equal(cache_rows(vc, slots, bs), value)
+    k, v = from_cache_layout(kc, vc)
+    assert torch.equal(cache_rows(k, slots, bs), key) and torch.equal(cache_rows(v, slots, bs), value)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
@@ -61,7 +64,7 @@ def test_quantized_write_scales_and_error_bound(cache_dtype, dtype):
     kc, vc, ks, vs = make_cache(nb, kvh, bs, D, cache_dtype, quant=True)
     reshape_and_cache(key, value, kc, vc, slots, k_scales=ks, v_scales=vs)
     keep = slots >= 0
-    for x, c, s in ((key, kc, ks), (value, vc, vs)):
+    for x, c, s in zip((key, value), from_cache_layout(kc, vc), (ks, vs)):
         x = x[keep].float()
         stored, scale = cache_rows(c, slots[keep], bs), s[slots[keep] // bs, :, slots[keep] % bs]
         torch.testing.assert_close(scale, x.abs().amax(-1) / QMAX[cache_dtype], rtol=0, atol=0)
@@ -102,10 +105,11 @@ def test_fp8_codec_matches_torch_on_every_code():
     # a row of exactly representable values quantizes to itself when its absmax is 448
     n = values.numel()
     key = values.view(1, 1, n)
-    kc, vc, ks, vs = make_cache(1, 1, 1, n, torch.float8_e4m3fn, quant=True)
+    kc, vc, ks, vs = make_cache(1, 1, 2, n, torch.float8_e4m3fn, quant=True)
     reshape_and_cache(key, key, kc, vc, torch.zeros(1, dtype=torch.int64), k_scales=ks, v_scales=vs)
-    assert float(ks) == 1.0
-    assert torch.equal(kc.view(-1).float(), values)
+    assert float(ks[0, 0, 0]) == 1.0
+    k, v = from_cache_layout(kc, vc)
+    assert torch.equal(k[0, 0, 0].float(), values) and torch.equal(v[0, 0, 0].float(), values)
 
 
 def good_args():
@@ -125,11 +129,12 @@ def good_args():
         (dict(value=torch.randn(3, 2, 16).bfloat16()), TypeError, "value has dtype"),
         (dict(key=torch.randn(3, 3, 16)), ValueError, "value must have shape"),
         (dict(key=torch.randn(3, 16, 2).transpose(1, 2)), ValueError, "key must have contiguous"),
-        (dict(k_cache=torch.zeros(2, 2, 8, 16, dtype=torch.bfloat16)), TypeError, "k_cache has dtype"),
-        (dict(v_cache=torch.zeros(2, 2, 4, 16)), ValueError, "v_cache must have shape"),
-        (dict(k_cache=torch.zeros(2, 2, 8, 16, dtype=torch.int8), v_cache=torch.zeros(2, 2, 8, 16, dtype=torch.int8)),
+        (dict(k_cache=torch.zeros(2, 2, 8, 8, 2, dtype=torch.bfloat16)), TypeError, "k_cache has dtype"),
+        (dict(v_cache=torch.zeros(2, 2, 4, 8, 2)), ValueError, "v_cache must have shape"),
+        (dict(k_cache=torch.zeros(2, 2, 8, 16)), ValueError, "k_cache on cpu must be shaped"),
+        (dict(k_cache=torch.zeros(2, 2, 8, 8, 2, dtype=torch.int8), v_cache=torch.zeros(2, 2, 4, 16, 2, dtype=torch.int8)),
          ValueError, "k_scales is required"),
-        (dict(k_cache=torch.zeros(2, 2, 8, 16, device="meta")), ValueError, "k_cache is on meta"),
+        (dict(k_cache=torch.zeros(2, 2, 8, 8, 2, device="meta")), ValueError, "k_cache is on meta"),
     ],
 )
 def test_bad_arguments_raise(changes, exc, match):

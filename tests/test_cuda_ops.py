@@ -270,7 +270,7 @@ def test_paged_attention_strided_q_and_odd_head_dim():
 
 def test_cache_then_attention_matches_cpu():
     """The same step through both devices: reshape_and_cache + paged_attention, int8 cache."""
-    from pyengine.ops.attention import paged_attention
+    from pyengine.ops.attention import kv_cache_shapes, paged_attention
     from pyengine.ops.cache import reshape_and_cache
 
     T, H, kvh, D, nb, bs = 20, 8, 2, 64, 4, 8
@@ -282,8 +282,9 @@ def test_cache_then_attention_matches_cpu():
     sl, qsl = torch.tensor([T], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32)
     outs = []
     for dev in ("cpu", DEV):
-        kc = torch.zeros(nb, kvh, bs, D, dtype=torch.int8, device=dev)
-        vc = torch.zeros_like(kc)
+        k_shape, v_shape = kv_cache_shapes(nb, kvh, bs, D, dev)  # each device's own layout
+        kc = torch.zeros(k_shape, dtype=torch.int8, device=dev)
+        vc = torch.zeros(v_shape, dtype=torch.int8, device=dev)
         ks, vs = torch.zeros(nb, kvh, bs, device=dev), torch.zeros(nb, kvh, bs, device=dev)
         reshape_and_cache(key.to(dev), value.to(dev), kc, vc, slots.to(dev), k_scales=ks, v_scales=vs)
         outs.append(paged_attention(q.to(dev), kc, vc, bt.to(dev), sl.to(dev), qsl.to(dev), 0.125,

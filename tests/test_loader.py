@@ -85,7 +85,9 @@ def test_kv_cache_allocation_and_bytes():
     cfg = ModelConfig("LlamaForCausalLM", 100, 64, 128, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16)
     caches = allocate_kv_caches(cfg, 5, 16, torch.bfloat16, "cpu")
-    assert len(caches) == 3 and caches[0].k.shape == (5, 2, 16, 16) and caches[0].k_scales is None
+    assert len(caches) == 3 and caches[0].k_scales is None
+    assert caches[0].k.shape == (5, 2, 8, 16, 2) and caches[0].v.shape == (5, 2, 8, 16, 2)  # the CPU layout
+    assert caches[0].k.numel() * 2 * 2 * 3 == 5 * 16 * kv_bytes_per_token(cfg, torch.bfloat16)
     assert kv_bytes_per_token(cfg, torch.bfloat16) == 2 * 3 * 2 * 16 * 2
     q = allocate_kv_caches(cfg, 5, 16, torch.int8, "cpu")
     assert q[0].v.dtype == torch.int8 and q[0].v_scales.shape == (5, 2, 16)

@@ -3,7 +3,11 @@
 // Layouts (element strides, all row-major):
 //   key, value      [T, KVH, D]; token stride key_stride / value_stride, heads and D contiguous
 //                   (so a column slice of a fused QKV projection works without a copy)
-//   k_cache, v_cache [NB, KVH, BS, D]     k_scales, v_scales [NB, KVH, BS] fp32 (fp8/int8 caches only)
+//   k_cache [NB, KVH, D/2, BS, 2], v_cache [NB, KVH, BS/2, D, 2]: the CPU cache layout. Per (block,
+//                   kv head) tile, K holds pairs of dims of each token ([D/2][BS][2]) and V pairs of
+//                   tokens of each dim ([BS/2][D][2]): the operand layouts of vdpbf16ps for QK
+//                   (tokens in lanes) and PV (dims in lanes), so attention reads them without shuffles.
+//   k_scales, v_scales [NB, KVH, BS] fp32 (fp8/int8 caches only)
 //   slot_mapping    [T] int64, slot = block * BS + offset; -1 = skip the token
 // Source dtype fp32/bf16/fp16; the cache has the same dtype (plain copy) or fp8 e4m3 / int8
 // (quantized per (token, kv head) row, see kv_quant.h).
@@ -63,6 +67,16 @@ float quantize_row(const float* x, int64_t n, DType cache, void* dst) {
   return scale;
 }
 
+// One token's row of D elements (es bytes each) into its tile at token offset `off`.
+void scatter_k(const char* row, char* tile, int64_t off, int64_t BS, int64_t D, size_t es) {
+  for (int64_t j = 0; j < D / 2; ++j) std::memcpy(tile + (j * BS + off) * 2 * es, row + 2 * j * es, 2 * es);
+}
+
+void scatter_v(const char* row, char* tile, int64_t off, int64_t D, size_t es) {
+  char* dst = tile + ((off / 2) * D * 2 + off % 2) * es;
+  for (int64_t d = 0; d < D; ++d) std::memcpy(dst + 2 * d * es, row + d * es, es);
+}
+
 }  // namespace
 
 void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, void* v_cache, float* k_scales,
@@ -81,33 +95,38 @@ void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, vo
   if (!quant && cache_dtype != src_dtype) throw std::invalid_argument("cache dtype must match key/value dtype");
   if (quant && (k_scales == nullptr || v_scales == nullptr))
     throw std::invalid_argument("fp8/int8 caches need k_scales and v_scales");
+  if (block_size % 2 || head_dim % 2)
+    throw std::invalid_argument("block_size and head_dim must be even (the CPU cache layout)");
   const size_t src_es = elem_size(src_dtype), cache_es = elem_size(cache_dtype);
-  const size_t row_bytes = head_dim * cache_es;
+  const size_t tile_bytes = block_size * head_dim * cache_es;
 
   auto& pool = ThreadPool::instance();
   const int64_t nchunks = std::min<int64_t>(num_tokens, pool.num_threads() * 4);
   pool.parallel_for(nchunks, [&](int64_t c) {
     const int64_t t0 = num_tokens * c / nchunks, t1 = num_tokens * (c + 1) / nchunks;
     std::vector<float> row(quant ? head_dim : 0);
+    std::vector<char> codes(quant ? head_dim : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t slot = slot_mapping[t];
       if (slot < 0) continue;
       const int64_t blk = slot / block_size, off = slot % block_size;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t row_idx = (blk * num_kv_heads + h) * block_size + off;
+        const int64_t tile = blk * num_kv_heads + h, row_idx = tile * block_size + off;
         const char* ks = static_cast<const char*>(key) + (t * key_stride + h * head_dim) * src_es;
         const char* vs = static_cast<const char*>(value) + (t * value_stride + h * head_dim) * src_es;
-        char* kd = static_cast<char*>(k_cache) + row_idx * row_bytes;
-        char* vd = static_cast<char*>(v_cache) + row_idx * row_bytes;
+        char* kd = static_cast<char*>(k_cache) + tile * tile_bytes;
+        char* vd = static_cast<char*>(v_cache) + tile * tile_bytes;
         if (!quant) {
-          std::memcpy(kd, ks, row_bytes);
-          std::memcpy(vd, vs, row_bytes);
+          scatter_k(ks, kd, off, block_size, head_dim, cache_es);
+          scatter_v(vs, vd, off, head_dim, cache_es);
           continue;
         }
         row_to_float(ks, src_dtype, head_dim, row.data());
-        k_scales[row_idx] = quantize_row(row.data(), head_dim, cache_dtype, kd);
+        k_scales[row_idx] = quantize_row(row.data(), head_dim, cache_dtype, codes.data());
+        scatter_k(codes.data(), kd, off, block_size, head_dim, 1);
         row_to_float(vs, src_dtype, head_dim, row.data());
-        v_scales[row_idx] = quantize_row(row.data(), head_dim, cache_dtype, vd);
+        v_scales[row_idx] = quantize_row(row.data(), head_dim, cache_dtype, codes.data());
+        scatter_v(codes.data(), vd, off, head_dim, 1);
       }
     }
   });

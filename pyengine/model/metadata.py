@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from pyengine.config import ModelConfig
+from pyengine.ops.attention import kv_cache_shapes
 
 QUANTIZED_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
@@ -21,7 +22,8 @@ class AttentionMetadata:
 
 @dataclass
 class KVCache:
-    """One layer's cache. k, v: [num_blocks, KVH, block_size, D]; scales only for fp8/int8 caches."""
+    """One layer's cache. k, v: shaped by the device's layout (ops.attention.kv_cache_shapes); scales
+    only for fp8/int8 caches."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -32,15 +34,16 @@ class KVCache:
 def allocate_kv_caches(
     cfg: ModelConfig, num_blocks: int, block_size: int, cache_dtype: torch.dtype, device: torch.device | str
 ) -> list[KVCache]:
-    shape = (num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, device)
+    scales_shape = (num_blocks, cfg.num_key_value_heads, block_size)
     quantized = cache_dtype in QUANTIZED_CACHE_DTYPES
     caches = []
     for _ in range(cfg.num_hidden_layers):
-        k = torch.zeros(shape, dtype=cache_dtype, device=device)
-        v = torch.zeros(shape, dtype=cache_dtype, device=device)
+        k = torch.zeros(k_shape, dtype=cache_dtype, device=device)
+        v = torch.zeros(v_shape, dtype=cache_dtype, device=device)
         if quantized:
-            ks = torch.zeros(shape[:3], dtype=torch.float32, device=device)
-            vs = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+            ks = torch.zeros(scales_shape, dtype=torch.float32, device=device)
+            vs = torch.zeros(scales_shape, dtype=torch.float32, device=device)
             caches.append(KVCache(k, v, ks, vs))
         else:
             caches.append(KVCache(k, v))

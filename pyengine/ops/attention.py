@@ -9,6 +9,55 @@ ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
+def kv_cache_shapes(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                    device: torch.device | str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's K and V cache on `device`.
+
+    cuda: both [num_blocks, KVH, block_size, head_dim]. cpu: K [num_blocks, KVH, head_dim/2, block_size, 2]
+    and V [num_blocks, KVH, block_size/2, head_dim, 2]: per (block, kv head) tile, K as pairs of dims of
+    each token and V as pairs of tokens of each dim, the operand layouts of the CPU's bf16 dot-product
+    instruction (native/cpu/cache.cpp), so attention reads the tiles without shuffles. Needs an even
+    block_size and head_dim on the CPU.
+    """
+    nb, kvh, bs, d = num_blocks, num_kv_heads, block_size, head_dim
+    if torch.device(device).type != "cpu":
+        return (nb, kvh, bs, d), (nb, kvh, bs, d)
+    if bs % 2 or d % 2:
+        raise ValueError(f"the CPU KV cache needs an even block_size and head_dim, got {bs} and {d}")
+    return (nb, kvh, d // 2, bs, 2), (nb, kvh, bs // 2, d, 2)
+
+
+def kv_cache_geometry(k_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(num_blocks, num_kv_heads, block_size, head_dim) of a K cache in its device's layout."""
+    cpu = k_cache.device.type == "cpu"
+    if k_cache.dim() != (5 if cpu else 4) or (cpu and k_cache.shape[4] != 2):
+        want = "[num_blocks, kv_heads, head_dim/2, block_size, 2]" if cpu else "[num_blocks, kv_heads, block_size, head_dim]"
+        raise ValueError(f"k_cache on {k_cache.device.type} must be shaped {want}, got {list(k_cache.shape)}")
+    if cpu:
+        nb, kvh, half_d, bs, _ = k_cache.shape
+        return nb, kvh, bs, 2 * half_d
+    return tuple(k_cache.shape)
+
+
+def to_cache_layout(k: torch.Tensor, v: torch.Tensor, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical [num_blocks, KVH, block_size, head_dim] K/V (any device) -> new caches in `device`'s layout."""
+    k, v = k.to(device), v.to(device)
+    if k.device.type != "cpu":
+        return k.contiguous(), v.contiguous()
+    nb, kvh, bs, d = k.shape
+    return (k.reshape(nb, kvh, bs, d // 2, 2).permute(0, 1, 3, 2, 4).contiguous(),
+            v.reshape(nb, kvh, bs // 2, 2, d).permute(0, 1, 2, 4, 3).contiguous())
+
+
+def from_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Caches in their device's layout -> logical [num_blocks, KVH, block_size, head_dim] copies."""
+    if k_cache.device.type != "cpu":
+        return k_cache.clone(), v_cache.clone()
+    nb, kvh, bs, d = kv_cache_geometry(k_cache)
+    return (k_cache.permute(0, 1, 3, 2, 4).reshape(nb, kvh, bs, d),
+            v_cache.permute(0, 1, 2, 4, 3).reshape(nb, kvh, bs, d))
+
+
 def check_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -20,10 +69,14 @@ def check_kv_cache(
     head_dim: int | None = None,
 ) -> tuple[int, int, int, int]:
     """Validate a layer's cache (and scales); returns (num_blocks, num_kv_heads, block_size, head_dim)."""
-    check_tensor("k_cache", k_cache, dtypes=(act_dtype, *QUANT_DTYPES), shape=(None, num_kv_heads, None, head_dim),
+    check_tensor("k_cache", k_cache, dtypes=(act_dtype, *QUANT_DTYPES), device=device)
+    nb, kvh, bs, d = kv_cache_geometry(k_cache)
+    if num_kv_heads is not None and kvh != num_kv_heads:
+        raise ValueError(f"k_cache has {kvh} kv heads; expected {num_kv_heads}")
+    if head_dim is not None and d != head_dim:
+        raise ValueError(f"k_cache has head_dim {d}; expected {head_dim}")
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=kv_cache_shapes(nb, kvh, bs, d, device)[1],
                  device=device)
-    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape), device=device)
-    nb, kvh, bs, d = k_cache.shape
     if k_cache.dtype in QUANT_DTYPES:
         for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
             if s is None:
@@ -57,7 +110,7 @@ def paged_attention(
     """Causal attention for a mixed step of prompt chunks and decodes.
 
     q [T, H, D] (fp32/bf16/fp16; a token-strided view such as a slice of a fused QKV output is fine);
-    k_cache/v_cache [num_blocks, KVH, block_size, D] in q's dtype, or fp8_e4m3fn/int8 with
+    k_cache/v_cache in the device's cache layout (kv_cache_shapes), in q's dtype, or fp8_e4m3fn/int8 with
     k_scales/v_scales [num_blocks, KVH, block_size] fp32; block_tables [S, max_blocks] int32;
     seq_lens [S] int32 (cache tokens including this step's); query_start_loc [S+1] int32.
     Query token j of sequence s sits at position seq_lens[s] - q_len + j and sees positions <= its own.
