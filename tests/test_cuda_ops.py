@@ -187,6 +187,8 @@ def ref_paged_attention(q, kc, vc, ks, vs, block_tables, seq_lens, qsl, scale):
             continue
         nblk = (L + bs - 1) // bs
         blocks = block_tables[s, :nblk].long()
+        bad = ((blocks < 0) | (blocks >= kc.shape[0])).repeat_interleave(bs)[:L]  # masked keys
+        blocks = blocks.clamp(0, kc.shape[0] - 1)
         k = kf[blocks].permute(1, 0, 2, 3).reshape(kvh, nblk * bs, D)[:, :L]  # [KVH, L, D]
         v = vf[blocks].permute(1, 0, 2, 3).reshape(kvh, nblk * bs, D)[:, :L]
         k = k.repeat_interleave(H // kvh, 0)
@@ -194,7 +196,7 @@ def ref_paged_attention(q, kc, vc, ks, vs, block_tables, seq_lens, qsl, scale):
         qs = q[q0:q1].float().transpose(0, 1)  # [H, q_len, D]
         scores = qs @ k.transpose(1, 2) * scale  # [H, q_len, L]
         pos = L - (q1 - q0) + torch.arange(q1 - q0)
-        mask = torch.arange(L)[None, :] > pos[:, None]
+        mask = (torch.arange(L)[None, :] > pos[:, None]) | bad[None, :]
         scores.masked_fill_(mask[None], float("-inf"))
         out[q0:q1] = (scores.softmax(-1) @ v).transpose(0, 1)
     return out.to(q.dtype)
@@ -268,6 +270,53 @@ def test_paged_attention_strided_q_and_odd_head_dim():
                                **ATT_TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype,cache_kind", [(torch.bfloat16, "same"), (torch.float32, "same"),
+                                              (torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.int8)])
+def test_paged_attention_split_kv_long_context(dtype, cache_kind):
+    """Batch-1 decodes up to 40000 keys: the split-KV path (many splits, merged) at any max_seq_len."""
+    from pyengine.ops.attention import paged_attention
+
+    H, kvh, D = 8, 2, 128
+    for seq_lens, q_lens in (([40000], [1]), ([9000, 1, 0, 777, 2500], [1, 1, 0, 1, 3])):
+        q, kc, vc, ks, vs, bt, sl, qsl = make_step(seq_lens, q_lens, H, kvh, D, 16, dtype, cache_kind, len(seq_lens))
+        want = ref_paged_attention(q, kc, vc, ks, vs, bt, sl, qsl, D ** -0.5)
+        dev = [x.to(DEV) if x is not None else None for x in (q, kc, vc, ks, vs, bt, sl, qsl)]
+        for max_seq_len in (None, 40000, 1000):  # an understated bound is slower, never wrong
+            got = paged_attention(dev[0], dev[1], dev[2], dev[5], dev[6], dev[7], D ** -0.5, k_scales=dev[3],
+                                  v_scales=dev[4], max_seq_len=max_seq_len)
+            torch.testing.assert_close(got.cpu(), want, **ATT_TOL[dtype])
+
+
+@pytest.mark.parametrize("H,kvh,D", [(10, 2, 64), (20, 1, 128), (4, 4, 64), (6, 2, 256), (12, 4, 96)])
+def test_paged_attention_many_decodes_odd_gqa(H, kvh, D):
+    """48 decode rows of random lengths (short rows leave splits empty); GQA groups 5, 20 (head
+    chunks), 1, 3; head_dim 64..256."""
+    from pyengine.ops.attention import paged_attention
+
+    g = gen(H * D)
+    seq_lens = torch.randint(1, 1200, (48,), generator=g).tolist()
+    seq_lens[:3] = [1, 16, 1199]
+    q, kc, vc, ks, vs, bt, sl, qsl = make_step(seq_lens, [1] * 48, H, kvh, D, 16, torch.bfloat16, "same", 5)
+    got = paged_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), bt.to(DEV), sl.to(DEV), qsl.to(DEV), D ** -0.5,
+                          max_seq_len=1200)
+    torch.testing.assert_close(got.cpu(), ref_paged_attention(q, kc, vc, ks, vs, bt, sl, qsl, D ** -0.5),
+                               **ATT_TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 36), (torch.float32, 160), (torch.float16, 80)])
+def test_paged_attention_masked_blocks_and_fallback_head_dims(dtype, D):
+    """Out-of-range block ids are masked; head_dim 36 (bf16) and 160 (fp32) take the generic kernel."""
+    from pyengine.ops.attention import paged_attention
+
+    seq_lens, q_lens = [300, 1200, 50], [1, 1, 20]
+    q, kc, vc, ks, vs, bt, sl, qsl = make_step(seq_lens, q_lens, 8, 4, D, 16, dtype, "same", 17)
+    bt[0, 3] = -1
+    bt[1, 10] = kc.shape[0]
+    bt[1, 40] = 10**6
+    got = paged_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), bt.to(DEV), sl.to(DEV), qsl.to(DEV), 0.1)
+    torch.testing.assert_close(got.cpu(), ref_paged_attention(q, kc, vc, ks, vs, bt, sl, qsl, 0.1), **ATT_TOL[dtype])
+
+
 def test_cache_then_attention_matches_cpu():
     """The same step through both devices: reshape_and_cache + paged_attention, int8 cache."""
     from pyengine.ops.attention import kv_cache_shapes, paged_attention
@@ -328,6 +377,38 @@ def test_seeded_tokens_do_not_depend_on_the_batch_and_match_cpu():
     assert torch.equal(full[::7], single)
     cpu = sample(logits, *sample_args(B, **params, device="cpu")).token_ids
     assert torch.equal(full, cpu)
+
+
+@pytest.mark.parametrize("V", [128256, 3001])
+@pytest.mark.parametrize("params", [dict(temperature=0.8, top_k=50, top_p=0.9), dict(temperature=1.0, top_p=0.9),
+                                    dict(temperature=0.7, min_p=0.05), dict(temperature=1.2, top_k=2000),
+                                    dict(temperature=1.0, top_k=1), dict(temperature=0.5)])
+def test_seeded_tokens_match_cpu_large_vocab(V, params):
+    """Every filter path (top-k above the 1024 threads too) at a real vocab and at an odd (unaligned) one."""
+    from pyengine.ops.sampling import sample
+
+    B = 16
+    logits = torch.randn(B, V, generator=gen(V)) * 3
+    logits[1, :V // 2] = float("-inf")
+    logits[2, 100:110] = 20.0  # ties at the top
+    args = dict(**params, seed=7, steps=torch.arange(B) * 1000)
+    got = sample(logits.to(DEV), *sample_args(B, **args)).token_ids.cpu()
+    cpu = sample(logits, *sample_args(B, **args, device="cpu")).token_ids
+    assert torch.equal(got, cpu)
+    assert bool(torch.isfinite(logits.gather(1, got[:, None].long())).all())
+
+
+def test_sampling_rows_with_few_finite_logits():
+    """Fewer finite logits than top_k: only finite tokens are drawn, as on the CPU."""
+    from pyengine.ops.sampling import sample
+
+    B, V = 64, 5000
+    logits = torch.full((B, V), float("-inf"))
+    logits[:, [3, 4000, 4999]] = torch.randn(B, 3, generator=gen(31))
+    args = dict(temperature=1.0, top_k=50, top_p=0.95, seed=3)
+    got = sample(logits.to(DEV), *sample_args(B, **args)).token_ids.cpu()
+    assert set(got.tolist()) <= {3, 4000, 4999}
+    assert torch.equal(got, sample(logits, *sample_args(B, **args, device="cpu")).token_ids)
 
 
 def reference_probs(logits, temperature, top_k, top_p, min_p):

@@ -19,11 +19,36 @@
 //
 // Launch shapes:
 //   reshape_and_cache  grid.x = T; 4 warps, each warp one (kv head, K or V) row at a time.
-//   paged_attention    grid = (T, H); 8 warps. Warp w takes keys 4w..4w+3, then 4w+32..,
-//                      of the query's causal range; lane i holds dims i, i+32, ... (D <= 256)
-//                      of q, and of its running output; each warp keeps an online
-//                      softmax (max, sum); the warps are merged through shared memory.
+//   paged_attention    split-KV ("flash-decoding") kernel, used when head_dim * elem is a multiple
+//                      of one vector load (16 B; 8 B for fp8/int8) with <= 32 loads per row:
+//     grid = (T, KVH * ceil(G / GT), nsplit), 128 threads; G = H / KVH q heads per kv head, served
+//       GT (1, 2, 4 or 8) at a time, so each K/V row is read once per GT heads.
+//     Lanes per key LPK = pow2ceil(D / vec) (a "lane group"): lane i of a group holds q and the
+//       output accumulator for dims [i*vec, (i+1)*vec) of all GT heads; each group takes KPI
+//       consecutive keys per step (4; 2 when GT = 8), all loads issued before use, dots reduced
+//       by xor shuffles inside the group; online softmax (base 2) per group; groups merged
+//       through shared memory at the end.
+//     Split z covers keys [z * split_len, (z + 1) * split_len) of the token's causal range (the
+//       last split: up to its end). nsplit = 1: the kernel writes out. Otherwise it writes
+//       per (token, q head, split) partials (max, sum, unnormalized acc[D]) to a workspace and
+//       merge_splits_kernel (grid T * H, <= 128 threads) combines them.
+//     Splits: from max_seq_len (the host cannot see seq_lens; shorter rows leave their last
+//       splits empty), the nsplit minimizing waves(T * KVH * head chunks * nsplit over resident
+//       CTAs = occupancy x SMs) x keys per split, each split >= 128 keys, nsplit <= 128,
+//       split_len a multiple of the CTA's keys per step; more splits only for a > 3% gain.
+//     Workspace: stream-ordered cudaMallocAsync/cudaFreeAsync on `stream` (safe with concurrent
+//       streams and graph capture, where one cached buffer would race); the device's default pool
+//       keeps freed memory (its release threshold is raised once), so repeat calls reuse it.
+//   generic fallback   (other head_dim / alignments) grid = (T, H); 8 warps. Warp w takes keys
+//                      4w..4w+3, then 4w+32.., of the query's causal range; lane i holds dims
+//                      i, i+32, ... (D <= 256) of q and of its running output; per-warp online
+//                      softmax; the warps are merged through shared memory.
 #include <cuda_fp8.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <type_traits>
 
 #include "common.cuh"
 #include "ops.cuh"
@@ -91,6 +116,219 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
   }
 }
 
+// Sequence of query token t (the last s with qsl[s] <= t) and how many keys it sees: token j of a
+// chunk of q_len sits at position seq_len - q_len + j and sees keys [0, pos] (at most `cap`).
+struct TokenRange {
+  int seq, n_keys;
+};
+__device__ __forceinline__ TokenRange token_range(const int* qsl, const int* seq_lens, int S, int t, int cap) {
+  int lo = 0, hi = S - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (qsl[mid] <= t) lo = mid; else hi = mid - 1;
+  }
+  const int q_len = qsl[lo + 1] - qsl[lo], seq_len = seq_lens[lo];
+  return {lo, max(0, min(min(seq_len, cap), seq_len - q_len + (t - qsl[lo]) + 1))};
+}
+
+constexpr int kSplitThreads = 128;
+constexpr int kMinSplitKeys = 128;  // smallest split worth a partial (D floats per head) round trip
+constexpr int kMaxSplits = 128;
+
+// One vector load of cache elements: 8 of a 1- or 2-byte type (8 or 16 bytes), 4 fp32 (16 bytes).
+template <typename C>
+constexpr int kVec = sizeof(C) == 4 ? 4 : 8;
+template <typename C>
+using VecRaw = std::conditional_t<sizeof(C) == 1, uint2, uint4>;
+
+template <typename C>
+__device__ __forceinline__ void decode_vec(const VecRaw<C>& raw, float (&f)[kVec<C>]) {
+  const C* c = reinterpret_cast<const C*>(&raw);
+#pragma unroll
+  for (int e = 0; e < kVec<C>; ++e) f[e] = Codec<C>::decode(c[e]);
+}
+
+// Grid (T, KVH * head chunks, nsplit): one CTA = one query token, up to G q heads of one kv head,
+// one key split. Scores are kept in base 2 (q is pre-scaled by scale * log2(e)).
+// KPI: keys per lane group per step. On an H200, KPI 8 (202 registers, 2 CTAs/SM) ran 25-40%
+// slower than KPI 4 (159 registers, 3 CTAs/SM). The min-blocks bound of 1 lets ptxas use the
+// registers it needs: without it some instantiations were capped at 128 and spilled.
+template <typename T, typename C, int G>
+__global__ void __launch_bounds__(kSplitThreads, 1)
+    split_attention_kernel(T* __restrict__ out, float* __restrict__ part_ml, float* __restrict__ part_acc,
+                           const T* __restrict__ q, const C* __restrict__ kc, const C* __restrict__ vc,
+                           const float* __restrict__ ks, const float* __restrict__ vs,
+                           const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
+                           const int* __restrict__ qsl, int S, int H, int KVH, int D, int BS, int max_blocks,
+                           int num_blocks, int64_t q_stride, float scale_log2, int lpk, int split_len) {
+  constexpr int E = kVec<C>, KPI = G >= 8 ? 2 : 4;
+  __shared__ float sm_m[kSplitThreads][G], sm_l[kSplitThreads][G], sm_acc[kSplitThreads * E * G];
+  __shared__ float sm_max[G], sm_den[G];
+  const int t = blockIdx.x, split = blockIdx.z, nsplit = gridDim.z;
+  const int group = H / KVH, chunks = (group + G - 1) / G;
+  const int g = blockIdx.y / chunks, h0 = g * group + (blockIdx.y % chunks) * G;
+  const int nh = min(G, (g + 1) * group - h0);
+  const TokenRange tr = token_range(qsl, seq_lens, S, t, max_blocks * BS);
+  const int k0 = split * split_len, k1 = split == nsplit - 1 ? tr.n_keys : min(tr.n_keys, k0 + split_len);
+  const int grp = threadIdx.x / lpk, ngrp = kSplitThreads / lpk, d0 = (threadIdx.x % lpk) * E;
+  const bool active = d0 < D;  // lanes past the row only join the shuffles
+  const int* bt = block_tables + static_cast<int64_t>(tr.seq) * max_blocks;
+
+  float qv[G][E], acc[G][E], m[G], l[G];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    const T* qrow = q + t * q_stride + static_cast<int64_t>(h0 + h) * D + d0;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      qv[h][e] = h < nh && active ? to_float(qrow[e]) * scale_log2 : 0.f;
+      acc[h][e] = 0.f;
+    }
+    m[h] = -INFINITY;
+    l[h] = 0.f;
+  }
+
+  // The loop bounds are uniform over the CTA, so every lane reaches the shuffles.
+  for (int base = k0; base < k1; base += ngrp * KPI) {
+    VecRaw<C> kr[KPI], vr[KPI];
+    float ksc[KPI], vsc[KPI];
+    bool valid[KPI];
+#pragma unroll
+    for (int j = 0; j < KPI; ++j) {  // all loads first: KPI rows of K and V in flight
+      const int key = base + grp * KPI + j;
+      const int blk = key < k1 ? bt[key / BS] : -1;
+      valid[j] = blk >= 0 && blk < num_blocks;  // out-of-range block ids are masked out
+      const int64_t row = valid[j] ? (static_cast<int64_t>(blk) * KVH + g) * BS + key % BS : 0;
+      kr[j] = vr[j] = VecRaw<C>{};
+      if (valid[j] && active) {
+        kr[j] = *reinterpret_cast<const VecRaw<C>*>(kc + row * D + d0);
+        vr[j] = *reinterpret_cast<const VecRaw<C>*>(vc + row * D + d0);
+      }
+      ksc[j] = vsc[j] = 1.f;
+      if constexpr (Codec<C>::kQuant) {
+        if (valid[j]) {
+          ksc[j] = ks[row];
+          vsc[j] = vs[row];
+        }
+      }
+    }
+    float sc[KPI][G];
+#pragma unroll
+    for (int j = 0; j < KPI; ++j) {
+      float kf[E];
+      decode_vec<C>(kr[j], kf);
+#pragma unroll
+      for (int h = 0; h < G; ++h) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) dot += qv[h][e] * kf[e];
+        sc[j][h] = dot;
+      }
+    }
+    for (int o = lpk >> 1; o > 0; o >>= 1) {
+#pragma unroll
+      for (int j = 0; j < KPI; ++j)
+#pragma unroll
+        for (int h = 0; h < G; ++h) sc[j][h] += __shfl_xor_sync(0xffffffffu, sc[j][h], o);
+    }
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      float mn = m[h];
+#pragma unroll
+      for (int j = 0; j < KPI; ++j) {
+        sc[j][h] *= ksc[j];
+        if (valid[j]) mn = fmaxf(mn, sc[j][h]);
+      }
+      const float corr = mn == -INFINITY ? 1.f : exp2f(m[h] - mn);  // 0 while m is still -inf
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < KPI; ++j) {
+        const float p = valid[j] ? exp2f(sc[j][h] - mn) : 0.f;
+        sum += p;
+        sc[j][h] = p * vsc[j];  // now the weight of V row j
+      }
+      l[h] = l[h] * corr + sum;
+      m[h] = mn;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[h][e] *= corr;
+    }
+#pragma unroll
+    for (int j = 0; j < KPI; ++j) {
+      float vf[E];
+      decode_vec<C>(vr[j], vf);
+#pragma unroll
+      for (int h = 0; h < G; ++h)
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[h][e] += sc[j][h] * vf[e];
+    }
+  }
+
+  // Merge the lane groups: per head the max, the rescaled sum, then the rescaled accumulators.
+  const int ld = lpk * E;  // >= D
+  if (d0 == 0) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      sm_m[grp][h] = m[h];
+      sm_l[grp][h] = l[h];
+    }
+  }
+  if (active) {
+#pragma unroll
+    for (int h = 0; h < G; ++h)
+#pragma unroll
+      for (int e = 0; e < E; ++e) sm_acc[(grp * G + h) * ld + d0 + e] = acc[h][e];
+  }
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int h = threadIdx.x;
+    float mx = -INFINITY, den = 0.f;
+    for (int r = 0; r < ngrp; ++r) mx = fmaxf(mx, sm_m[r][h]);
+    for (int r = 0; r < ngrp; ++r)
+      if (sm_l[r][h] > 0.f) den += sm_l[r][h] * exp2f(sm_m[r][h] - mx);  // groups that saw no key weigh 0
+    sm_max[h] = mx;
+    sm_den[h] = den;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nh * D; i += kSplitThreads) {
+    const int h = i / D, d = i - h * D;
+    float o = 0.f;
+    for (int r = 0; r < ngrp; ++r)
+      if (sm_l[r][h] > 0.f) o += sm_acc[(r * G + h) * ld + d] * exp2f(sm_m[r][h] - sm_max[h]);
+    const int64_t oh = static_cast<int64_t>(t) * H + h0 + h;
+    if (nsplit == 1) {
+      out[oh * D + d] = from_float<T>(sm_den[h] > 0.f ? o / sm_den[h] : 0.f);
+    } else {
+      const int64_t pi = oh * nsplit + split;
+      part_acc[pi * D + d] = o;
+      if (d == 0) {
+        part_ml[pi * 2] = sm_max[h];
+        part_ml[pi * 2 + 1] = sm_den[h];
+      }
+    }
+  }
+}
+
+// Grid T * H: combines the nsplit partials of one (token, q head) into its output row.
+template <typename T>
+__global__ void __launch_bounds__(kSplitThreads)
+    merge_splits_kernel(T* __restrict__ out, const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                        int D, int nsplit) {
+  __shared__ float w[kMaxSplits];
+  const int64_t oh = blockIdx.x;
+  const float* ml = part_ml + oh * nsplit * 2;
+  const float* acc = part_acc + oh * nsplit * D;
+  float mx = -INFINITY;
+  for (int j = 0; j < nsplit; ++j) mx = fmaxf(mx, ml[2 * j]);
+  for (int j = threadIdx.x; j < nsplit; j += blockDim.x) w[j] = ml[2 * j + 1] > 0.f ? exp2f(ml[2 * j] - mx) : 0.f;
+  __syncthreads();
+  float den = 0.f;
+  for (int j = 0; j < nsplit; ++j) den += ml[2 * j + 1] * w[j];
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.f;
+    for (int j = 0; j < nsplit; ++j) o += acc[j * D + d] * w[j];
+    out[oh * D + d] = from_float<T>(den > 0.f ? o / den : 0.f);
+  }
+}
+
 constexpr int kAttnWarps = 8;
 constexpr int kKeysPerIter = 4;
 constexpr int kMaxHeadDim = 256;
@@ -98,7 +336,7 @@ constexpr int kPerLane = kMaxHeadDim / 32;
 
 template <typename T, typename C>
 __global__ void __launch_bounds__(kAttnWarps * 32)
-    paged_attention_kernel(T* __restrict__ out, const T* __restrict__ q, const C* __restrict__ kc,
+    generic_attention_kernel(T* __restrict__ out, const T* __restrict__ q, const C* __restrict__ kc,
                            const C* __restrict__ vc, const float* __restrict__ ks, const float* __restrict__ vs,
                            const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                            const int* __restrict__ qsl, int S, int H, int KVH, int D, int BS, int max_blocks,
@@ -107,16 +345,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int t = blockIdx.x, h = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
-  // Sequence of token t: the last s with qsl[s] <= t.
-  int lo = 0, hi = S - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (qsl[mid] <= t) lo = mid; else hi = mid - 1;
-  }
-  const int s = lo;
-  const int q_len = qsl[s + 1] - qsl[s], seq_len = seq_lens[s];
-  // Token j of the chunk sits at position seq_len - q_len + j and sees keys [0, pos].
-  const int n_keys = max(0, min(min(seq_len, max_blocks * BS), seq_len - q_len + (t - qsl[s]) + 1));
+  const TokenRange tr = token_range(qsl, seq_lens, S, t, max_blocks * BS);
+  const int s = tr.seq, n_keys = tr.n_keys;
   const int g = h / (H / KVH);
   const int* bt = block_tables + static_cast<int64_t>(s) * max_blocks;
 
@@ -241,6 +471,103 @@ T* ptr(uintptr_t p) {
     }                                                                                             \
   } while (0)
 
+
+template <typename T, typename C>
+struct AttnArgs {
+  T* out;
+  const T* q;
+  const C *kc, *vc;
+  const float *ks, *vs;
+  const int *block_tables, *seq_lens, *qsl;
+  int64_t T_, S, H, KVH, D, BS, max_blocks, num_blocks, q_stride, max_seq_len;
+  double scale;
+};
+
+// Split-partials workspace, stream-ordered (see the top of the file).
+float* split_workspace(size_t floats, cudaStream_t st, const char* op) {
+  static std::atomic<uint64_t> raised{0};  // devices whose default pool keeps freed memory
+  int dev = 0;
+  check_call(cudaGetDevice(&dev), op);
+  if (dev >= 64 || !((raised.load() >> dev) & 1)) {
+    cudaMemPool_t pool;
+    check_call(cudaDeviceGetDefaultMemPool(&pool, dev), op);
+    uint64_t keep = UINT64_MAX;
+    check_call(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), op);
+    if (dev < 64) raised.fetch_or(uint64_t{1} << dev);
+  }
+  void* p = nullptr;
+  check_call(cudaMallocAsync(&p, floats * sizeof(float), st), op);
+  return static_cast<float*>(p);
+}
+
+template <typename T, typename C, int G>
+void launch_split(const AttnArgs<T, C>& a, int lpk, cudaStream_t st, const char* op) {
+  constexpr int KPI = G >= 8 ? 2 : 4;  // keys per lane group per step, as in the kernel
+  const int64_t chunks = (a.H / a.KVH + G - 1) / G, ctas = a.T_ * a.KVH * chunks;
+  const int64_t cap = a.max_blocks * a.BS;
+  const int64_t max_keys = a.max_seq_len > 0 ? std::min(a.max_seq_len, cap) : cap;
+  static const int per_sm = [] {  // resident CTAs per SM (registers, shared memory)
+    int n = 1;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, split_attention_kernel<T, C, G>, kSplitThreads, 0);
+    return std::max(n, 1);
+  }();
+  int dev = 0, sms = 0;
+  check_call(cudaGetDevice(&dev), op);
+  check_call(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), op);
+  // Modelled time: waves of resident CTAs x keys per split; more splits only for a > 3% gain.
+  const int64_t slots = static_cast<int64_t>(per_sm) * sms, step = (kSplitThreads / lpk) * KPI;
+  int64_t nsplit = 1, split_len = std::max<int64_t>(max_keys, 1);
+  double best = static_cast<double>((ctas + slots - 1) / slots) * split_len;
+  const int64_t most = std::min<int64_t>(kMaxSplits, max_keys / kMinSplitKeys);
+  for (int64_t n = 2; n <= most; ++n) {
+    const int64_t len = ((max_keys + n - 1) / n + step - 1) / step * step, used = (max_keys + len - 1) / len;
+    const double cost = static_cast<double>((ctas * used + slots - 1) / slots) * len;
+    if (cost < 0.97 * best) {
+      best = cost;
+      nsplit = used;
+      split_len = len;
+    }
+  }
+  float *ml = nullptr, *acc = nullptr;
+  if (nsplit > 1) {
+    ml = split_workspace(static_cast<size_t>(a.T_ * a.H * nsplit * (a.D + 2)), st, op);
+    acc = ml + a.T_ * a.H * nsplit * 2;
+  }
+  const dim3 grid(static_cast<unsigned>(a.T_), static_cast<unsigned>(a.KVH * chunks), static_cast<unsigned>(nsplit));
+  split_attention_kernel<T, C, G><<<grid, kSplitThreads, 0, st>>>(
+      a.out, ml, acc, a.q, a.kc, a.vc, a.ks, a.vs, a.block_tables, a.seq_lens, a.qsl, a.S, a.H, a.KVH, a.D, a.BS,
+      a.max_blocks, a.num_blocks, a.q_stride, static_cast<float>(a.scale * 1.4426950408889634 /* log2 e */), lpk,
+      static_cast<int>(split_len));
+  if (nsplit == 1) return;
+  const int threads = static_cast<int>(std::min<int64_t>(kSplitThreads, (a.D + 31) / 32 * 32));
+  merge_splits_kernel<T><<<static_cast<unsigned>(a.T_ * a.H), threads, 0, st>>>(a.out, ml, acc, a.D,
+                                                                                 static_cast<int>(nsplit));
+  check_call(cudaFreeAsync(ml, st), op);  // launch errors are reported by the caller's check_launch
+}
+
+// The split kernel when a K/V row is a whole number of vector loads (at most 32) at aligned
+// addresses; else the generic kernel.
+template <typename T, typename C>
+void launch_attention(const AttnArgs<T, C>& a, cudaStream_t st, const char* op) {
+  constexpr int E = kVec<C>;
+  const uintptr_t align = E * sizeof(C) - 1;
+  const int64_t loads = a.D / E;
+  if (a.D % E == 0 && loads <= 32 && !((reinterpret_cast<uintptr_t>(a.kc) | reinterpret_cast<uintptr_t>(a.vc)) & align)) {
+    int lpk = 1;
+    while (lpk < loads) lpk <<= 1;
+    const int64_t group = a.H / a.KVH;
+    if (group == 1) launch_split<T, C, 1>(a, lpk, st, op);
+    else if (group == 2) launch_split<T, C, 2>(a, lpk, st, op);
+    else if (group <= 4) launch_split<T, C, 4>(a, lpk, st, op);
+    else launch_split<T, C, 8>(a, lpk, st, op);
+    return;
+  }
+  const dim3 grid(static_cast<unsigned>(a.T_), static_cast<unsigned>(a.H));
+  generic_attention_kernel<T, C><<<grid, kAttnWarps * 32, 0, st>>>(
+      a.out, a.q, a.kc, a.vc, a.ks, a.vs, a.block_tables, a.seq_lens, a.qsl, a.S, a.H, a.KVH, a.D, a.BS,
+      a.max_blocks, a.num_blocks, a.q_stride, static_cast<float>(a.scale));
+}
+
 }  // namespace
 
 void reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
@@ -268,7 +595,7 @@ void paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_
                      uintptr_t v_scales, uintptr_t block_tables, uintptr_t seq_lens, uintptr_t query_start_loc,
                      int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                      int64_t q_token_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
-                     int64_t max_blocks_per_seq, int64_t /*max_seq_len*/, double scale, int q_dtype, int cache_dtype,
+                     int64_t max_blocks_per_seq, int64_t max_seq_len, double scale, int q_dtype, int cache_dtype,
                      uintptr_t stream) {
   const char* op = "paged_attention";
   auto fail = [](const char* what) { throw std::invalid_argument(std::string("pyengine._cuda.paged_attention: ") + what); };
@@ -280,14 +607,15 @@ void paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_
   if (quant && (k_scales == 0 || v_scales == 0)) fail("fp8/int8 caches need k_scales and v_scales");
   if (num_tokens == 0 || num_seqs == 0) return;
   DeviceGuard guard(reinterpret_cast<void*>(q), op);
-  const dim3 grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>(num_heads));
+  const cudaStream_t st = as_stream(stream);
   PYENGINE_DISPATCH_FLOAT(q_dtype, op, {
     DISPATCH_CACHE(cache_dtype, q_dtype, op, {
-      paged_attention_kernel<scalar_t, cache_t><<<grid, kAttnWarps * 32, 0, as_stream(stream)>>>(
+      const AttnArgs<scalar_t, cache_t> a{
           ptr<scalar_t>(out), ptr<const scalar_t>(q), ptr<const cache_t>(k_cache), ptr<const cache_t>(v_cache),
           ptr<const float>(k_scales), ptr<const float>(v_scales), ptr<const int>(block_tables),
-          ptr<const int>(seq_lens), ptr<const int>(query_start_loc), num_seqs, num_heads, num_kv_heads, head_dim,
-          block_size, max_blocks_per_seq, num_blocks, q_token_stride, static_cast<float>(scale));
+          ptr<const int>(seq_lens), ptr<const int>(query_start_loc), num_tokens, num_seqs, num_heads, num_kv_heads,
+          head_dim, block_size, max_blocks_per_seq, num_blocks, q_token_stride, max_seq_len, scale};
+      launch_attention(a, st, op);
     });
   });
   check_launch(op);

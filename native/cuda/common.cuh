@@ -3,7 +3,7 @@
 // - Element access: every kernel computes in fp32 and loads/stores its
 //   element type through to_float/from_float (fp32, bf16, fp16).
 // - Reductions: warp_* via shuffles; block_sum over up to 32 warps through a
-//   32-float shared scratch (every thread of the block must call it).
+//   32-element shared scratch (every thread of the block must call it).
 // - Host side: DISPATCH_FLOAT picks the element type from a DType code;
 //   check_launch turns a failed launch into std::runtime_error (RuntimeError
 //   in Python); DeviceGuard runs the launch on the device owning a pointer.
@@ -41,7 +41,8 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
-__device__ __forceinline__ float warp_sum(float v) {
+template <typename T>  // float, double, integers
+__device__ __forceinline__ T warp_sum(T v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
@@ -52,13 +53,14 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Sum over the block; the result is returned to every thread.
-__device__ __forceinline__ float block_sum(float v, float* scratch /* [32] shared */) {
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch /* [32] shared */) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
   v = warp_sum(v);
   __syncthreads();  // scratch may still be read by a previous call
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  v = lane < nwarps ? scratch[lane] : 0.f;
+  v = lane < nwarps ? scratch[lane] : T(0);
   return warp_sum(v);
 }
 

@@ -3,21 +3,28 @@
 // sample(): logits [B, V] fp32 row-major (read only); temperature/top_p/min_p [B] fp32, top_k [B]
 //   int32, seeds/steps [B] int64 (all device pointers); writes token_ids [B] int32 and, when the
 //   pointers are non-zero, logprobs [B] and top_ids/top_logprobs [B, num_top].
-//   Launch: grid.x = B, one 1024-thread block per row; no scratch memory: every pass re-reads the
-//   row (it stays in L1/L2). Per row:
-//   1. T == 0 (or T invalid): exact argmax, ties to the lowest id (block reduce on (value, id)).
-//   2. top-k (0 < k < V): the k-th largest logit, found by bisection over the order-preserving
-//      uint32 image of the floats (32 block-wide counting passes; exact, ties kept).
+//   Launch: grid.x = B, one 1024-thread block per row, no global scratch. Every pass over the row
+//   is float4 loads, four in flight per thread (the row stays in L2). Searches are radix
+//   searches (8 bits per level, four levels, a 256-bin shared histogram filled with atomics) for
+//   the largest 32-bit key whose suffix weight reaches a target. Per row:
+//   1. argmax (value, id), ties to the lowest id, NaN skipped (1 pass); T == 0 (or invalid): done.
+//   2. top-k (0 < k < V): the k-th largest logit = the largest order-preserving key K with
+//      count(key >= K) >= k (4 passes, exact, ties kept). When k <= 1024 the k-th largest of the
+//      threads' maxima (a radix search in registers) bounds it from below, so only the few
+//      logits above that bound reach the histogram.
 //   3. min-p: threshold x_max + T*log(min_p); candidates are x_i >= max(thresholds).
-//   4. weights w_i = exp((x_i - x_max) * min(1/T, 1e30)) over the candidates.
-//   5. top-p < 1: the cut is the largest weight value u with mass(w >= u) >= top_p * total,
-//      by bisection over the float bits of u in [0, 1] (~30 passes; block sums in double, in a
-//      fixed order, so the result is deterministic). Tokens tied at the cut are all kept.
-//   6. inverse CDF: u = philox_uniform(seed, step); each thread sums the kept weights of one
-//      contiguous id range, an exclusive block scan (double) places target = u * kept_mass, and
-//      the thread whose range holds it walks its ids: the first id whose cumulative weight
-//      exceeds the target. Same rule as the CPU; the sums differ only in rounding (order), so a
-//      seeded draw matches the CPU's unless the target falls within rounding of a boundary.
+//   4. weights w_i = exp((x_i - x_max) * min(1/T, 1e30)) over the candidates, summed as fixed
+//      point (w * 2^(62 - ceil(log2 V)), uint64): exact in any order, so every sum below is
+//      deterministic.
+//   5. top-p < 1 (1 + 4 passes): the cut is the largest weight u with mass(w >= u) >= top_p *
+//      total, a radix search over the float bits of w weighted by mass; weights below
+//      (total - target) / V cannot reach the cut and skip the histogram. Ties at the cut are kept.
+//   6. inverse CDF (1 pass + one warp's range): u = philox_uniform(seed, step), target =
+//      floor(u * kept mass); warp w sums the kept weights of ids [w*span, (w+1)*span), the warp
+//      holding the target scans its 128-id tiles (4 ids per lane, a warp prefix sum): the first
+//      id whose cumulative weight exceeds the target. The CPU rule; the sums differ from the
+//      CPU's doubles only by rounding, so a seeded draw matches the CPU's unless the target
+//      falls within rounding of a boundary.
 //   Logprobs: log_softmax of the input logits; top-N by N block argmax passes over (value, id)
 //   ranked after the previous pick (value descending, then id ascending).
 //   Parameters are not validated here (that would need a device->host sync): top_p outside
@@ -50,30 +57,40 @@ __device__ __forceinline__ float key_to_float(uint32_t k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-__device__ __forceinline__ double warp_sum_d(double v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using u64 = unsigned long long;
 
-// Block-wide sums over a 1024-thread block; every thread gets the result.
-__device__ double block_sum_d(double v, double* scratch /* [32] */) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_sum_d(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  return warp_sum_d(lane < (blockDim.x >> 5) ? scratch[lane] : 0.0);
-}
-
-__device__ int block_count(int v, int* scratch /* [32] */) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < (blockDim.x >> 5) ? scratch[lane] : 0;
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+// Calls f(value, id) for every element of the row x[0, V), spread over the block: 16-byte loads
+// from the first 16-byte aligned element on, four of them in flight per thread.
+template <class F>
+__device__ __forceinline__ void for_row(const float* __restrict__ x, int V, F&& f) {
+  const int n = blockDim.x;
+  const int head = min(V, static_cast<int>((4 - ((reinterpret_cast<uintptr_t>(x) >> 2) & 3)) & 3));
+  for (int i = threadIdx.x; i < head; i += n) f(__ldg(x + i), i);
+  const float4* x4 = reinterpret_cast<const float4*>(x + head);
+  const int n4 = (V - head) >> 2;
+  int j = threadIdx.x;
+  for (; j + 3 * n < n4; j += 4 * n) {
+    float4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = __ldg(x4 + j + u * n);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = head + 4 * (j + u * n);
+      f(v[u].x, i);
+      f(v[u].y, i + 1);
+      f(v[u].z, i + 2);
+      f(v[u].w, i + 3);
+    }
+  }
+  for (; j < n4; j += n) {
+    const float4 v = __ldg(x4 + j);
+    const int i = head + 4 * j;
+    f(v.x, i);
+    f(v.y, i + 1);
+    f(v.z, i + 2);
+    f(v.w, i + 3);
+  }
+  for (int i = head + 4 * n4 + threadIdx.x; i < V; i += n) f(__ldg(x + i), i);
 }
 
 // (value, id) ranking: higher value first, then lower id. id == INT_MAX marks "none".
@@ -87,41 +104,87 @@ __device__ __forceinline__ bool better(const Ranked& a, const Ranked& b) {
   return a.v > b.v || (a.v == b.v && a.id < b.id);
 }
 
-__device__ Ranked block_best(Ranked r, Ranked* scratch /* [32] */) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+__device__ __forceinline__ Ranked warp_best(Ranked r) {
   for (int o = 16; o > 0; o >>= 1) {
-    Ranked other{__shfl_xor_sync(0xffffffffu, r.v, o), __shfl_xor_sync(0xffffffffu, r.id, o)};
-    if (better(other, r)) r = other;
-  }
-  __syncthreads();
-  if (lane == 0) scratch[warp] = r;
-  __syncthreads();
-  r = lane < (blockDim.x >> 5) ? scratch[lane] : Ranked{0.f, INT_MAX};
-  for (int o = 16; o > 0; o >>= 1) {
-    Ranked other{__shfl_xor_sync(0xffffffffu, r.v, o), __shfl_xor_sync(0xffffffffu, r.id, o)};
+    const Ranked other{__shfl_xor_sync(0xffffffffu, r.v, o), __shfl_xor_sync(0xffffffffu, r.id, o)};
     if (better(other, r)) r = other;
   }
   return r;
 }
 
-// The best (value, id) of the row that ranks strictly after `prev` (prev.id == -1: no bound).
-// NaN values never win (comparisons with NaN are false).
-__device__ Ranked row_best_after(const float* x, int V, Ranked prev, Ranked* scratch) {
+__device__ Ranked block_best(Ranked r, Ranked* scratch /* [32] */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  r = warp_best(r);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = r;
+  __syncthreads();
+  return warp_best(lane < (blockDim.x >> 5) ? scratch[lane] : Ranked{0.f, INT_MAX});
+}
+
+// This thread's best (value, id) of the row that ranks strictly after `prev` (prev.id == -1: no
+// bound). NaN values never win (comparisons with NaN are false).
+__device__ Ranked thread_best_after(const float* x, int V, Ranked prev) {
   Ranked r{0.f, INT_MAX};
-  for (int i = threadIdx.x; i < V; i += blockDim.x) {
-    const float v = x[i];
-    if (prev.id >= 0 && !(v < prev.v || (v == prev.v && i > prev.id))) continue;
+  for_row(x, V, [&](float v, int i) {
+    if (prev.id >= 0 && !(v < prev.v || (v == prev.v && i > prev.id))) return;
     const Ranked c{v, i};
     if (v == v && better(c, r)) r = c;
-  }
-  return block_best(r, scratch);
+  });
+  return r;
 }
 
 struct SampleShared {
+  u64 hist[256];
+  u64 u[32];
   double d[32];
-  int n[32];
   Ranked r[32];
+  int digit;
+  u64 above;
 };
+
+// Radix search over 32-bit keys, 8 bits per level from the top: the largest K such that the
+// elements with key >= K weigh at least `need` (> 0). visit(add) calls add(key, weight) for the
+// elements; it may leave out any element whose key is below the answer. False when even K = 0
+// falls short. Block-wide: one visit per level, four levels; every thread must call it.
+template <class Visit>
+__device__ bool radix_search(Visit&& visit, u64 need, uint32_t& result, SampleShared& sh) {
+  uint32_t prefix = 0;
+  u64 above = 0;  // weight of the elements above the current prefix
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) sh.hist[i] = 0;
+    __syncthreads();
+    const uint32_t high = shift == 24 ? 0u : ~0u << (shift + 8);  // the bits decided so far
+    visit([&](uint32_t key, u64 w) {
+      if ((key & high) == prefix) atomicAdd(&sh.hist[(key >> shift) & 255], w);
+    });
+    __syncthreads();
+    if (threadIdx.x < 32) {  // the largest digit d with above + weight(digits >= d) >= need
+      const int lane = threadIdx.x;
+      u64 own = 0;  // digits 8 * lane .. 8 * lane + 7
+      for (int b = 0; b < 8; ++b) own += sh.hist[8 * lane + b];
+      u64 suffix = own;  // digits >= 8 * lane
+      for (int o = 1; o < 32; o <<= 1) {
+        const u64 up = __shfl_down_sync(0xffffffffu, suffix, o);
+        if (lane + o < 32) suffix += up;
+      }
+      const unsigned ok = __ballot_sync(0xffffffffu, above + suffix >= need);
+      if (ok == 0 && lane == 0) sh.digit = -1;
+      if (ok != 0 && lane == 31 - __clz(ok)) {
+        u64 acc = above + suffix - own;  // weight of the digits above this lane's
+        int d = 8 * lane + 7;
+        while (acc + sh.hist[d] < need) acc += sh.hist[d--];  // stops in this lane's digits
+        sh.digit = d;
+        sh.above = acc;
+      }
+    }
+    __syncthreads();
+    if (sh.digit < 0) return false;
+    prefix |= static_cast<uint32_t>(sh.digit) << shift;
+    above = sh.above;
+  }
+  result = prefix;
+  return true;
+}
 
 __global__ void __launch_bounds__(kSampleThreads)
     sample_kernel(const float* __restrict__ logits, int V, const float* __restrict__ temperature,
@@ -130,109 +193,139 @@ __global__ void __launch_bounds__(kSampleThreads)
                   float* __restrict__ logprobs, int num_top, int* __restrict__ top_ids,
                   float* __restrict__ top_logprobs) {
   __shared__ SampleShared sh;
+  __shared__ int sh_token;
   const int b = blockIdx.x;
   const float* x = logits + static_cast<int64_t>(b) * V;
   const float T = temperature[b];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
 
-  const Ranked best = row_best_after(x, V, Ranked{0.f, -1}, sh.r);
+  const Ranked mine = thread_best_after(x, V, Ranked{0.f, -1});
+  const Ranked best = block_best(mine, sh.r);
   const int argmax = best.id == INT_MAX ? 0 : best.id;  // all NaN: token 0, as on the CPU
   const float xmax = best.v;
   int token = argmax;
   if (T > 0.f && best.id != INT_MAX && xmax > -INFINITY) {
     float thr = -INFINITY;
+    bool ok = true;
     const int k = top_k[b];
-    if (k > 0 && k < V) {  // largest key K with count(key >= K) >= k: the k-th largest value
-      uint32_t lo = 0, hi = 0xffffffffu;
-      while (lo < hi) {
-        const uint32_t mid = lo + static_cast<uint32_t>((static_cast<uint64_t>(hi) - lo + 1) / 2);
-        int c = 0;
-        for (int i = threadIdx.x; i < V; i += blockDim.x) c += order_key(x[i]) >= mid && x[i] == x[i];
-        if (block_count(c, sh.n) >= k) lo = mid; else hi = mid - 1;
+    if (k > 0 && k < V) {  // the k-th largest value: largest key K with count(key >= K) >= k
+      uint32_t lb = 0;     // k <= threads: the k-th largest thread maximum bounds it from below
+      if (k <= static_cast<int>(blockDim.x)) {
+        const uint32_t tkey = mine.id == INT_MAX ? 0u : order_key(mine.v);
+        radix_search([&](auto add) { add(tkey, 1); }, k, lb, sh);
       }
-      thr = key_to_float(lo);
+      uint32_t kth = 0;
+      ok = radix_search(
+          [&](auto add) {
+            for_row(x, V, [&](float v, int) {
+              const uint32_t key = order_key(v);
+              if (v == v && key >= lb) add(key, 1);
+            });
+          },
+          k, kth, sh);
+      thr = key_to_float(kth);
     }
     const float mp = min_p[b];
     if (mp > 0.f && mp <= 1.f) thr = fmaxf(thr, xmax + T * logf(mp));
     const float inv_t = fminf(1.f / T, 1e30f);
+    // Weights in fixed point (w in [0, 1] times 2^(62 - ceil(log2 V)), so a row sums below 2^62):
+    // integer sums are exact in any order, so every block-wide sum is deterministic and the
+    // inverse CDF below has exactly one answer.
+    int bits = 0;
+    while ((1 << bits) < V) ++bits;
+    const float fx_scale = __int_as_float((127 + 62 - bits) << 23);
     auto weight = [&](float v) { return v >= thr ? expf((v - xmax) * inv_t) : 0.f; };  // NaN -> 0
+    auto fixed = [&](float w) { return w > 0.f ? __float2ull_rn(w * fx_scale) : 0ull; };
 
-    float cut = 0.f;
+    float cut = 0.f;  // kept: weight(v) > 0 with w >= cut
     const float tp = top_p[b];
-    if (tp > 0.f && tp < 1.f) {
-      double part = 0.0;
-      for (int i = threadIdx.x; i < V; i += blockDim.x) part += weight(x[i]);
-      const double target = static_cast<double>(tp) * block_sum_d(part, sh.d);
-      // Largest u in [0, 1] (as float bits) with mass(w >= u) >= target; mass(w >= 0) = total.
-      uint32_t lo = 0, hi = __float_as_uint(1.f);
-      while (lo < hi) {
-        const uint32_t mid = lo + (hi - lo + 1) / 2;
-        const float u = __uint_as_float(mid);
-        double m = 0.0;
-        for (int i = threadIdx.x; i < V; i += blockDim.x) {
-          const float w = weight(x[i]);
-          if (w >= u) m += w;
-        }
-        if (block_sum_d(m, sh.d) >= target) lo = mid; else hi = mid - 1;
-      }
-      cut = __uint_as_float(lo);
+    if (ok && tp > 0.f && tp < 1.f) {
+      u64 part = 0;
+      for_row(x, V, [&](float v, int) { part += fixed(weight(v)); });
+      const u64 total = block_sum(part, sh.u);
+      const u64 need = min(total, max(1ull, static_cast<u64>(ceil(static_cast<double>(tp) * total))));
+      // Weights below (total - need) / V sit below the cut: together they weigh < total - need.
+      const u64 skip_below = (total - need) / static_cast<u64>(V);
+      uint32_t key = 0;
+      radix_search(
+          [&](auto add) {
+            for_row(x, V, [&](float v, int) {
+              const float w = weight(v);  // key: the float bits of w (monotone for w >= 0)
+              const u64 f = fixed(w);
+              if (f > 0 && f >= skip_below) add(__float_as_uint(w), f);
+            });
+          },
+          need, key, sh);
+      cut = __uint_as_float(key);
     }
+    auto kept = [&](float v) {
+      const float w = weight(v);
+      return w >= cut ? fixed(w) : 0ull;
+    };
 
-    // Inverse CDF in id order: thread t owns ids [t * chunk, (t + 1) * chunk).
-    const int chunk = (V + blockDim.x - 1) / blockDim.x;
-    const int i0 = min(V, static_cast<int>(threadIdx.x) * chunk), i1 = min(V, i0 + chunk);
-    double local = 0.0;
-    int last_kept = -1;
-    for (int i = i0; i < i1; ++i) {
-      const float w = weight(x[i]);
-      if (w >= cut && w > 0.f) {
-        local += w;
-        last_kept = i;
+    // Inverse CDF in id order: warp w owns ids [w * span, (w + 1) * span), read in tiles of 128
+    // (4 consecutive ids per lane); the warp holding the target walks its tiles.
+    const int span = (V + nwarps * 128 - 1) / (nwarps * 128) * 128;
+    const int w0 = warp * span, w1 = min(V, w0 + span);
+    auto lane_sum = [&](int i) {  // ids i .. i + 3
+      u64 s = 0;
+      for (int e = 0; e < 4; ++e) s += i + e < w1 ? kept(__ldg(x + i + e)) : 0ull;
+      return s;
+    };
+    if (ok) {
+      u64 mass = 0;
+      for (int i = w0 + 4 * lane; i < w1; i += 128) mass += lane_sum(i);
+      mass = warp_sum(mass);
+      __syncthreads();
+      if (lane == 0) sh.u[warp] = mass;
+      __syncthreads();
+      u64 before = 0, total = 0;
+      for (int w = 0; w < nwarps; ++w) {
+        before += w < warp ? sh.u[w] : 0ull;
+        total += sh.u[w];
       }
-    }
-    // Exclusive scan of `local` over the block: warp scan, then a scan of the warp totals.
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    double incl = local;
-    for (int o = 1; o < 32; o <<= 1) {
-      const double up = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += up;
-    }
-    __syncthreads();
-    if (lane == 31) sh.d[warp] = incl;
-    __syncthreads();
-    double warp_prefix = 0.0, total = 0.0;
-    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) {
-      if (w < warp) warp_prefix += sh.d[w];
-      total += sh.d[w];
-    }
-    const double before = warp_prefix + incl - local;
-    const double target = philox_uniform(static_cast<uint64_t>(seeds[b]), static_cast<uint64_t>(steps[b])) * total;
-    // The first kept id whose cumulative weight exceeds the target. Rounding can leave the
-    // target in no range (then: the row's last kept id) or in two (then: the lower id).
-    int claim = INT_MAX;
-    if (local > 0.0 && before <= target && target < before + local) {
-      double cum = before;
-      for (int i = i0; i < i1 && claim == INT_MAX; ++i) {
-        const float w = weight(x[i]);
-        if (!(w >= cut && w > 0.f)) continue;
-        cum += w;
-        if (cum > target) claim = i;
+      if (threadIdx.x == 0) sh_token = argmax;  // nothing kept (only with inf/NaN logits)
+      __syncthreads();
+      if (total > 0) {
+        const double u = philox_uniform(static_cast<uint64_t>(seeds[b]), static_cast<uint64_t>(steps[b]));
+        const u64 target = min(total - 1, static_cast<u64>(u * static_cast<double>(total)));
+        if (before <= target && target < before + mass) {  // one warp: the first id with cum > target
+          for (int t0 = w0; t0 < w1; t0 += 128) {
+            const int i = t0 + 4 * lane;
+            const u64 own = lane_sum(i);
+            u64 incl = own;
+            for (int o = 1; o < 32; o <<= 1) {
+              const u64 up = __shfl_up_sync(0xffffffffu, incl, o);
+              if (lane >= o) incl += up;
+            }
+            const unsigned hit = __ballot_sync(0xffffffffu, before + incl > target);
+            if (hit != 0) {
+              if (lane == __ffs(hit) - 1) {
+                u64 cum = before + incl - own;
+                int id = i;
+                while (cum + kept(__ldg(x + id)) <= target) cum += kept(__ldg(x + id++));
+                sh_token = id;
+              }
+              break;
+            }
+            before += __shfl_sync(0xffffffffu, incl, 31);
+          }
+        }
       }
-      if (claim == INT_MAX) claim = last_kept;
+      __syncthreads();
+      token = sh_token;
     }
-    const int first = block_best(Ranked{0.f, claim}, sh.r).id;
-    const int last = block_best(Ranked{0.f, last_kept >= 0 ? INT_MAX - 1 - last_kept : INT_MAX}, sh.r).id;
-    token = first != INT_MAX ? first : last != INT_MAX ? INT_MAX - 1 - last : argmax;  // block-uniform
   }
   if (threadIdx.x == 0) token_ids[b] = token;
   if (logprobs == nullptr) return;
 
   double part = 0.0;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) part += expf(x[i] - xmax);
-  const float lse = xmax + static_cast<float>(log(block_sum_d(part, sh.d)));
+  for_row(x, V, [&](float v, int) { part += expf(v - xmax); });
+  const float lse = xmax + static_cast<float>(log(block_sum(part, sh.d)));
   if (threadIdx.x == 0) logprobs[b] = x[token] - lse;
   Ranked prev{0.f, -1};
   for (int j = 0; j < num_top; ++j) {
-    prev = row_best_after(x, V, prev, sh.r);
+    prev = block_best(thread_best_after(x, V, prev), sh.r);
     if (threadIdx.x == 0) {
       const int64_t o = static_cast<int64_t>(b) * num_top + j;
       top_ids[o] = prev.id == INT_MAX ? 0 : prev.id;
