@@ -567,23 +567,26 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
       return;
     }
     c.n = static_cast<int>(std::min<int64_t>(kChunk, kv_end - c0));
-    for (int t = 0; t < kChunk; t += 2) {  // block sizes are even: a token pair never straddles blocks
-      if (t >= c.n) {  // past the chunk's end: any valid address (the data meets zero probabilities)
-        if (t % 16 == 0) c.k0[t / 16] = c.k1[t / 16] = c.k0[0];
-        c.v[t / 2] = c.v[0];
-        if constexpr (CD != DType::kBFloat16) c.ks[t] = c.vs[t] = c.ks[t + 1] = c.vs[t + 1] = 0.0f;
-        continue;
+    int t = 0;  // block sizes are even and c0 is, so token pairs never straddle blocks
+    for (int64_t blk = c0 / a.BS, off = c0 % a.BS; t < c.n; ++blk, off = 0) {
+      const int64_t tile = static_cast<int64_t>(table[blk]) * a.KVH + it.kvh;
+      const char* kt = kc + tile * tile_bytes;
+      const char* vt = vc + tile * tile_bytes;
+      for (int64_t o = off; o < a.BS && t < c.n; o += 2, t += 2) {
+        if (t % 16 == 0) c.k0[t / 16] = c.k1[t / 16] = kt + o * 2 * es;
+        else if (SPLIT && t % 16 == 8) c.k1[t / 16] = kt;
+        c.v[t / 2] = vt + o * D * es;
+        if constexpr (CD != DType::kBFloat16) {
+          const int64_t srow = tile * a.BS + o;
+          c.ks[t] = a.ks[srow], c.vs[t] = a.vs[srow];
+          c.ks[t + 1] = a.ks[srow + 1], c.vs[t + 1] = a.vs[srow + 1];  // the slot after the last token: finite
+        }
       }
-      const int64_t pos = c0 + t, off = pos % a.BS;
-      const int64_t tile = static_cast<int64_t>(table[pos / a.BS]) * a.KVH + it.kvh;
-      if (t % 16 == 0) c.k0[t / 16] = c.k1[t / 16] = kc + tile * tile_bytes + off * 2 * es;
-      else if (SPLIT && t % 16 == 8) c.k1[t / 16] = kc + tile * tile_bytes;
-      c.v[t / 2] = vc + tile * tile_bytes + off * D * es;
-      if constexpr (CD != DType::kBFloat16) {
-        const int64_t srow = tile * a.BS + off;
-        c.ks[t] = a.ks[srow], c.vs[t] = a.vs[srow];
-        c.ks[t + 1] = a.ks[srow + 1], c.vs[t + 1] = a.vs[srow + 1];  // the slot after the last token: finite
-      }
+    }
+    for (; t < kChunk; t += 2) {  // past the chunk's end: any valid address (meets zero probabilities)
+      if (t % 16 == 0) c.k0[t / 16] = c.k1[t / 16] = c.k0[0];
+      c.v[t / 2] = c.v[0];
+      if constexpr (CD != DType::kBFloat16) c.ks[t] = c.vs[t] = c.ks[t + 1] = c.vs[t + 1] = 0.0f;
     }
   };
   // Two chunks' pointers: this one's, and the next one's, whose lines are prefetched into L2 while
