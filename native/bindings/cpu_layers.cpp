@@ -3,20 +3,10 @@
 // the trailing `stream` is the CUDA stream handle, ignored on the CPU.
 #include <cstdint>
 
+#include "pyengine/cpu_ops.h"
 #include "registry.h"
 
 namespace py = pybind11;
-
-namespace pyengine::cpu {
-void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows, int64_t dim, double eps, int dtype,
-              int weight_dtype);
-void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t dim, double eps,
-                  int dtype, int weight_dtype);
-void rotary_embedding(uintptr_t positions, uintptr_t q, uintptr_t k, uintptr_t cos_sin_cache, int64_t tokens,
-                      int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t q_row_stride,
-                      int64_t k_row_stride, int64_t max_position, int dtype);
-void silu_and_mul(uintptr_t x, uintptr_t out, int64_t rows, int64_t inter, int dtype);
-}  // namespace pyengine::cpu
 
 namespace {
 

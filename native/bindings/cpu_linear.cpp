@@ -3,14 +3,10 @@
 // the trailing `stream` is the CUDA stream handle, ignored on the CPU.
 #include <cstdint>
 
+#include "pyengine/cpu_ops.h"
 #include "registry.h"
 
 namespace py = pybind11;
-
-namespace pyengine::cpu {
-void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K,
-                 int out_dtype);
-}  // namespace pyengine::cpu
 
 namespace {
 

@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from pyengine.config import ModelConfig
 from pyengine.model.metadata import AttentionMetadata, KVCache
-from pyengine.ops.attention import paged_attention
+from pyengine.ops._common import DTYPE_CODES, check_tensor
+from pyengine.ops.attention import check_kv_cache, paged_attention
 from pyengine.ops.cache import reshape_and_cache
 from pyengine.ops.layers import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from pyengine.ops.linear import PackedLinear
@@ -138,6 +139,13 @@ class LlamaForCausalLM(torch.nn.Module):
                                      make_linear(l.gate_up, None), make_linear(l.down, None)) for l in self.layers]
         self.lm_head_linear = make_linear(self.lm_head, None, out_dtype=torch.float32)
         self.cos_sin_cache = rope_cache(cfg).to(device)
+        # Steps of up to this many tokens run all layers in one native call (decoder_layers): CPU,
+        # bf16, every projection a PackedLinear with its native kernel. 0: always op by op.
+        lins = [x for l in self.linears for x in l]
+        native = dtype == torch.bfloat16 and all(isinstance(x, PackedLinear) and x.native_pointers()[0] for x in lins)
+        self.native_layer_rows = min(x.max_native_rows for x in lins) if native else 0
+        self._layer_table: torch.Tensor | None = None  # addresses for decoder_layers, per KV cache list
+        self._layer_table_caches: list[KVCache] | None = None
 
     def weight_bytes(self) -> int:
         tensors = {id(t): t for t in [self.embed, self.norm, self.lm_head, *(x for l in self.layers for x in l)]
@@ -158,6 +166,10 @@ class LlamaForCausalLM(torch.nn.Module):
         eps, scale, sizes, cos_sin, d = self.eps, self.scale, self.qkv_sizes, self.cos_sin_cache, self.cfg.head_dim
         q_shape, kv_shape = (t, *self.q_shape), (t, *self.kv_shape)
         residual = F.embedding(input_ids, self.embed)
+        if t <= self.native_layer_rows:
+            x = self._native_layers(residual, positions, kv_caches, meta)
+            add_rms_norm(x, residual, self.norm, eps)
+            return self.lm_head_linear(x.index_select(0, logits_indices))
         x = None
         for layer, lin, cache in zip(self.layers, self.linears, kv_caches):
             if x is None:
@@ -177,3 +189,52 @@ class LlamaForCausalLM(torch.nn.Module):
             x = lin.down(silu_and_mul(lin.gate_up(x)))
         add_rms_norm(x, residual, self.norm, eps)
         return self.lm_head_linear(x.index_select(0, logits_indices))
+
+    def _native_layers(self, residual: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """All layers of the op-by-op loop above in one native call (same kernels, same order: the
+        same bits). residual is updated in place; returns x, the last layer's MLP output."""
+        from pyengine import _C
+
+        cfg, t = self.cfg, residual.shape[0]
+        h, kvh, d, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+        cache = kv_caches[0]
+        nb, _, bs, _ = check_kv_cache(cache.k, cache.v, cache.k_scales, cache.v_scales, torch.bfloat16,
+                                      residual.device, kvh, d)
+        check_tensor("positions", positions, dtypes=(torch.int64,), shape=(t,))
+        check_tensor("slot_mapping", meta.slot_mapping, dtypes=(torch.int64,), shape=(t,))
+        check_tensor("block_tables", meta.block_tables, dtypes=(torch.int32,), ndim=2)
+        s, max_blocks = meta.block_tables.shape
+        check_tensor("seq_lens", meta.seq_lens, dtypes=(torch.int32,), shape=(s,))
+        check_tensor("query_start_loc", meta.query_start_loc, dtypes=(torch.int32,), shape=(s + 1,))
+        table = self._layer_table_for(kv_caches)
+        x = torch.empty_like(residual)
+        qkv = residual.new_empty(t, sum(self.qkv_sizes))
+        attn = residual.new_empty(t, h * d)
+        gate_up = residual.new_empty(t, 2 * inter)
+        act = residual.new_empty(t, inter)
+        _C.decoder_layers(
+            residual.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
+            table.data_ptr(), len(self.layers), positions.data_ptr(), self.cos_sin_cache.data_ptr(),
+            self.cos_sin_cache.shape[0], meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
+            meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), t, cfg.hidden_size, h, kvh, d, inter, nb, bs,
+            s, max_blocks, meta.max_seq_len, self.eps, self.scale, DTYPE_CODES[self.layers[0].input_norm.dtype],
+            DTYPE_CODES[cache.k.dtype])
+        return x
+
+    def _layer_table_for(self, kv_caches: list[KVCache]) -> torch.Tensor:
+        """decoder_layers' table of addresses (native/cpu/decoder.cpp: LayerField), built once per cache list."""
+        if self._layer_table_caches is not kv_caches:
+            if len(kv_caches) != len(self.layers):
+                raise ValueError(f"{len(kv_caches)} KV caches for a model of {len(self.layers)} layers")
+            ptr = lambda x: 0 if x is None else x.data_ptr()  # noqa: E731
+            rows = []
+            for layer, lin, c in zip(self.layers, self.linears, kv_caches):
+                check_kv_cache(c.k, c.v, c.k_scales, c.v_scales, torch.bfloat16, c.k.device,
+                               self.cfg.num_key_value_heads, self.cfg.head_dim)
+                rows.append([ptr(layer.input_norm), *lin.qkv.native_pointers(), *lin.o.native_pointers(),
+                             ptr(layer.post_norm), lin.gate_up.native_pointers()[0], lin.down.native_pointers()[0],
+                             ptr(c.k), ptr(c.v), ptr(c.k_scales), ptr(c.v_scales)])
+            self._layer_table = torch.tensor(rows, dtype=torch.int64)
+            self._layer_table_caches = kv_caches
+        return self._layer_table

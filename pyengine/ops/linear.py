@@ -82,6 +82,11 @@ class PackedLinear:
                      self.in_features, DTYPE_CODES[out_dtype], 0)
         return out
 
+    def native_pointers(self) -> tuple[int, int]:
+        """(packed weight, fp32 bias or 0) addresses for native code that calls the kernel itself
+        (decoder_layers); (0, 0) where there is no native kernel (not on the CPU)."""
+        return self._packed_ptr, self._bias_ptr
+
     def __repr__(self) -> str:
         return (f"PackedLinear(in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, max_native_rows={self.max_native_rows})")

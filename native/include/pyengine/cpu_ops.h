@@ -1,0 +1,42 @@
+// The CPU kernels' entry points (native/cpu/*.cpp), for the bindings and for native code that
+// chains them (decoder.cpp). Pointers are raw addresses; dtype codes are DType values (dtype.h).
+#pragma once
+#include <cstdint>
+
+#include "pyengine/dtype.h"
+
+namespace pyengine {
+
+void paged_attention_cpu(void* out, const void* q, const void* k_cache, const void* v_cache, const float* k_scales,
+                         const float* v_scales, const int32_t* block_tables, const int32_t* seq_lens,
+                         const int32_t* query_start_loc, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t q_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
+                         int64_t max_blocks_per_seq, int64_t max_seq_len, float scale, DType q_dtype,
+                         DType cache_dtype);
+
+void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, void* v_cache, float* k_scales,
+                           float* v_scales, const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t key_stride, int64_t value_stride, int64_t num_blocks,
+                           int64_t block_size, DType src_dtype, DType cache_dtype);
+
+namespace cpu {
+
+void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows, int64_t dim, double eps, int dtype,
+              int weight_dtype);
+void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t dim, double eps,
+                  int dtype, int weight_dtype);
+void rotary_embedding(uintptr_t positions, uintptr_t q, uintptr_t k, uintptr_t cos_sin_cache, int64_t tokens,
+                      int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t q_row_stride,
+                      int64_t k_row_stride, int64_t max_position, int dtype);
+void silu_and_mul(uintptr_t x, uintptr_t out, int64_t rows, int64_t inter, int dtype);
+void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K,
+                 int out_dtype);
+void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t attn, uintptr_t gate_up, uintptr_t act,
+                    const int64_t* layers, int64_t num_layers, uintptr_t positions, uintptr_t cos_sin_cache,
+                    int64_t max_position, uintptr_t slot_mapping, uintptr_t block_tables, uintptr_t seq_lens,
+                    uintptr_t query_start_loc, int64_t T, int64_t hidden, int64_t H, int64_t KVH, int64_t D,
+                    int64_t inter, int64_t num_blocks, int64_t block_size, int64_t num_seqs, int64_t max_blocks,
+                    int64_t max_seq_len, double eps, double scale, int norm_dtype, int cache_dtype);
+
+}  // namespace cpu
+}  // namespace pyengine
