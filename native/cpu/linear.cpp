@@ -20,8 +20,9 @@
 // x is first repacked by the caller into k pairs, xp[r0 * KP + kp * MR + m] = (x[r, 2kp], x[r, 2kp+1])
 // as one 32-bit word (r = r0 + m, chunks of MR <= 16 rows from r0; the pair past an odd K is zero),
 // so the kernel broadcasts consecutive words from one pointer.
-// No software prefetch: the NT sequential streams are what the hardware prefetchers follow best;
-// prefetching 4..32 lines ahead measured equal or slower (decode step, 1 and 2 threads).
+// Each of the NT streams is prefetched 16 lines (1 KiB) ahead into L2: 8% faster decode steps than
+// the hardware prefetchers alone once the Python between kernels was gone (10.1 -> 9.3 ms at batch
+// 1; 8 and 32 lines measured the same; into L1 was slower).
 // SIMD: AVX512-BF16 (vdpbf16ps) when the build targets it, else a plain loop (correct, slower).
 #include <algorithm>
 #include <cstdint>
@@ -43,6 +44,7 @@ constexpr int64_t kTileN = 16;
 constexpr int64_t kTileLine = 32;                  // bf16 elements per (tile, k pair): 64 bytes
 constexpr int64_t kMaxRows = 16;                   // rows of x per pass over a tile group
 constexpr int64_t kMinParallelBytes = 64 * 1024;   // below this weight size the caller runs alone
+constexpr int64_t kPrefetchLines = 16;             // per stream, into L2 (past a tile's end: harmless)
 
 struct Args {
   const uint32_t* xp;
@@ -69,6 +71,7 @@ void tile_block(const Args& a, int64_t r0, int64_t t0) {
   for (int64_t kp = 0; kp < a.KP; ++kp, xp += MR) {
     __m512bh wv[NT];
     for (int t = 0; t < NT; ++t) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_stride + (kp + kPrefetchLines) * kTileLine), _MM_HINT_T1);
       wv[t] = (__m512bh)_mm512_load_si512(w + t * tile_stride + kp * kTileLine);
     }
     for (int m = 0; m < MR; ++m) {
