@@ -542,8 +542,45 @@ void group_chunk(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_stride,
   pv_group<CD, NC32, NR>(c, next, pb, alpha, acc, (maxnv + 1) / 2);
 }
 
+// The cache positions [kv_lo, kv_end) an item reads (its causal end, within its split).
+inline int64_t item_kv_end(const Args& a, const Item& it) {
+  const int64_t q_len = a.qsl[it.seq + 1] - a.qsl[it.seq];
+  return std::min<int64_t>(it.kv_hi, a.seq_lens[it.seq] - q_len + it.tok1);
+}
+
+// The pointers of item `it`'s chunk at c0 (< kv_end).
 template <DType CD, int NC32, bool SPLIT>
-void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
+void fill_chunk(const Args& a, const Item& it, int64_t c0, int64_t kv_end, ChunkPtrs& c) {
+  constexpr int64_t D = 32 * NC32;
+  constexpr int64_t es = CD == DType::kBFloat16 ? 2 : 1;
+  const int64_t tile_bytes = a.BS * D * es;
+  const int32_t* table = a.bt + it.seq * a.MB;
+  c.n = static_cast<int>(std::min<int64_t>(kChunk, kv_end - c0));
+  int t = 0;  // block sizes are even and c0 is, so token pairs never straddle blocks
+  for (int64_t blk = c0 / a.BS, off = c0 % a.BS; t < c.n; ++blk, off = 0) {
+    const int64_t tile = static_cast<int64_t>(table[blk]) * a.KVH + it.kvh;
+    const char* kt = static_cast<const char*>(a.k) + tile * tile_bytes;
+    const char* vt = static_cast<const char*>(a.v) + tile * tile_bytes;
+    for (int64_t o = off; o < a.BS && t < c.n; o += 2, t += 2) {
+      if (t % 16 == 0) c.k0[t / 16] = c.k1[t / 16] = kt + o * 2 * es;
+      else if (SPLIT && t % 16 == 8) c.k1[t / 16] = kt;
+      c.v[t / 2] = vt + o * D * es;
+      if constexpr (CD != DType::kBFloat16) {
+        const int64_t srow = tile * a.BS + o;
+        c.ks[t] = a.ks[srow], c.vs[t] = a.vs[srow];
+        c.ks[t + 1] = a.ks[srow + 1], c.vs[t + 1] = a.vs[srow + 1];  // the slot after the last token: finite
+      }
+    }
+  }
+  for (; t < kChunk; t += 2) {  // past the chunk's end: any valid address (meets zero probabilities)
+    if (t % 16 == 0) c.k0[t / 16] = c.k1[t / 16] = c.k0[0];
+    c.v[t / 2] = c.v[0];
+    if constexpr (CD != DType::kBFloat16) c.ks[t] = c.vs[t] = c.ks[t + 1] = c.vs[t + 1] = 0.0f;
+  }
+}
+
+template <DType CD, int NC32, bool SPLIT>
+void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partials& parts, Workspace& ws) {
   constexpr int64_t D = 32 * NC32;
   constexpr int64_t es = CD == DType::kBFloat16 ? 2 : 1;
   const int64_t G = a.G;
@@ -561,48 +598,27 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
     ws.l[r] = 0.0f;
   }
   const __m512 qscale = _mm512_set1_ps(a.scale * kLog2e);
-  const char* kc = static_cast<const char*>(a.k);
-  const char* vc = static_cast<const char*>(a.v);
-  const int64_t tile_bytes = a.BS * D * es, pair_stride = a.BS * 2 * es;
-  const int32_t* table = a.bt + it.seq * a.MB;
-  const int64_t kv_end = std::min<int64_t>(it.kv_hi, first_pos + it.tok1);
-  // Fills the pointers of the chunk at c0 (c0 >= kv_end: a copy of `like`, so prefetches stay valid).
-  auto fill = [&](ChunkPtrs& c, int64_t c0, const ChunkPtrs& like) {
-    if (c0 >= kv_end) {
-      c = like;
-      return;
-    }
-    c.n = static_cast<int>(std::min<int64_t>(kChunk, kv_end - c0));
-    int t = 0;  // block sizes are even and c0 is, so token pairs never straddle blocks
-    for (int64_t blk = c0 / a.BS, off = c0 % a.BS; t < c.n; ++blk, off = 0) {
-      const int64_t tile = static_cast<int64_t>(table[blk]) * a.KVH + it.kvh;
-      const char* kt = kc + tile * tile_bytes;
-      const char* vt = vc + tile * tile_bytes;
-      for (int64_t o = off; o < a.BS && t < c.n; o += 2, t += 2) {
-        if (t % 16 == 0) c.k0[t / 16] = c.k1[t / 16] = kt + o * 2 * es;
-        else if (SPLIT && t % 16 == 8) c.k1[t / 16] = kt;
-        c.v[t / 2] = vt + o * D * es;
-        if constexpr (CD != DType::kBFloat16) {
-          const int64_t srow = tile * a.BS + o;
-          c.ks[t] = a.ks[srow], c.vs[t] = a.vs[srow];
-          c.ks[t + 1] = a.ks[srow + 1], c.vs[t + 1] = a.vs[srow + 1];  // the slot after the last token: finite
-        }
-      }
-    }
-    for (; t < kChunk; t += 2) {  // past the chunk's end: any valid address (meets zero probabilities)
-      if (t % 16 == 0) c.k0[t / 16] = c.k1[t / 16] = c.k0[0];
-      c.v[t / 2] = c.v[0];
-      if constexpr (CD != DType::kBFloat16) c.ks[t] = c.vs[t] = c.ks[t + 1] = c.vs[t + 1] = 0.0f;
-    }
-  };
+  const int64_t pair_stride = a.BS * 2 * es;
+  const int64_t kv_end = item_kv_end(a, it);
   // Two chunks' pointers: this one's, and the next one's, whose lines are prefetched into L2 while
   // this one computes (tiles are scattered, so the hardware prefetcher stops at every tile edge;
-  // into L2 rather than L1, measured 1.9 -> 1.45 ms at batch 32 x 2048).
+  // into L2 rather than L1, measured 1.9 -> 1.45 ms at batch 32 x 2048). After the last chunk, the
+  // next item's first (with many short sequences, a cold first chunk per item was a third of the
+  // reads); with no next item, a copy of the last (the prefetches then hit).
+  auto fill_next = [&](ChunkPtrs& c, int64_t c0, const ChunkPtrs& last) {
+    if (c0 < kv_end) {
+      fill_chunk<CD, NC32, SPLIT>(a, it, c0, kv_end, c);
+    } else if (next_item && next_item->kv_lo < item_kv_end(a, *next_item)) {
+      fill_chunk<CD, NC32, SPLIT>(a, *next_item, next_item->kv_lo, item_kv_end(a, *next_item), c);
+    } else {
+      c = last;
+    }
+  };
   ChunkPtrs buf[2];
-  if (it.kv_lo < kv_end) fill(buf[0], it.kv_lo, buf[0]);
+  if (it.kv_lo < kv_end) fill_chunk<CD, NC32, SPLIT>(a, it, it.kv_lo, kv_end, buf[0]);
   for (int64_t c0 = it.kv_lo, ci = 0; c0 < kv_end; c0 += kChunk, ci ^= 1) {
     const ChunkPtrs& c = buf[ci];
-    fill(buf[ci ^ 1], c0 + kChunk, c);
+    fill_next(buf[ci ^ 1], c0 + kChunk, c);
     const ChunkPtrs& next = buf[ci ^ 1];
     for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
       const int nr = static_cast<int>(std::min<int64_t>(kGroup, rows - r0));
@@ -629,12 +645,19 @@ void run_item_bf16(const Args& a, const Item& it, Partials& parts, Workspace& ws
     finish_row(a, it, parts, q_start + it.tok0 + r / G, it.kvh * G + r % G, ws.acc.data() + r * D, ws.m[r], ws.l[r]);
 }
 
+// Items go to the threads in runs of consecutive ones (so each knows the next item, to prefetch
+// its first chunk), small enough runs to keep the threads balanced.
 template <DType CD, int NC32>
 void run_all_bf16(const Args& a, const std::vector<Item>& items, Partials& parts) {
-  ThreadPool::instance().parallel_for(static_cast<int64_t>(items.size()), [&](int64_t i) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t run = std::max<int64_t>(1, n / (8 * ThreadPool::instance().num_threads()));
+  ThreadPool::instance().parallel_for((n + run - 1) / run, [&](int64_t r) {
     thread_local Workspace ws;
-    if (a.BS == 8) run_item_bf16<CD, NC32, true>(a, items[i], parts, ws);
-    else run_item_bf16<CD, NC32, false>(a, items[i], parts, ws);
+    for (int64_t i = r * run; i < std::min(n, (r + 1) * run); ++i) {
+      const Item* next = i + 1 < std::min(n, (r + 1) * run) ? &items[i + 1] : nullptr;
+      if (a.BS == 8) run_item_bf16<CD, NC32, true>(a, items[i], next, parts, ws);
+      else run_item_bf16<CD, NC32, false>(a, items[i], next, parts, ws);
+    }
   });
 }
 
