@@ -95,6 +95,7 @@ def _merge(results: dict[str, RequestOutput], delta: RequestOutput) -> None:
         if d.logprobs:
             c.logprobs.extend(d.logprobs)
         c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        c.cumulative_logprob = d.cumulative_logprob
     full.outputs.sort(key=lambda c: c.index)
     full.finished = delta.finished
     full.metrics = delta.metrics

@@ -76,6 +76,36 @@ class TokenBucket:
         self._refill()
         self.level = min(self.capacity, self.level + amount)
 
+    def is_full(self) -> bool:
+        self._refill()
+        return self.level >= self.capacity
+
+
+class BucketTable:
+    """Token buckets by key, created full on first use. A full bucket is the same as a new one, so
+    each time the table has doubled since its last sweep it forgets the full ones: it holds about
+    the keys that made requests within the last period, not every client address ever seen."""
+
+    def __init__(self, capacity: int, clock) -> None:
+        self.capacity, self.clock = capacity, clock
+        self._buckets: dict[str, TokenBucket] = {}
+        self._sweep_at = 1024
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def find(self, key: str) -> TokenBucket | None:
+        return self._buckets.get(key)
+
+    def get(self, key: str) -> TokenBucket:
+        b = self._buckets.get(key)
+        if b is None:
+            if len(self._buckets) >= self._sweep_at:
+                self._buckets = {k: v for k, v in self._buckets.items() if not v.is_full()}
+                self._sweep_at = max(1024, 2 * len(self._buckets))
+            b = self._buckets[key] = TokenBucket(self.capacity, clock=self.clock)
+        return b
+
 
 class RateLimiter:
     """Per-key buckets for requests/minute and tokens/minute.
@@ -87,21 +117,15 @@ class RateLimiter:
     """
 
     def __init__(self, rpm: int, tpm: int, clock=time.monotonic) -> None:
-        self.rpm, self.tpm, self.clock = rpm, tpm, clock
-        self._req: dict[str, TokenBucket] = {}
-        self._tok: dict[str, TokenBucket] = {}
-
-    def _bucket(self, table: dict[str, TokenBucket], key: str, cap: int) -> TokenBucket:
-        b = table.get(key)
-        if b is None:
-            b = table[key] = TokenBucket(cap, clock=self.clock)
-        return b
+        self.rpm, self.tpm = rpm, tpm
+        self.requests = BucketTable(rpm, clock)
+        self.tokens = BucketTable(tpm, clock)
 
     def check_request(self, key: str) -> None:
         """Charge one request; 429 if the key's request bucket is empty."""
         if self.rpm <= 0:
             return
-        b = self._bucket(self._req, key, self.rpm)
+        b = self.requests.get(key)
         wait = b.wait_time(1)
         if wait > 0:
             raise _too_many(f"Rate limit reached: {self.rpm} requests per minute.", wait, "requests")
@@ -111,7 +135,7 @@ class RateLimiter:
         """Charge `tokens`; 429 if they are not available yet."""
         if self.tpm <= 0:
             return
-        b = self._bucket(self._tok, key, self.tpm)
+        b = self.tokens.get(key)
         wait = b.wait_time(tokens)
         if wait > 0:
             raise _too_many(f"Rate limit reached: {self.tpm} tokens per minute; this request needs "
@@ -119,8 +143,9 @@ class RateLimiter:
         b.take(tokens)
 
     def refund_tokens(self, key: str, tokens: int) -> None:
-        if self.tpm > 0 and tokens > 0 and key in self._tok:
-            self._tok[key].give_back(tokens)
+        b = self.tokens.find(key) if self.tpm > 0 and tokens > 0 else None
+        if b is not None:
+            b.give_back(tokens)
 
 
 def _too_many(message: str, wait: float, kind: str) -> APIError:

@@ -119,6 +119,20 @@ def test_fake_seeded_sampling_alone_equals_batched():
     assert together == alone
 
 
+def test_fake_logprobs_and_cumulative_logprob():
+    llm = LLM.from_engine(fake_engine())
+    prompts = prompts_of([5, 12], seed=3)
+    with_lp = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.8, seed=1, logprobs=2),
+                           use_tqdm=False)
+    for o in with_lp:
+        c = o.outputs[0]
+        assert [lp.token_id for lp in c.logprobs] == c.token_ids and all(len(lp.top) == 2 for lp in c.logprobs)
+        assert c.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in c.logprobs))
+        assert c.cumulative_logprob < 0
+    without = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.8, seed=1), use_tqdm=False)
+    assert all(o.outputs[0].logprobs is None and o.outputs[0].cumulative_logprob is None for o in without)
+
+
 def test_prompt_rejected_with_numbers():
     engine = fake_engine(kv_tokens=64, max_model_len=100)
     with pytest.raises(ValueError, match="100 tokens; this model's maximum context length is 100"):

@@ -57,6 +57,27 @@ def test_rate_limiter_tokens_and_refund():
     rl.check_tokens("k", 30)
 
 
+def test_rate_limiter_forgets_idle_clients():
+    """Buckets of clients idle for a period are dropped once the table doubles: memory stays bounded
+    by the clients active within a minute, and a returning client still starts with a full bucket."""
+    clock = Clock()
+    rl = RateLimiter(rpm=5, tpm=0, clock=clock)
+    for i in range(1024):
+        rl.check_request(f"10.0.{i // 256}.{i % 256}")
+    rl.check_request("busy")
+    for _ in range(4):
+        rl.check_request("busy")  # empty now
+    clock.t = 61  # a full period: every other bucket has refilled
+    for i in range(1100):
+        rl.check_request(f"new-{i}")
+    assert len(rl.requests) < 1200  # the 1024 idle ones are gone, new and refilling ones stay
+    rl.check_request("10.0.0.1")  # a forgotten client gets a fresh, full bucket
+    for _ in range(4):
+        rl.check_request("10.0.0.1")
+    with pytest.raises(APIError):
+        rl.check_request("10.0.0.1")
+
+
 def test_authenticate():
     assert authenticate(None, []) == ""
     assert authenticate("Bearer k2", ["k1", "k2"]) == "k2"

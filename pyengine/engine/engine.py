@@ -42,6 +42,11 @@ class EngineStats:
     num_computed_tokens: int  # tokens run through the model (prompt chunks + decodes), all steps
 
 
+def _cumulative(req: Request) -> float | None:
+    """The running cumulative logprob of a request's output, where it asked for logprobs."""
+    return req.cumulative_logprob if req.logprobs is not None else None
+
+
 class _Group:
     """A user request: its n child sequences and what the consumer has seen."""
 
@@ -284,6 +289,7 @@ class Engine:
                 top = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k])) if k else []
                 lp = TokenLogprob(tok, result.logprobs[row], top)
                 req.logprobs.append(lp)
+                req.cumulative_logprob += lp.logprob
             stop = check_token_stop(req, tok, eos)
             if stop is None or stop[0] is RequestStatus.FINISHED_LENGTH:
                 hit = req.detok.add(tok)
@@ -300,7 +306,7 @@ class Engine:
                 out = self._finish(group, req, [tok], lp)
             else:
                 out = CompletionOutput(req.index, req.detok.pop_delta(False), [tok], None, None,
-                                       [lp] if lp is not None else None)
+                                       [lp] if lp is not None else None, _cumulative(req))
             by_group.setdefault(group.request_id, (group, []))[1].append(out)
         return [self._request_output(group, outs) for group, outs in by_group.values()]
 
@@ -310,7 +316,7 @@ class Engine:
         if group.num_finished == len(group.children):
             del self.groups[group.request_id]
         return CompletionOutput(req.index, req.detok.pop_delta(True), new_ids, req.finish_reason,
-                                req.stop_reason, [lp] if lp is not None else None)
+                                req.stop_reason, [lp] if lp is not None else None, _cumulative(req))
 
     def _request_output(self, group: _Group, outs: list[CompletionOutput]) -> RequestOutput:
         finished = group.num_finished == len(group.children)

@@ -65,7 +65,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] | None = None
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # sum of the output tokens' logprobs so far (with logprobs)
 
     @property
     def finished(self) -> bool:
