@@ -170,6 +170,17 @@ void convert_v_tile(const void* tile, const float* scales, int64_t off, int64_t 
 
 inline __mmask16 tail_mask(int64_t n) { return n <= 0 ? 0 : n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1); }
 
+// An online-softmax row's new running max after the scores sc[0, nv), and in alpha the factor
+// 2^(m - m_new) that rescales what the row has accumulated (0 on its first chunk, m = -inf).
+inline float online_max(const float* sc, int64_t nv, float m, float& alpha) {
+  __m512 vmax = _mm512_set1_ps(kNegInf);
+  for (int64_t t0 = 0; t0 < nv; t0 += 16)
+    vmax = _mm512_mask_max_ps(vmax, tail_mask(nv - t0), vmax, _mm512_loadu_ps(sc + t0));
+  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+  alpha = std::exp2(m - m_new);
+  return m_new;
+}
+
 // Sums of each of 16 vectors, as one vector (lane i = sum of v[i]): a transpose-and-add tree.
 inline __m512 hsum16(const __m512* v) {
   __m512 a[8], b[4], c[2];
@@ -219,11 +230,8 @@ inline __m512 exp2_ps(__m512 x) {
 
 template <int NC>
 void softmax_pv(float* sc, int64_t nv, const float* V, int64_t Dp, float& m, float& l, float* acc) {
-  __m512 vmax = _mm512_set1_ps(kNegInf);
-  for (int64_t t0 = 0; t0 < nv; t0 += 16)
-    vmax = _mm512_mask_max_ps(vmax, tail_mask(nv - t0), vmax, _mm512_loadu_ps(sc + t0));
-  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
-  const float alpha = std::exp2(m - m_new);  // 0 on the first chunk (m = -inf)
+  float alpha;
+  const float m_new = online_max(sc, nv, m, alpha);
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t t0 = 0; t0 < nv; t0 += 16) {
@@ -475,10 +483,8 @@ inline float softmax_row(const float* sc, int nv, int n, const ChunkPtrs& c, uin
     std::memset(pb, 0, kChunk * 2);
     return 1.0f;
   }
-  __m512 vmax = _mm512_set1_ps(kNegInf);
-  for (int t0 = 0; t0 < nv; t0 += 16) vmax = _mm512_mask_max_ps(vmax, tail_mask(nv - t0), vmax, _mm512_loadu_ps(sc + t0));
-  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
-  const float alpha = std::exp2(m - m_new);  // 0 on the first chunk (m = -inf)
+  float alpha;
+  const float m_new = online_max(sc, nv, m, alpha);
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 vsum = _mm512_setzero_ps();
   for (int t0 = 0; t0 < n; t0 += 16) {
