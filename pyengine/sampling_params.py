@@ -14,6 +14,8 @@ class SamplingParams:
     filters off. seed None draws a random seed when the request is created, so every request has
     a reproducible stream keyed by (seed, output position) whatever the batch it runs in.
     logprobs: None = none; 0 = the sampled token's; N = also the top N.
+    prompt_logprobs: the same for each prompt token (given the tokens before it; the first has
+    none). Such a request computes its whole prompt: it takes nothing from the prefix cache.
     """
 
     n: int = 1
@@ -31,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stop_strings: list[str] = field(init=False, repr=False)
@@ -70,6 +73,9 @@ class SamplingParams:
             raise bad("repetition_penalty", "in (0, 2]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= _MAX_LOGPROBS):
             raise bad("logprobs", f"None or an integer in [0, {_MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"None or an integer in [0, {_MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

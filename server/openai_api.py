@@ -52,6 +52,7 @@ class _Job:
     params: list[Any]
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[dict]] = field(default_factory=dict)  # echo + logprobs, per prompt
 
     @property
     def usage(self) -> dict[str, int]:
@@ -143,8 +144,9 @@ class OpenAIServing:
                 raise APIError(400, "The prompt is empty (0 tokens).", param="prompt")
             max_tokens = gateway.check_context(len(ids), req.max_tokens, max_len)
             try:
-                params.append(SamplingParams(**req.sampling, max_tokens=max_tokens,
-                                              logprobs=req.num_logprobs))
+                echo_lps = isinstance(req, CompletionRequest) and req.echo and req.num_logprobs is not None
+                params.append(SamplingParams(**req.sampling, max_tokens=max_tokens, logprobs=req.num_logprobs,
+                                              prompt_logprobs=req.num_logprobs if echo_lps else None))
             except (ValueError, TypeError) as e:  # SamplingParams names the field first
                 field_name = str(e).split(" ", 1)[0]
                 raise APIError(400, str(e), param=field_name if field_name in req.sampling else None,
@@ -233,12 +235,16 @@ class OpenAIServing:
     def _absorb(self, job: _Job, p: int, out: Any) -> list[dict]:
         """Fold one engine delta into the job's choices; return the stream chunks it makes."""
         events = []
+        if out.prompt_logprobs is not None:
+            job.prompt_logprobs[p] = self._logprobs(job.kind, out.prompt_logprobs, job.prompt_ids[p])
         for o in out.outputs:
             idx = p * job.req.n + o.index
             text = o.text or ""
+            echoed = []  # prompt logprob entries that go before this choice's first tokens
             if idx not in job.choices and isinstance(job.req, CompletionRequest) and job.req.echo:
                 prompt = job.req.prompts[p]
                 text = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) + text
+                echoed = job.prompt_logprobs.get(p, [])
             ch = job.choices.setdefault(idx, _Choice())
             if ch.finish_reason is not None:  # a finished choice has nothing more to say
                 continue
@@ -246,6 +252,8 @@ class OpenAIServing:
             ch.num_tokens += len(ids)
             ch.text.append(text)
             lps = self._logprobs(job.kind, o.logprobs, ids) if job.req.num_logprobs is not None else None
+            if echoed:
+                lps = echoed + (lps or [])
             if lps:
                 ch.logprobs.extend(lps)
             if o.finish_reason is not None:
@@ -305,9 +313,14 @@ class OpenAIServing:
                 "choices": choices, "usage": job.usage}
 
     def _logprobs(self, kind: str, entries: list | None, ids: list[int]) -> list[dict]:
-        """Engine logprob entries (one per new token) -> chat-style dicts."""
+        """Engine logprob entries (one per token of ids) -> chat-style dicts; an entry None (the first
+        prompt token's) has logprob and top_logprobs None."""
         res = []
-        for e in (entries or [])[-len(ids):] if ids else []:
+        for i, e in enumerate((entries or [])[-len(ids):] if ids else []):
+            if e is None:
+                tok = self.tokenizer.decode([ids[i]])
+                res.append({"token": tok, "logprob": None, "bytes": list(tok.encode("utf-8")), "top_logprobs": None})
+                continue
             tid, lp, top = _unpack_logprob(e)
             tok = self.tokenizer.decode([tid])
             res.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
@@ -400,7 +413,8 @@ def _completion_logprobs(lps: list[dict], pos: int = 0) -> dict:
         offsets.append(pos)
         pos += len(e["token"])
     return {"tokens": [e["token"] for e in lps], "token_logprobs": [e["logprob"] for e in lps],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in lps],
+            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in lps],
             "text_offset": offsets}
 
 

@@ -248,9 +248,6 @@ def parse_completion(body: dict, max_n: int, vocab_size: int) -> CompletionReque
     prompts = _prompts(body.get("prompt"), vocab_size)
     num_logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     echo = bool(get_bool(body, "echo", False))
-    if echo and num_logprobs is not None:
-        raise invalid("echo", "'echo' together with 'logprobs' needs prompt logprobs, which this server "
-                      "does not compute; drop one of them")
     return CompletionRequest(**common, num_logprobs=num_logprobs, prompts=prompts, echo=echo)
 
 

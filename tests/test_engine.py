@@ -296,3 +296,28 @@ def test_real_llm_text_api(real_parts):
                     SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0]
     assert "Paris" in chat.outputs[0].text
     assert_all_free(llm.engine)
+
+
+def test_real_prompt_logprobs_match_the_model_and_skip_the_prefix_cache(real_parts):
+    import torch
+    from model_helpers import SequenceRunner
+
+    cfg, model, tok = real_parts[0], real_parts[1], real_parts[2]
+    prompt = text_ids(tok, 100, offset=7)
+    with torch.inference_mode():
+        want = torch.log_softmax(SequenceRunner(model, cfg, 128).step(prompt, all_logits=True), dim=-1)
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
+    chunked = real_llm(real_parts, max_num_batched_tokens=32)  # the prompt in 4 chunks
+    for llm in (chunked, chunked, real_llm(real_parts)):  # the 2nd run would hit the prefix cache
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        lps = out.prompt_logprobs
+        assert len(lps) == len(prompt) and lps[0] is None
+        for j in range(1, len(prompt)):
+            assert lps[j].token_id == prompt[j]
+            assert lps[j].logprob == pytest.approx(float(want[j - 1, prompt[j]]), abs=2e-4)
+            top = want[j - 1].topk(3)
+            assert [t for t, _ in lps[j].top] == top.indices.tolist()
+        assert out.num_cached_tokens == 0
+        assert_all_free(llm.engine)
+    plain = chunked.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0  # the others still use the cache

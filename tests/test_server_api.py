@@ -74,6 +74,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -165,7 +166,11 @@ class FakeEngine:
                         lps = [TokenLogprob(tok, -0.25, top)]
                     outs.append(CompletionOutput(c, piece, [tok], reason, stop_reason, lps))
                 finished = all(done)
-                yield RequestOutput(request_id, None, ids, outs, finished)
+                prompt_lps = None
+                if step == 0 and params.prompt_logprobs is not None:
+                    prompt_lps = [None] + [TokenLogprob(t, -1.0 - 0.5 * j, [(t, -1.0 - 0.5 * j), (t + 1, -9.0)]
+                                                        [: params.prompt_logprobs]) for j, t in enumerate(ids[1:])]
+                yield RequestOutput(request_id, None, ids, outs, finished, prompt_logprobs=prompt_lps)
                 if finished:
                     return
         finally:
@@ -304,8 +309,25 @@ async def test_completions_echo(client, engine):
                                                    "stream": True})
     events = await sse_events(r)
     assert events[0]["choices"][0]["text"].startswith("hi")
-    r = await client.post("/v1/completions", json={"prompt": "ab", "echo": True, "logprobs": 1})
-    assert r.status == 400 and (await r.json())["error"]["param"] == "echo"
+
+
+async def test_completions_echo_with_logprobs_includes_the_prompt(client, engine):
+    for stream in (False, True):
+        r = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "echo": True,
+                                                       "logprobs": 1, "stream": stream})
+        assert r.status == 200
+        if stream:
+            events = [e for e in await sse_events(r) if e != "[DONE]"]
+            chunks = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+            lp = {k: [x for c in chunks for x in c[k]] for k in ("tokens", "token_logprobs", "top_logprobs",
+                                                                 "text_offset")}
+        else:
+            lp = (await r.json())["choices"][0]["logprobs"]
+        gen = expected_text(engine, [BOS, 97, 98], 2)
+        assert lp["tokens"] == ["", "a", "b", *gen]  # BOS decodes to nothing here
+        assert lp["token_logprobs"][:3] == [None, -1.0, -1.5] and lp["token_logprobs"][3:] == [-0.25, -0.25]
+        assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"a": -1.0}
+        assert lp["text_offset"] == [0, 0, 1, 2, 3]
 
 
 async def test_completions_streaming(client, engine):

@@ -217,6 +217,13 @@ def test_completions_logprobs(client, model):
     lp = r.choices[0].logprobs
     assert r.usage.completion_tokens == 4 == len(lp.tokens) == len(lp.token_logprobs)
     assert all(len(t) <= 2 for t in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+    echo = client.completions.create(model=model, prompt="The sky is", max_tokens=4, temperature=0,
+                                     logprobs=2, echo=True, extra_body={"ignore_eos": True})
+    elp = echo.choices[0].logprobs
+    n_prompt = echo.usage.prompt_tokens
+    assert len(elp.tokens) == n_prompt + 4 and elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+    assert all(x <= 0 for x in elp.token_logprobs[1:]) and elp.token_logprobs[n_prompt:] == lp.token_logprobs
+    assert echo.choices[0].text == "The sky is" + r.choices[0].text
 
 
 def test_error_paths_then_good_request(server, client, model):

@@ -50,7 +50,8 @@ def _cumulative(req: Request) -> float | None:
 class _Group:
     """A user request: its n child sequences and what the consumer has seen."""
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "children", "num_finished", "deferred")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "children", "num_finished", "deferred",
+                 "sent_prompt_logprobs")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
         self.request_id = request_id
@@ -61,6 +62,7 @@ class _Group:
         # n > 1 with prefix caching: children 1..n-1 are queued once child 0 has computed the
         # prompt, so they take its blocks from the prefix cache instead of recomputing them.
         self.deferred: list[Request] = []
+        self.sent_prompt_logprobs = False
 
 
 def _cpu_has_bf16() -> bool:
@@ -266,6 +268,8 @@ class Engine:
             self.num_steps += 1
             self.num_computed_tokens += sched.num_tokens
             result = self.runner.execute(sched)
+            for req, entries in (result.prompt_logprobs or ()) if result else ():
+                req.prompt_logprobs.extend(entries)
             got = self.scheduler.update_from_output(sched, result.token_ids if result else [])
             outputs += self._process(got, result)
         s = self.scheduler
@@ -320,8 +324,14 @@ class Engine:
 
     def _request_output(self, group: _Group, outs: list[CompletionOutput]) -> RequestOutput:
         finished = group.num_finished == len(group.children)
-        metrics = RequestMetrics.of(group.children[0]) if len(group.children) == 1 else None
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished, metrics)
+        first = group.children[0]
+        metrics = RequestMetrics.of(first) if len(group.children) == 1 else None
+        prompt_lps = None  # once, in the first output after the prompt is done
+        if not group.sent_prompt_logprobs and first.prompt_logprobs is not None \
+                and len(first.prompt_logprobs) == first.num_prompt_tokens:
+            prompt_lps, group.sent_prompt_logprobs = first.prompt_logprobs, True
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished, metrics,
+                             prompt_lps)
 
     def stats(self) -> EngineStats:
         s, p = self.scheduler, self.pool

@@ -80,6 +80,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # with SamplingParams.prompt_logprobs: per prompt token (None for the first), in one output
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

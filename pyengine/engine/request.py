@@ -38,7 +38,8 @@ class Request:
         "seed", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
         "block_ids", "block_hashes", "num_hashed_blocks", "status", "stop_reason", "num_preemptions",
         "arrival_time", "queued_time", "first_scheduled_time", "first_token_time", "last_token_time",
-        "finished_time", "max_total_tokens", "logprobs", "cumulative_logprob", "detok", "arrival_seq", "admit_seq",
+        "finished_time", "max_total_tokens", "logprobs", "cumulative_logprob", "prompt_logprobs", "detok",
+        "arrival_seq", "admit_seq",
         "num_computed_prompt_tokens", "sampling_row",
     )
 
@@ -75,6 +76,8 @@ class Request:
         self.max_total_tokens = min(self.num_prompt_tokens + max_tokens, max_model_len)
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0  # sum of the sampled tokens' logprobs (kept when logprobs is asked for)
+        # per prompt token, filled as the prompt is computed; the first token has none
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.detok = None  # the output processor's incremental detokenizer
         # What the batch builder reads every step, in one tuple: temperature, top_k, top_p, min_p,
         # seed, has_penalties, logprobs (-1 = none).

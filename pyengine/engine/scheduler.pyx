@@ -181,7 +181,10 @@ cdef class Scheduler:
                 req = self._peek_waiting()
                 if req is None:
                     break
-                hit = pool.lookup(req.all_token_ids, req.block_hashes, req.num_prompt_tokens)
+                if req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
+                    hit = []  # it needs the logits of every prompt token: compute them all
+                else:
+                    hit = pool.lookup(req.all_token_ids, req.block_hashes, req.num_prompt_tokens)
                 num_hit = len(hit) * bs
                 ntok = len(req.all_token_ids)
                 n = ntok - num_hit

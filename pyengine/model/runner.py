@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pyengine.engine.output import TokenLogprob
 from pyengine.engine.scheduler import prepare_batch, prepare_sampling
 from pyengine.model.metadata import AttentionMetadata, KVCache
 from pyengine.ops.sampling import apply_penalties, sample
@@ -22,6 +23,8 @@ class StepResult:
     logprobs: list[float] | None = None  # sampled token's logprob per row
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # requests that asked for prompt logprobs: (request, TokenLogprobs of its next prompt tokens)
+    prompt_logprobs: list[tuple[object, list[TokenLogprob]]] | None = None
 
 
 class ModelRunner:
@@ -65,12 +68,56 @@ class ModelRunner:
             block_tables=bt if self.device.type == "cpu" else bt.to(self.device, non_blocking=True),
             seq_lens=self._dev("seq_lens", S), query_start_loc=self._dev("query_start_loc", S + 1),
             max_seq_len=max_seq_len)
-        logits = self.model(self._dev("input_ids", T), self._dev("positions", T), self.kv_caches, meta,
-                            self._dev("logits_indices", nl))
+        indices = self._dev("logits_indices", nl)
+        plan = self._prompt_logprob_plan(out)
+        if plan:
+            rows = torch.tensor([r for _, rs, _ in plan for r in rs], dtype=torch.int64, device=self.device)
+            indices = torch.cat([indices, rows])
+        logits = self.model(self._dev("input_ids", T), self._dev("positions", T), self.kv_caches, meta, indices)
+        prompt = self._prompt_logprobs(logits[nl:], plan) if plan else None
         if nl == 0:
-            return None
+            return StepResult([], prompt_logprobs=prompt) if prompt else None
         reqs = [r for r, s in zip(out.reqs, out.sampling) if s]
-        return self.sample(logits, reqs)
+        result = self.sample(logits[:nl], reqs)
+        result.prompt_logprobs = prompt
+        return result
+
+    def _prompt_logprob_plan(self, out) -> list[tuple[object, list[int], list[int]]]:
+        """(request, logits rows, target tokens) for the prompt tokens whose logprobs this step can give:
+        token j's comes from the row of position j - 1, for j not yet done (recomputes after a
+        preemption skip them)."""
+        plan = []
+        qsl, seq_lens = self.np["query_start_loc"], self.np["seq_lens"]
+        for s, req in enumerate(out.reqs):
+            done = req.prompt_logprobs
+            if done is None or len(done) >= req.num_prompt_tokens:
+                continue
+            q0, n = int(qsl[s]), int(qsl[s + 1] - qsl[s])
+            start = int(seq_lens[s]) - n
+            first, end = max(len(done), start + 1), min(req.num_prompt_tokens, start + n + 1)
+            if end > first:
+                plan.append((req, [q0 + j - 1 - start for j in range(first, end)], req.all_token_ids[first:end]))
+        return plan
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, plan) -> list[tuple[object, list[TokenLogprob]]]:
+        """log_softmax of the raw logits (as for sampled tokens) at each planned row: the target's, and the top N."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        k = max(req.params.prompt_logprobs for req, _, _ in plan)
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (None, None)
+        targets = torch.tensor([t for _, _, ts in plan for t in ts], dtype=torch.int64, device=lp.device)
+        chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+        top_lp, top_ids = (top_lp.tolist(), top_ids.tolist()) if k else (None, None)
+        result, row = [], 0
+        for req, rows, ts in plan:
+            n = req.params.prompt_logprobs
+            entries = []
+            for t in ts:
+                top = list(zip(top_ids[row][:n], top_lp[row][:n])) if n else []
+                entries.append(TokenLogprob(t, chosen[row], top))
+                row += 1
+            result.append((req, entries))
+        return result
 
     def sample(self, logits: torch.Tensor, reqs: list) -> StepResult:
         b = self.np
