@@ -32,6 +32,21 @@ def test_dequantize_matches_gguf_reference(qtype):
     assert (got - torch.from_numpy(x)).abs().max() < 0.5  # and it is a plausible reconstruction
 
 
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_dequantize_random_blocks_match_gguf_reference(qtype):
+    """Every bit pattern of the quants and scales (random bytes; the fp16 factors set to sane values)."""
+    per_block, block_bytes = gguf.GGML_QUANT_SIZES[QT[qtype]]
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, size=(40, block_bytes), dtype=np.uint8)
+    halves = {"Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[qtype]
+    for off in halves:
+        raw[:, off:off + 2] = rng.uniform(-0.1, 0.1, 40).astype(np.float16).view(np.uint8).reshape(40, 2)
+    want = gguf.quants.dequantize(raw.reshape(-1), QT[qtype]).reshape(-1)
+    got = dequantize(raw.reshape(-1), qtype, (40 * per_block,))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.from_numpy(want), rtol=0, atol=0)
+
+
 def test_dequantize_float_types():
     x = torch.randn(3, 8)
     assert torch.equal(dequantize(x.numpy(), "F32", (3, 8)), x)
@@ -122,18 +137,18 @@ def test_unknown_architecture(tiny_llama, tmp_path):
 
 
 def test_unsupported_gguf_type(tmp_path):
-    path = str(tmp_path / "q4k.gguf")
+    path = str(tmp_path / "q2k.gguf")
     w = gguf.GGUFWriter(path, "llama")
     for key, value in [("block_count", 1), ("embedding_length", 256), ("feed_forward_length", 256),
                        ("attention.head_count", 4)]:
         w.add_uint32(f"llama.{key}", value)
-    raw = np.zeros((4, 144), np.uint8)  # four rows of one 256-value Q4_K block
-    w.add_tensor("token_embd.weight", raw, raw_shape=list(raw.shape), raw_dtype=QT.Q4_K)
+    raw = np.zeros((4, 84), np.uint8)  # four rows of one 256-value Q2_K block
+    w.add_tensor("token_embd.weight", raw, raw_shape=list(raw.shape), raw_dtype=QT.Q2_K)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"q4k\.gguf.*'token_embd\.weight'.*Q4_K.*not supported"):
+    with pytest.raises(ValueError, match=r"q2k\.gguf.*'token_embd\.weight'.*Q2_K.*not supported"):
         load_model(path, torch.float32, "cpu")
 
 

@@ -4,7 +4,16 @@ Dequantization is vectorised over whole tensors with torch (block layouts from g
   Q8_0: 34-byte blocks of 32 values: fp16 d, 32 x int8 q          -> d * q
   Q4_0: 18-byte blocks of 32 values: fp16 d, 16 bytes of nibbles   -> d * (q - 8)
   Q4_1: 20-byte blocks of 32 values: fp16 d, fp16 m, 16 bytes      -> d * q + m
+  Q5_0 / Q5_1: as Q4_0 / Q4_1 (22 / 24 bytes) with a 4-byte mask of the 32 values' fifth bits after
+        d (and m); Q5_0 is d * (q - 16)
   (nibbles: the low 4 bits of byte j are value j, the high 4 bits value j + 16)
+  k-quants, 256-value super-blocks:
+  Q4_K: 144 bytes: fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min) pairs, 128 bytes of
+        nibbles (bytes 32i..32i+31: low nibbles sub-block 2i, high 2i+1)   -> d*sc*q - dmin*m
+  Q5_K: 176 bytes: as Q4_K, with 32 bytes of fifth bits (bit i of byte k: sub-block i, value k)
+        before the nibbles
+  Q6_K: 210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (sub-blocks
+        of 16), fp16 d                                                        -> d * sc * (q - 32)
 llama.cpp's converter permutes the Q/K projection rows of `llama` checkpoints (interleaved RoPE
 pairs); `_unpermute` undoes it so the neox-style rotary kernel matches the original model.
 """
@@ -29,8 +38,9 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "mistral": ("MistralForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
 }
-_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
+               14: "Q6_K", 30: "BF16"}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -95,9 +105,52 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
         values = _half(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).view(-1, 2, 16)
     elif type_name == "Q4_0":
         values = _half(blocks, 0) * (_nibbles(blocks[:, 2:]).view(torch.int8) - 8)
-    else:  # Q4_1
+    elif type_name == "Q4_1":
         values = torch.addcmul(_half(blocks, 2), _half(blocks, 0), _nibbles(blocks[:, 4:]))
+    elif type_name == "Q5_0":
+        values = _half(blocks, 0) * (_with_fifth_bits(blocks[:, 6:], blocks[:, 2:6]).view(torch.int8) - 16)
+    elif type_name == "Q5_1":
+        values = torch.addcmul(_half(blocks, 2), _half(blocks, 0), _with_fifth_bits(blocks[:, 8:], blocks[:, 4:8]))
+    elif type_name == "Q6_K":
+        values = _q6_k(blocks)
+    else:  # Q4_K, Q5_K
+        values = _q45_k(blocks, fifth_bits=type_name == "Q5_K")
     return values.reshape(shape)
+
+
+def _with_fifth_bits(qs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1: [nb, 16] nibble bytes + [nb, 4] bytes of a little-endian 32-bit mask -> [nb, 2, 16]."""
+    bits = (mask.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [nb, 4, 8]: bit j of byte i
+    return _nibbles(qs) | (bits.reshape(-1, 2, 16) << 4)
+
+
+def _q45_k(blocks: torch.Tensor, fifth_bits: bool) -> torch.Tensor:
+    """Q4_K / Q5_K super-blocks -> [nb, 8, 32] fp32."""
+    nb = blocks.shape[0]
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    sc = blocks[:, 4:16].reshape(nb, 3, 4)
+    # eight 6-bit (scale, min) pairs: scales 0-3 and mins 0-3 in the low 6 bits of bytes 0-3 and 4-7;
+    # scales/mins 4-7 in the nibbles of bytes 8-11 with their top 2 bits in the top bits of bytes 0-7
+    lo, hi, mix = sc[:, 0], sc[:, 1], sc[:, 2]
+    scale = torch.cat([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], dim=1).float().view(nb, 8, 1)
+    low = torch.cat([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], dim=1).float().view(nb, 8, 1)
+    qs = blocks[:, -128:].reshape(nb, 4, 32)
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(nb, 8, 32)
+    if fifth_bits:
+        qh = blocks[:, 16:48]  # [nb, 32]: bit i of byte k is value k of sub-block i
+        q = q | (((qh.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1) << 4)
+    return (d * scale) * q - dmin * low
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks -> [nb, 16, 16] fp32."""
+    nb = blocks.shape[0]
+    ql = blocks[:, :128].reshape(nb, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+    qh = blocks[:, 128:192].reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    q = ((ql & 0x0F).reshape(nb, 8, 32) | ((qh & 0x03).reshape(nb, 8, 32) << 4)).view(torch.int8) - 32
+    scale = blocks[:, 192:208].contiguous().view(torch.int8).float().view(nb, 16, 1)
+    d = blocks[:, 208:210].contiguous().view(torch.float16).float().view(nb, 1, 1)
+    return (d * scale) * q.reshape(nb, 16, 16)
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -111,7 +164,8 @@ _NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<
                12: "<f8"}
 _STRING, _ARRAY = 8, 9
 # type id -> (values per block, bytes per block) for the types we read
-_TYPE_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34)}
+_TYPE_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+               12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
 
 class TensorInfo(NamedTuple):
