@@ -121,6 +121,45 @@ def test_priority_admission_order():
     assert order == ["high", "mid", "low"]
 
 
+def test_waiting_higher_priority_preempts_running_lower_priority():
+    # one sequence slot: a later, more urgent request takes it from the running one at once
+    sched = Scheduler(BlockPool(64, BS), max_num_seqs=1, max_num_batched_tokens=64, policy="priority")
+    low = make("low", 5, 20, priority=5)
+    sched.add_request(low)
+    step(sched)
+    step(sched)
+    high = make("high", 6, 3, priority=1)
+    sched.add_request(high)
+    out = step(sched)
+    assert out.preempted == [low] and out.reqs == [high] and low.num_preemptions == 1
+    while sched.has_unfinished():
+        step(sched)
+    assert low.num_output_tokens == 20 and high.num_output_tokens == 3
+    # blocks, not slots: the running low-priority request is preempted to make room
+    pool = BlockPool(6, BS)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64, policy="priority")
+    low = make("low", 16, 4, priority=3)
+    sched.add_request(low)
+    step(sched)
+    high = make("high", 12, 2, priority=0, start=500)
+    sched.add_request(high)
+    out = step(sched)
+    assert out.preempted == [low] and high in out.reqs
+    while sched.has_unfinished():
+        step(sched)
+    assert pool.num_free == pool.num_blocks
+
+
+def test_equal_priority_does_not_preempt():
+    sched = Scheduler(BlockPool(64, BS), max_num_seqs=1, max_num_batched_tokens=64, policy="priority")
+    first = make("first", 5, 6, priority=2)
+    sched.add_request(first)
+    step(sched)
+    sched.add_request(make("second", 5, 2, priority=2))
+    out = step(sched)
+    assert not out.preempted and out.reqs == [first]
+
+
 def test_max_num_seqs_and_fcfs_order():
     sched = Scheduler(BlockPool(64, BS), max_num_seqs=2, max_num_batched_tokens=100)
     reqs = [make(f"r{i}", 3, 2) for i in range(4)]

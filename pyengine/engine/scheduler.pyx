@@ -134,6 +134,32 @@ cdef class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    cdef tuple _admission(self, req, int budget):
+        """(prefix-cache hit blocks, tokens to compute now, new blocks needed) to admit `req`."""
+        cdef int bs = self.pool.block_size
+        if req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
+            hit = []  # it needs the logits of every prompt token: compute them all
+        else:
+            hit = self.pool.lookup(req.all_token_ids, req.block_hashes, req.num_prompt_tokens)
+        cdef Py_ssize_t num_hit = len(hit) * bs
+        cdef Py_ssize_t n = min(<Py_ssize_t> len(req.all_token_ids) - num_hit, <Py_ssize_t> budget)
+        return hit, n, cdiv(num_hit + n, bs) - len(hit)
+
+    cdef void _preempt_for_priority(self, list preempted):
+        """Priority policy: while the best waiting request outranks the worst running one (a
+        strictly smaller priority value) and lacks a sequence slot or blocks, preempt the worst."""
+        running = self.running
+        while running:
+            req = self._peek_waiting()
+            victim = running[len(running) - 1]
+            if req is None or req.priority >= victim.priority:
+                return
+            hit, n, need = self._admission(req, self.max_num_batched_tokens)
+            if len(running) < self.max_num_seqs and need <= self.pool.num_free - self.pool.num_evictable(hit):
+                return
+            self._preempt(victim)
+            preempted.append(victim)
+
     cpdef object schedule(self):
         cdef int budget = self.max_num_batched_tokens
         cdef int bs = self.pool.block_size
@@ -147,6 +173,9 @@ cdef class Scheduler:
         cdef list running = self.running
         cdef BlockPool pool = self.pool
         now = None
+        if self.priority_policy:
+            self._preempt_for_priority(preempted)
+        cdef Py_ssize_t num_priority_preempted = len(preempted)
 
         while i < len(running) and budget > 0:
             req = running[i]
@@ -176,21 +205,14 @@ cdef class Scheduler:
             budget -= n
             i += 1
 
-        if not preempted:
+        if len(preempted) == num_priority_preempted:  # no admissions while running requests lack blocks
             while budget > 0 and len(running) < self.max_num_seqs:
                 req = self._peek_waiting()
                 if req is None:
                     break
-                if req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
-                    hit = []  # it needs the logits of every prompt token: compute them all
-                else:
-                    hit = pool.lookup(req.all_token_ids, req.block_hashes, req.num_prompt_tokens)
+                hit, n, need = self._admission(req, budget)
                 num_hit = len(hit) * bs
                 ntok = len(req.all_token_ids)
-                n = ntok - num_hit
-                if n > budget:
-                    n = budget
-                need = cdiv(num_hit + n, bs) - len(hit)
                 if need > pool.num_free - pool.num_evictable(hit):
                     break  # head-of-line: keep arrival order, wait for blocks
                 self._pop_waiting()
