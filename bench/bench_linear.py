@@ -46,7 +46,7 @@ def set_threads(n: int) -> None:
 def make_calls(impl: str, weights: list[torch.Tensor], x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
     """One zero-argument call per weight, for `impl`."""
     if impl == "pyengine":
-        lins = [PackedLinear(w, max_native_rows=1 << 30) for w in weights]
+        lins = [PackedLinear(w) for w in weights]
         return [lambda lin=lin: lin(x) for lin in lins]
     if impl == "torch_bf16":
         return [lambda w=w: F.linear(x, w) for w in weights]

@@ -80,6 +80,11 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torc
     return lambda x: F.linear(x, weight, bias).to(out_dtype)
 
 
+def _holds_weights(linear: Linear) -> bool:
+    """A PackedLinear with a packed copy of its weight (on the CPU): the original need not be kept."""
+    return isinstance(linear, PackedLinear) and linear.packed is not None
+
+
 class LayerLinears(NamedTuple):
     qkv: Linear
     o: Linear
@@ -117,40 +122,48 @@ class LlamaForCausalLM(torch.nn.Module):
 
         self.embed = w("model.embed_tokens.weight")
         self.layers: list[LayerWeights] = []
+        self.linears: list[LayerLinears] = []
         for i in tqdm(range(cfg.num_hidden_layers), desc="Loading weights", unit="layer", leave=False):
             p = f"model.layers.{i}."
             attn = [p + f"self_attn.{x}_proj" for x in "qkv"]
-            self.layers.append(
-                LayerWeights(
-                    input_norm=w(p + "input_layernorm.weight"),
-                    qkv=cat([n + ".weight" for n in attn]),
-                    qkv_bias=cat([n + ".bias" for n in attn], required=False),
-                    o=w(p + "self_attn.o_proj.weight"),
-                    o_bias=w(p + "self_attn.o_proj.bias", required=False),
-                    post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                    down=w(p + "mlp.down_proj.weight"),
-                )
+            layer = LayerWeights(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv=cat([n + ".weight" for n in attn]),
+                qkv_bias=cat([n + ".bias" for n in attn], required=False),
+                o=w(p + "self_attn.o_proj.weight"),
+                o_bias=w(p + "self_attn.o_proj.bias", required=False),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=w(p + "mlp.down_proj.weight"),
             )
+            lin = LayerLinears(make_linear(layer.qkv, layer.qkv_bias), make_linear(layer.o, layer.o_bias),
+                               make_linear(layer.gate_up, None), make_linear(layer.down, None))
+            if _holds_weights(lin.qkv):  # packed copies replace the projections: one copy in memory
+                layer = layer._replace(qkv=None, qkv_bias=None, o=None, o_bias=None, gate_up=None, down=None)
+            self.layers.append(layer)
+            self.linears.append(lin)
         self.norm = w("model.norm.weight")
         lm_head = None if cfg.tie_word_embeddings else w("lm_head.weight", required=False)
-        self.lm_head = self.embed if lm_head is None else lm_head
-        self.linears = [LayerLinears(make_linear(l.qkv, l.qkv_bias), make_linear(l.o, l.o_bias),
-                                     make_linear(l.gate_up, None), make_linear(l.down, None)) for l in self.layers]
-        self.lm_head_linear = make_linear(self.lm_head, None, out_dtype=torch.float32)
+        self.lm_head_linear = make_linear(self.embed if lm_head is None else lm_head, None, out_dtype=torch.float32)
+        self.tied_lm_head = lm_head is None
+        # an untied lm_head is kept only if its linear does not hold a copy of its own
+        self.lm_head = self.embed if lm_head is None else None if _holds_weights(self.lm_head_linear) else lm_head
         self.cos_sin_cache = rope_cache(cfg).to(device)
-        # Steps of up to this many tokens run all layers in one native call (decoder_layers): CPU,
-        # bf16, every projection a PackedLinear with its native kernel. 0: always op by op.
+        # Steps run all layers in one native call (decoder_layers) on the CPU with bf16 weights, every
+        # projection a PackedLinear with its native kernel (tests set this lower to compare with the
+        # op-by-op path). 0: always op by op.
         lins = [x for l in self.linears for x in l]
-        native = dtype == torch.bfloat16 and all(isinstance(x, PackedLinear) and x.native_pointers()[0] for x in lins)
-        self.native_layer_rows = min(x.max_native_rows for x in lins) if native else 0
+        native = dtype == torch.bfloat16 and all(_holds_weights(x) for x in lins)
+        self.native_layer_rows = 1 << 62 if native else 0
         self._layer_table: torch.Tensor | None = None  # addresses for decoder_layers, per KV cache list
         self._layer_table_caches: list[KVCache] | None = None
 
     def weight_bytes(self) -> int:
         tensors = {id(t): t for t in [self.embed, self.norm, self.lm_head, *(x for l in self.layers for x in l)]
                    if t is not None}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        held = [x for l in self.linears for x in l] + [self.lm_head_linear]
+        return sum(t.numel() * t.element_size() for t in tensors.values()) + sum(
+            x.nbytes for x in held if _holds_weights(x))
 
     @torch.inference_mode()
     def forward(

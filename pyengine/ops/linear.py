@@ -3,8 +3,9 @@
 At a decode step each weight is used by only a few token rows, and the time is the stream of weight
 bytes; torch's bf16 GEMM reaches a fraction of the memory bandwidth there. PackedLinear repacks the
 weight once (at load) into 16-output x 2-k tiles for the CPU kernel (native/cpu/linear.cpp), which reads
-each weight byte once per call for all rows. Above `max_native_rows` rows (prefill) torch's GEMM wins
-and runs on the original weight. On CUDA every call goes to torch.
+each weight byte once per call for all rows, and serves prefill rows too (at the bf16 dot-product peak,
+within ~10% of torch's GEMM), so the original weight is not kept: one copy of the weights in memory.
+On CUDA every call goes to torch.
 """
 from __future__ import annotations
 
@@ -15,10 +16,6 @@ from pyengine.ops._common import DTYPE_CODES, check_tensor, native
 
 TILE_N, TILE_K = 16, 2
 OUT_DTYPES = (torch.bfloat16, torch.float32)
-# Rows up to which the native kernel runs. Measured at the SmolLM2-135M shapes on a 2-core Zen 4, 2 threads
-# (bench/bench_linear.py): native 1.2-2.6x faster than torch's bf16 GEMM for M <= 64 on every shape; at
-# M = 128 equal on down_proj (both at the bf16 dot-product peak, ~225 GFLOP/s a core).
-DEFAULT_MAX_NATIVE_ROWS = 64
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -30,16 +27,16 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear:
-    """y = x @ weight.T + bias for x [M, K] bf16, with the weight repacked once for small M.
+    """y = x @ weight.T + bias for x [M, K] bf16.
 
-    weight [N, K] and bias [N] (or None): bf16, or fp32/fp16 converted to bf16.
-    `out_dtype` (bf16 or fp32) is the default result type; a call may override it (fp32 suits the
-    lm_head: logits without a bf16 rounding). Rows up to `max_native_rows` run the native kernel.
+    weight [N, K] and bias [N] (or None): bf16, or fp32/fp16 converted to bf16. On the CPU the weight is
+    held only as its packed copy (`packed`; `weight` is None) and every call runs the native kernel; on
+    other devices `weight` is kept and calls go to torch. `out_dtype` (bf16 or fp32) is the default
+    result type; a call may override it (fp32 suits the lm_head: logits without a bf16 rounding).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 out_dtype: torch.dtype = torch.bfloat16,
-                 max_native_rows: int = DEFAULT_MAX_NATIVE_ROWS) -> None:
+                 out_dtype: torch.dtype = torch.bfloat16) -> None:
         check_tensor("weight", weight, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2,
                      contiguous=False)
         if weight.shape[0] == 0 or weight.shape[1] == 0:
@@ -48,23 +45,28 @@ class PackedLinear:
             check_tensor("bias", bias, dtypes=(torch.bfloat16, torch.float16, torch.float32),
                          shape=(weight.shape[0],), device=weight.device, contiguous=False)
         self.out_dtype = _check_out_dtype(out_dtype)
-        if isinstance(max_native_rows, bool) or not isinstance(max_native_rows, int) or max_native_rows < 0:
-            raise ValueError(f"max_native_rows must be an int >= 0, got {max_native_rows!r}")
-        self.max_native_rows = max_native_rows
-        self.weight = weight.to(torch.bfloat16).contiguous()
-        self.out_features, self.in_features = self.weight.shape
-        self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
-        self.device = self.weight.device
-        self.packed = self._bias_f32 = self._kernel = None
+        self.out_features, self.in_features = weight.shape
+        self.device = weight.device
+        bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+        self.has_bias = bias is not None
+        self.weight = self.bias = self.packed = self._bias_f32 = self._kernel = None
         if self.device.type == "cpu":
-            self.packed = pack_weight(self.weight)
+            self.packed = pack_weight(weight)
             if self.packed.data_ptr() % 64:
                 raise RuntimeError("packed weight is not 64-byte aligned (unexpected torch allocator alignment)")
-            # The kernel adds the same (bf16-rounded) bias as torch's path, in fp32.
-            self._bias_f32 = None if self.bias is None else self.bias.float()
+            # The kernel adds the bf16-rounded bias (as torch's bf16 path would), in fp32.
+            self._bias_f32 = None if bias is None else bias.float()
             self._kernel = native(self.device).linear_bf16
+        else:
+            self.weight, self.bias = weight.to(torch.bfloat16).contiguous(), bias
         self._packed_ptr = 0 if self.packed is None else self.packed.data_ptr()
         self._bias_ptr = 0 if self._bias_f32 is None else self._bias_f32.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight (and bias) this layer holds."""
+        held = [self.packed, self._bias_f32] if self.packed is not None else [self.weight, self.bias]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def __call__(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] bf16 contiguous -> [M, N] in out_dtype (default: the one given at construction)."""
@@ -74,9 +76,9 @@ class PackedLinear:
                 and x.shape[1] == self.in_features and x.device == self.device and x.is_contiguous()):
             check_tensor("x", x, dtypes=(torch.bfloat16,), shape=(None, self.in_features), device=self.device)
         out_dtype = self.out_dtype if out_dtype is None else _check_out_dtype(out_dtype)
-        m = x.shape[0]
-        if self._kernel is None or m > self.max_native_rows:
+        if self._kernel is None:
             return F.linear(x, self.weight, self.bias).to(out_dtype)
+        m = x.shape[0]
         out = torch.empty(m, self.out_features, dtype=out_dtype)
         self._kernel(x.data_ptr(), self._packed_ptr, self._bias_ptr, out.data_ptr(), m, self.out_features,
                      self.in_features, DTYPE_CODES[out_dtype], 0)
@@ -89,7 +91,7 @@ class PackedLinear:
 
     def __repr__(self) -> str:
         return (f"PackedLinear(in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, max_native_rows={self.max_native_rows})")
+                f"bias={self.has_bias}, device={self.device.type})")
 
 
 def _check_out_dtype(dtype: object) -> torch.dtype:
