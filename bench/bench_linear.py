@@ -1,4 +1,4 @@
-"""PackedLinear (native bf16 small-M linear) vs torch F.linear in bf16 and fp32, at the SmolLM2-135M
+"""PackedLinear (the native bf16 linear) vs torch F.linear in bf16 and fp32, at the SmolLM2-135M
 decode shapes, 2 threads.
 
 Weights are streamed from memory, not cache: each call uses the next of enough copies of the weight

@@ -1,4 +1,4 @@
-// pybind11 binding of the CPU small-M bf16 linear kernel (native/cpu/linear.cpp).
+// pybind11 binding of the CPU bf16 linear kernel (native/cpu/linear.cpp).
 // Pointers are tensor.data_ptr() values; the out dtype code follows pyengine/ops/_common.py DTYPE_CODES;
 // the trailing `stream` is the CUDA stream handle, ignored on the CPU.
 #include <cstdint>

@@ -1,8 +1,8 @@
-// decoder_layers (CPU): every decoder layer of a Llama-family model for one small step, in one native
+// decoder_layers (CPU): every decoder layer of a Llama-family model for one step, in one native
 // call. The same kernels in the same order as LlamaForCausalLM.forward's op-by-op path
 // (pyengine/model/llama.py), on the same buffers, so the result is bit-identical; what goes away is
 // the Python between ~300 kernel calls per step (about 3 ms of a 12 ms batch-1 decode step of the
-// default model). Used for steps of at most PackedLinear's native row limit, bf16 weights.
+// default model). Used for every step of a bf16 model on the CPU (PackedLinear projections).
 //
 // Per layer l (x, residual [T, hidden] bf16; both updated in place):
 //   x = rms_norm(residual) (l = 0)  |  residual += x; x = rms_norm(residual) (l > 0)   input_norm
