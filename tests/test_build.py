@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_cpu_module_reports_isa():
-    assert _C.isa() in ("avx512", "avx2", "scalar")
+    assert _C.isa() in ("avx512_bf16", "avx512", "avx2", "scalar")
 
 
 def test_thread_pool_resizes():

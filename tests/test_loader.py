@@ -91,8 +91,9 @@ def test_gguf_of_tiny_llama_matches_safetensors(tiny_llama, tmp_path):
 def test_load_dtypes_and_weight_bytes(tiny_llama, dtype):
     cfg, model = load_model(tiny_llama, dtype, "cpu")
     assert model.embed.dtype == dtype
-    # bf16 on the CPU: the projections live only as PackedLinear's packed copies
-    proj = model.linears[0].qkv.packed if dtype == torch.bfloat16 else model.layers[0].qkv
+    # bf16 on a CPU with bf16 dot products: the projections live only as PackedLinear's packed copies
+    packed = dtype == torch.bfloat16 and model.linears[0].qkv.packed is not None
+    proj = model.linears[0].qkv.packed if packed else model.layers[0].qkv
     assert proj.dtype == torch.bfloat16 if dtype == torch.bfloat16 else proj.dtype == dtype
     assert model.cos_sin_cache.dtype == torch.float32
     params = 256 * 48 * 2 + 2 * (48 * 48 * 2 + 2 * 48 * 24 + 3 * 48 * 96 + 2 * 48) + 48

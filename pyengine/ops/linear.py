@@ -5,7 +5,7 @@ bytes; torch's bf16 GEMM reaches a fraction of the memory bandwidth there. Packe
 weight once (at load) into 16-output x 2-k tiles for the CPU kernel (native/cpu/linear.cpp), which reads
 each weight byte once per call for all rows, and serves prefill rows too (at the bf16 dot-product peak,
 within ~10% of torch's GEMM), so the original weight is not kept: one copy of the weights in memory.
-On CUDA every call goes to torch.
+On CUDA, and on CPUs without bf16 dot products, every call goes to torch.
 """
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 class PackedLinear:
     """y = x @ weight.T + bias for x [M, K] bf16.
 
-    weight [N, K] and bias [N] (or None): bf16, or fp32/fp16 converted to bf16. On the CPU the weight is
-    held only as its packed copy (`packed`; `weight` is None) and every call runs the native kernel; on
-    other devices `weight` is kept and calls go to torch. `out_dtype` (bf16 or fp32) is the default
+    weight [N, K] and bias [N] (or None): bf16, or fp32/fp16 converted to bf16. On a CPU build with bf16
+    dot products (AVX512-BF16) the weight is held only as its packed copy (`packed`; `weight` is None)
+    and every call runs the native kernel; elsewhere (CUDA, CPUs without them) `weight` is kept and
+    calls go to torch. `out_dtype` (bf16 or fp32) is the default
     result type; a call may override it (fp32 suits the lm_head: logits without a bf16 rounding).
     """
 
@@ -50,7 +51,7 @@ class PackedLinear:
         bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
         self.has_bias = bias is not None
         self.weight = self.bias = self.packed = self._bias_f32 = self._kernel = None
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and native(self.device).isa() == "avx512_bf16":
             self.packed = pack_weight(weight)
             if self.packed.data_ptr() % 64:
                 raise RuntimeError("packed weight is not 64-byte aligned (unexpected torch allocator alignment)")
