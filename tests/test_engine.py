@@ -303,11 +303,11 @@ def test_real_prompt_logprobs_match_the_model_and_skip_the_prefix_cache(real_par
     from model_helpers import SequenceRunner
 
     cfg, model, tok = real_parts[0], real_parts[1], real_parts[2]
-    prompt = text_ids(tok, 100, offset=7)
+    prompt = text_ids(tok, 300, offset=7)  # unchunked: 299 rows, more than one 256-row slice
     with torch.inference_mode():
-        want = torch.log_softmax(SequenceRunner(model, cfg, 128).step(prompt, all_logits=True), dim=-1)
+        want = torch.log_softmax(SequenceRunner(model, cfg, 320).step(prompt, all_logits=True), dim=-1)
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
-    chunked = real_llm(real_parts, max_num_batched_tokens=32)  # the prompt in 4 chunks
+    chunked = real_llm(real_parts, max_num_batched_tokens=64)  # the prompt in 5 chunks
     for llm in (chunked, chunked, real_llm(real_parts)):  # the 2nd run would hit the prefix cache
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         lps = out.prompt_logprobs

@@ -102,12 +102,16 @@ class ModelRunner:
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, plan) -> list[tuple[object, list[TokenLogprob]]]:
         """log_softmax of the raw logits (as for sampled tokens) at each planned row: the target's, and the top N."""
-        lp = torch.log_softmax(logits.float(), dim=-1)
         k = max(req.params.prompt_logprobs for req, _, _ in plan)
-        top_lp, top_ids = lp.topk(k, dim=-1) if k else (None, None)
-        targets = torch.tensor([t for _, _, ts in plan for t in ts], dtype=torch.int64, device=lp.device)
-        chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
-        top_lp, top_ids = (top_lp.tolist(), top_ids.tolist()) if k else (None, None)
+        targets = torch.tensor([t for _, _, ts in plan for t in ts], dtype=torch.int64, device=logits.device)
+        chosen, top_lp, top_ids = [], [], []
+        for r0 in range(0, len(targets), 256):  # [rows, vocab] fp32 a slice at a time, not a second full copy
+            lp = torch.log_softmax(logits[r0 : r0 + 256].float(), dim=-1)
+            chosen += lp.gather(1, targets[r0 : r0 + 256, None])[:, 0].tolist()
+            if k:
+                values, ids = lp.topk(k, dim=-1)
+                top_lp += values.tolist()
+                top_ids += ids.tolist()
         result, row = [], 0
         for req, rows, ts in plan:
             n = req.params.prompt_logprobs
