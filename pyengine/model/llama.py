@@ -145,7 +145,6 @@ class LlamaForCausalLM(torch.nn.Module):
         self.norm = w("model.norm.weight")
         lm_head = None if cfg.tie_word_embeddings else w("lm_head.weight", required=False)
         self.lm_head_linear = make_linear(self.embed if lm_head is None else lm_head, None, out_dtype=torch.float32)
-        self.tied_lm_head = lm_head is None
         # an untied lm_head is kept only if its linear does not hold a copy of its own
         self.lm_head = self.embed if lm_head is None else None if _holds_weights(self.lm_head_linear) else lm_head
         self.cos_sin_cache = rope_cache(cfg).to(device)
