@@ -160,6 +160,12 @@ cdef class Scheduler:
             self._preempt(victim)
             preempted.append(victim)
 
+    cdef inline void _add_to_step(self, req, Py_ssize_t n, bint samples, list reqs, list num_new, list sampling):
+        """Schedule n tokens of req this step; `samples`: they reach its end, so it gets a token."""
+        reqs.append(req)
+        num_new.append(n)
+        sampling.append(samples)
+
     cpdef object schedule(self):
         cdef int budget = self.max_num_batched_tokens
         cdef int bs = self.pool.block_size
@@ -167,7 +173,6 @@ cdef class Scheduler:
         cdef list num_new = []
         cdef list sampling = []
         cdef list preempted = []
-        cdef int num_sampling = 0
         cdef Py_ssize_t i = 0
         cdef Py_ssize_t n, need, ntok, ncomp, num_hit
         cdef list running = self.running
@@ -195,13 +200,7 @@ cdef class Scheduler:
                 break
             if need > 0:
                 req.block_ids.extend(pool.allocate(need))
-            reqs.append(req)
-            num_new.append(n)
-            if ncomp + n == ntok:
-                sampling.append(True)
-                num_sampling += 1
-            else:
-                sampling.append(False)
+            self._add_to_step(req, n, ncomp + n == ntok, reqs, num_new, sampling)
             budget -= n
             i += 1
 
@@ -229,17 +228,11 @@ cdef class Scheduler:
                 req.admit_seq = self.admit_counter
                 self.admit_counter += 1
                 self._insert_running(req)
-                reqs.append(req)
-                num_new.append(n)
-                if num_hit + n == ntok:
-                    sampling.append(True)
-                    num_sampling += 1
-                else:
-                    sampling.append(False)
+                self._add_to_step(req, n, num_hit + n == ntok, reqs, num_new, sampling)
                 budget -= n
 
         return SchedulerOutput(reqs, num_new, sampling, self.max_num_batched_tokens - budget,
-                               num_sampling, preempted)
+                               sampling.count(True), preempted)
 
     cdef void _preempt(self, req):
         self.running.remove(req)
