@@ -186,21 +186,16 @@ def _sentencepiece(tokens: list[str], types: list[int], meta) -> HFTokenizer:
     (left, right) of every entry with both halves in the vocabulary, ranked by the entry's score: the lowest rank
     it merges first is the highest score, leftmost on ties. The two orders differ only between two splits of one
     entry that are both adjacent at once (X+Y == Y+X, e.g. "▁ ▁▁" and "▁▁ ▁"), where SentencePiece takes the
-    leftmost and the BPE the earlier split, and between two entries of equal score (ranked by id here); vocabularies
-    SentencePiece trains give every entry its own score. A Unigram model would not do: it
+    leftmost and the BPE the split with the shorter left half, and between two entries of equal score (ranked by
+    id here); vocabularies SentencePiece trains give every entry its own score. A Unigram model would not do: it
     maximises the summed score of the whole segmentation, which is not what merging by score produces.
     """
     scores = list(meta("tokenizer.ggml.scores") or [0.0] * len(tokens))
     vocab = {t: i for i, t in enumerate(tokens)}
     mergeable = {t for t, ty in zip(tokens, types) if ty in (NORMAL, USER_DEFINED, UNUSED)}
-    ranked = []
-    for t in mergeable:
-        for cut in range(1, len(t)):
-            left, right = t[:cut], t[cut:]
-            if left in mergeable and right in mergeable:
-                ranked.append((-scores[vocab[t]], vocab[t], vocab[left], left, right))
-    ranked.sort()
-    merges = [(left, right) for *_, left, right in ranked]
+    by_score = sorted((i for i, t in enumerate(tokens) if t in mergeable), key=lambda i: (-scores[i], i))
+    merges = [(t[:cut], t[cut:]) for t in map(tokens.__getitem__, by_score)
+              for cut in range(1, len(t)) if t[:cut] in mergeable and t[cut:] in mergeable]
     unk_id = meta("tokenizer.ggml.unknown_token_id")
     byte_fallback = any(ty == BYTE for ty in types)
     tok = HFTokenizer(models.BPE(vocab, merges, unk_token=tokens[unk_id] if unk_id is not None else None,
