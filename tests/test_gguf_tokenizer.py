@@ -117,6 +117,23 @@ def test_sentencepiece_matches_sentencepiece(spm):
     assert fallback > 10  # the strings reach characters the model only has as <0xXX> bytes
 
 
+def test_sentencepiece_streams_like_full_decode(spm):
+    """`▁` spacing and byte-fallback pieces come out right when decoded token by token."""
+    from pyengine.engine.output import IncrementalDetokenizer
+
+    _, ours = spm
+    text = "Hello there, 世界 Ωμέγα 👩‍👩‍👧  done\n\tx"
+    prompt, out = ours.encode("Say:"), ours.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(ours, prompt, [], False, True)
+    deltas = []
+    for t in out:
+        d.add(t)
+        deltas.append(d.pop_delta(False))
+    deltas.append(d.pop_delta(True))
+    assert "".join(deltas) == d.text == ours.decode(prompt + out, skip_special_tokens=True)[len("Say:"):]
+    assert all("\ufffd" not in x for x in deltas)
+
+
 # ---------------------------------------------------------------- byte-level BPE (`gpt2`) vocabularies
 
 def _split(regex: str) -> pre_tokenizers.PreTokenizer:
@@ -197,6 +214,14 @@ def test_byte_level_bpe_matches_tokenizers(pre_name, tmp_path):
 def test_ignore_merges_types():
     assert PRE_TOKENIZERS["llama-bpe"].ignore_merges and PRE_TOKENIZERS["tekken"].ignore_merges
     assert not PRE_TOKENIZERS["qwen2"].ignore_merges
+
+
+def test_missing_pre_tokenizer_is_llama_cpp_default(tmp_path, caplog):
+    path = _write_gguf(tmp_path / "x.gguf", ["a", "b", "ab", "1", "11"], [NORMAL] * 5, model="gpt2",
+                       merges=["a b", "1 1"])
+    tok = Tokenizer.from_model_path(path)
+    assert "no tokenizer.ggml.pre" in caplog.text
+    assert tok.encode("ab11") == [2, 4]
 
 
 def test_unknown_pre_tokenizer_is_an_error(tmp_path):
