@@ -14,10 +14,19 @@ with parse_special, the mode chat templates need).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers import Tokenizer as HFTokenizer
 
 logger = logging.getLogger(__name__)
@@ -107,19 +116,6 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
 }
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def gguf_tokenizer(meta: Callable[..., Any]) -> tuple[HFTokenizer, dict[str, Any]]:
     """A `tokenizers.Tokenizer` and a tokenizer_config-like dict from GGUF metadata (meta(key, default) -> value)."""
     kind = meta("tokenizer.ggml.model")
@@ -132,10 +128,10 @@ def gguf_tokenizer(meta: Callable[..., Any]) -> tuple[HFTokenizer, dict[str, Any
     else:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (gpt2, llama)")
     # Verbatim, whole, never split by the model: control tokens as specials, user-defined ones as plain added tokens.
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                            for t, ty in zip(tokens, types) if ty == CONTROL])
-    tok.add_tokens([AddedToken(t, normalized=False, special=False)
-                    for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    lstrip, rstrip = _whitespace_eaters(meta, tokens, types)
+    for ty, add in ((CONTROL, tok.add_special_tokens), (USER_DEFINED, tok.add_tokens)):
+        add([AddedToken(t, normalized=False, special=ty == CONTROL, lstrip=t in lstrip, rstrip=t in rstrip)
+             for t, tt in zip(tokens, types) if tt == ty])
 
     def name(key: str) -> str | None:
         i = meta(f"tokenizer.ggml.{key}_token_id")
@@ -154,6 +150,18 @@ def gguf_tokenizer(meta: Callable[..., Any]) -> tuple[HFTokenizer, dict[str, Any
     config["extra_eos_ids"] = [int(i) for i in eos_ids if i is not None]
     _set_post_processor(tok, config)
     return tok, config
+
+
+def _whitespace_eaters(meta, tokens: list[str], types: list[int]) -> tuple[set[str], set[str]]:
+    """Tokens that swallow the whitespace before (lstrip) / after (rstrip) them, as their models' tokenizer.json
+    says. GGUF does not store this; llama.cpp sets it by model name, and so do we."""
+    name = (meta("general.name") or "").lower()
+    if "phi-3" in name or "phi3" in name:  # Phi-3's chat tokens: "<|user|>\nHi<|end|>\n" has no newline tokens
+        rstrip = {t for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)} | {"</s>"}
+        return set(), rstrip - {"<unk>", "<s>", "<|endoftext|>"}
+    if any(p in (meta("tokenizer.ggml.pre") or "") for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")):
+        return {"<mask>"}, set()
+    return set(), set()
 
 
 def _byte_level_bpe(tokens: list[str], types: list[int], meta) -> tuple[HFTokenizer, bool]:

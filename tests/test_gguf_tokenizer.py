@@ -5,6 +5,7 @@ BPE with the `sentencepiece` trainer; byte-level BPE with the `tokenizers` train
 our GGUF-built tokenizer with the trained original on strings that stress every path.
 """
 import io
+import json
 import re
 
 import gguf
@@ -12,7 +13,15 @@ import pytest
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from pyengine.gguf_tokenizer import BYTE, CONTROL, NORMAL, PRE_TOKENIZERS, UNKNOWN, UNUSED, USER_DEFINED
+from pyengine.gguf_tokenizer import (
+    BYTE,
+    CONTROL,
+    NORMAL,
+    PRE_TOKENIZERS,
+    UNKNOWN,
+    UNUSED,
+    USER_DEFINED,
+)
 from pyengine.tokenizer import Tokenizer
 
 STRESS = [
@@ -35,8 +44,10 @@ TRAIN = [s for s in STRESS if s] * 4 + [
 
 
 def _write_gguf(path, tokens, types, *, model, pre=None, scores=None, merges=None, bos=None, eos=None,
-                unk=None, add_bos=None, add_space_prefix=None) -> str:
+                unk=None, add_bos=None, add_space_prefix=None, name=None) -> str:
     w = gguf.GGUFWriter(str(path), "llama")
+    if name is not None:
+        w.add_name(name)
     w.add_tokenizer_model(model)
     if pre is not None:
         w.add_tokenizer_pre(pre)
@@ -65,14 +76,19 @@ SPM_USER = ["<tool>"]  # a user-defined symbol
 
 @pytest.fixture(scope="module", params=[True, False], ids=["space_prefix", "no_space_prefix"])
 def spm(request, tmp_path_factory):
-    """A Llama-2-like (dummy prefix) or Gemma-like (none) SentencePiece BPE model and its GGUF."""
+    """A Llama-2-like (dummy prefix) or Gemma-like (none) SentencePiece BPE model, its GGUF read by us."""
+    sp, path = _spm_gguf(request.param, tmp_path_factory.mktemp("spm"))
+    return sp, Tokenizer.from_model_path(path)
+
+
+def _spm_gguf(space_prefix: bool, folder, name=None):
     import sentencepiece as spm_lib
 
     model = io.BytesIO()
     spm_lib.SentencePieceTrainer.train(
         sentence_iterator=iter(TRAIN), model_writer=model, model_type="bpe", vocab_size=700, byte_fallback=True,
         hard_vocab_limit=False, character_coverage=0.99, minloglevel=2, normalization_rule_name="identity",
-        add_dummy_prefix=request.param, remove_extra_whitespaces=False, split_digits=True,
+        add_dummy_prefix=space_prefix, remove_extra_whitespaces=False, split_digits=True,
         allow_whitespace_only_pieces=True, control_symbols=SPM_SPECIALS, user_defined_symbols=SPM_USER,
         max_sentencepiece_length=16)
     sp = spm_lib.SentencePieceProcessor(model_proto=model.getvalue())
@@ -83,9 +99,9 @@ def spm(request, tmp_path_factory):
         scores.append(sp.get_score(i))
         types.append(UNKNOWN if sp.is_unknown(i) else CONTROL if sp.is_control(i) else UNUSED if sp.is_unused(i)
                      else BYTE if sp.is_byte(i) else USER_DEFINED if piece in SPM_USER else NORMAL)
-    path = _write_gguf(tmp_path_factory.mktemp("spm") / "spm.gguf", tokens, types, model="llama", scores=scores,
-                       bos=sp.bos_id(), eos=sp.eos_id(), unk=sp.unk_id(), add_space_prefix=request.param)
-    return sp, Tokenizer.from_model_path(path)
+    path = _write_gguf(folder / "spm.gguf", tokens, types, model="llama", scores=scores, bos=sp.bos_id(),
+                       eos=sp.eos_id(), unk=sp.unk_id(), add_space_prefix=space_prefix, name=name)
+    return sp, path
 
 
 def _spm_reference(sp, text: str) -> list[int]:
@@ -115,6 +131,15 @@ def test_sentencepiece_matches_sentencepiece(spm):
         if not any(s in text for s in SPM_SPECIALS + SPM_USER + ["<s>", "</s>"]):
             assert ours.decode(ids) == sp.decode(ids) == text, text  # identity normalization round-trips
     assert fallback > 10  # the strings reach characters the model only has as <0xXX> bytes
+
+
+def test_phi3_chat_tokens_swallow_following_whitespace(tmp_path):
+    """llama.cpp (by model name) and Phi-3's tokenizer.json: its chat tokens rstrip, BOS and <unk> do not."""
+    sp, path = _spm_gguf(True, tmp_path, name="Phi-3-mini-4k-instruct")
+    ours = Tokenizer.from_model_path(path)
+    text = "<s> <start_of_turn>\n  user\n<tool>\thi</s>\n"
+    expected = _spm_reference(sp, "<s> <start_of_turn>user\n<tool>hi</s>")
+    assert ours.encode(text, add_special_tokens=False) == expected
 
 
 def test_sentencepiece_streams_like_full_decode(spm):
@@ -166,7 +191,8 @@ BPE_USER = ["<think>", "</think>"]
 WHOLE_WORD = "Ġzebraphone"  # in the vocabulary without merges: only ignore_merges emits it whole
 
 
-def _train_bpe(pre: pre_tokenizers.PreTokenizer, ignore_merges: bool) -> HFTokenizer:
+def _train_bpe(pre: pre_tokenizers.PreTokenizer, ignore_merges: bool) -> tuple[HFTokenizer, list]:
+    """The trained tokenizer as a reference (plus a whole-word entry and user tokens) and its merges."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
@@ -178,7 +204,7 @@ def _train_bpe(pre: pre_tokenizers.PreTokenizer, ignore_merges: bool) -> HFToken
     for t in BPE_USER:  # added tokens sit in the vocabulary too, as in real tokenizer.json files
         vocab[t] = len(vocab)
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
-              for m in __import__("json").loads(tok.to_str())["model"]["merges"]]
+              for m in json.loads(tok.to_str())["model"]["merges"]]
     ref = HFTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
     ref.pre_tokenizer, ref.decoder = pre, decoders.ByteLevel()
     ref.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in BPE_SPECIALS])
