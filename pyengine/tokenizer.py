@@ -1,9 +1,5 @@
-"""Tokenizers (HF tokenizer.json, or rebuilt from GGUF metadata) and chat templates (jinja2, HF semantics).
-
-The GGUF builder mirrors transformers' GGUF tokenizer conversion (integrations/gguf/gguf_tokenizer_mapping.py)
-so both produce the same ids: byte-level BPE for `gpt2` vocabularies, with the split regex the `pre` type
-names (ByteLevel's own GPT-2 regex otherwise); SentencePiece-style BPE for `llama` vocabularies.
-"""
+"""Tokenizers (HF tokenizer.json, or rebuilt from GGUF metadata by `gguf_tokenizer`) and chat templates
+(jinja2, HF semantics)."""
 from __future__ import annotations
 
 import json
@@ -11,113 +7,13 @@ import os
 from datetime import datetime
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# GGUF `tokenizer.ggml.pre` -> split regex (others, e.g. gpt2/smollm, use ByteLevel's GPT-2 regex).
-PRE_TOKENIZER_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
-}
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+from pyengine.gguf_tokenizer import gguf_tokenizer
 
 
 def _token_content(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
-
-
-def _gguf_tokenizer(meta) -> tuple[HFTokenizer, dict[str, Any]]:
-    """A `tokenizers.Tokenizer` and tokenizer_config-like dict from GGUF metadata (meta(key) -> value)."""
-    kind = meta("tokenizer.ggml.model")
-    tokens: list[str] = list(meta("tokenizer.ggml.tokens"))
-    types = list(meta("tokenizer.ggml.token_type") or [])
-    merges = [tuple(m.split(" ", 1)) for m in (meta("tokenizer.ggml.merges") or [])]
-    if kind == "gpt2":
-        spelling = _bytes_to_unicode()
-        alphabet = set(spelling.values())
-        vocab = {
-            t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-            for i, t in enumerate(tokens)
-        }
-        tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
-        split = PRE_TOKENIZER_SPLITS.get(meta("tokenizer.ggml.pre"))
-        if split is None:
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-            )
-        tok.decoder = decoders.ByteLevel()
-        special_ok = lambda t: set(t) <= alphabet  # noqa: E731  (llama.cpp mislabels some; transformers skips them)
-        add_bos_default = False
-    elif kind == "llama":
-        if not merges:
-            raise ValueError("GGUF sentencepiece vocabulary without merges is not supported")
-        vocab = {t: i for i, t in enumerate(tokens)}
-        unk_id = meta("tokenizer.ggml.unknown_token_id")
-        tok = HFTokenizer(models.BPE(vocab, merges, unk_token=tokens[unk_id] if unk_id is not None else None,
-                                     fuse_unk=True, byte_fallback=True))
-        tok.normalizer = None
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(content=" ", left=1, right=0)])
-        special_ok = lambda t: True  # noqa: E731
-        add_bos_default = True
-    else:
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (gpt2, llama)")
-    specials = [AddedToken(t, normalized=False, special=True)
-                for t, ty in zip(tokens, types) if ty == _CONTROL and special_ok(t)]
-    tok.add_special_tokens(specials)
-    tok.add_tokens([AddedToken(t, normalized=False, special=False)
-                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
-
-    def name(key: str) -> str | None:
-        i = meta(f"tokenizer.ggml.{key}_token_id")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-    config = {
-        "bos_token": name("bos"),
-        "eos_token": name("eos"),
-        "unk_token": name("unknown"),
-        "pad_token": name("padding"),
-        "add_bos_token": meta("tokenizer.ggml.add_bos_token", add_bos_default),
-        "add_eos_token": meta("tokenizer.ggml.add_eos_token", False),
-        "chat_template": meta("tokenizer.chat_template"),
-    }
-    eos_ids = [meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    config["extra_eos_ids"] = [int(i) for i in eos_ids if i is not None]
-    _set_post_processor(tok, config)
-    return tok, config
-
-
-def _set_post_processor(tok: HFTokenizer, config: dict[str, Any]) -> None:
-    """BOS/EOS added by encode(add_special_tokens=True), as add_bos_token/add_eos_token say."""
-    bos = config["bos_token"] if config.get("add_bos_token") else None
-    eos = config["eos_token"] if config.get("add_eos_token") else None
-    single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
-    special = [(t, tok.token_to_id(t)) for t in (bos, eos) if t]
-    tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=special)
 
 
 class Tokenizer:
@@ -151,7 +47,7 @@ class Tokenizer:
             if gf.meta("tokenizer.ggml.tokens") is None:
                 raise ValueError(f"{path}: GGUF file has no tokenizer metadata")
             try:
-                tok, config = _gguf_tokenizer(gf.meta)
+                tok, config = gguf_tokenizer(gf.meta)
             except ValueError as exc:
                 raise ValueError(f"{path}: {exc}") from exc
             return cls(tok, config, config.pop("extra_eos_ids"), path)
