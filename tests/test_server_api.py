@@ -255,7 +255,8 @@ async def test_chat_non_streaming(client, engine):
     (choice,) = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": expected_text(engine, ids, 5, seed=3)}
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 5, "total_tokens": len(ids) + 5}
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 5, "total_tokens": len(ids) + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
@@ -503,8 +504,8 @@ async def test_disconnect_aborts_and_frees_blocks(engine):
         assert len(engine.aborted) == 3
         text = await (await client.get("/metrics")).text()
         assert "pyengine:num_requests_running 0.0" in text
-        assert f"pyengine_server:kv_free_blocks {float(engine.num_blocks)}" in text
-        assert "pyengine_server:requests_in_flight 0.0" in text
+        assert f'pyengine_server:kv_free_blocks{{model_name="fake-model"}} {float(engine.num_blocks)}' in text
+        assert 'pyengine_server:requests_in_flight{model_name="fake-model"} 0.0' in text
     finally:
         await client.close()
 

@@ -19,7 +19,7 @@ from pyengine.engine.output import (CompletionOutput, IncrementalDetokenizer, Re
                                     TokenLogprob, check_token_stop)
 from pyengine.engine.request import Request, RequestStatus
 from pyengine.engine.scheduler import Scheduler
-from pyengine.metrics import EngineMetrics
+from pyengine.metrics import EngineMetrics, count_requests
 from pyengine.sampling_params import SamplingParams
 
 log = logging.getLogger("pyengine.engine")
@@ -228,7 +228,7 @@ class Engine:
         else:
             for req in rest:
                 self.scheduler.add_request(req)
-        self.metrics.on_added(len(ids) * params.n)
+        self.metrics.on_added(len(ids))
 
     def queue_abort(self, request_id: str) -> None:
         """Thread-safe: the abort is applied at the start of the next step."""
@@ -273,7 +273,7 @@ class Engine:
             got = self.scheduler.update_from_output(sched, result.token_ids if result else [])
             outputs += self._process(got, result)
         s = self.scheduler
-        self.metrics.on_step(s.num_running, s.num_waiting, self.pool.usage, len(got),
+        self.metrics.on_step(*count_requests(self.groups.values()), self.pool.usage, len(got),
                              self.pool.query_tokens, self.pool.hit_tokens, s.num_preemptions)
         return outputs
 
@@ -283,9 +283,9 @@ class Engine:
         eos = self.eos_ids
         for row, req in enumerate(got):
             tok = req.all_token_ids[-1]
+            self.metrics.on_token(req, now)
             if req.first_token_time is None:
                 req.first_token_time = now
-                self.metrics.on_first_token(req)
             req.last_token_time = now
             lp = None
             if req.logprobs is not None and result.logprobs is not None:
@@ -319,13 +319,14 @@ class Engine:
         self.metrics.on_finished(req)
         if group.num_finished == len(group.children):
             del self.groups[group.request_id]
+            self.metrics.on_request_finished(group.children)
         return CompletionOutput(req.index, req.detok.pop_delta(True), new_ids, req.finish_reason,
                                 req.stop_reason, [lp] if lp is not None else None, _cumulative(req))
 
     def _request_output(self, group: _Group, outs: list[CompletionOutput]) -> RequestOutput:
         finished = group.num_finished == len(group.children)
         first = group.children[0]
-        metrics = RequestMetrics.of(first) if len(group.children) == 1 else None
+        metrics = RequestMetrics.of(first)  # n > 1: the first sequence's (it computed the prompt)
         prompt_lps = None  # once, in the first output after the prompt is done
         if not group.sent_prompt_logprobs and first.prompt_logprobs is not None \
                 and len(first.prompt_logprobs) == first.num_prompt_tokens:
