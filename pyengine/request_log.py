@@ -91,9 +91,9 @@ class RequestLog:
                     done = True
                     break
                 self._file.write(self._format(rec))
+                if self._file.tell() >= self.max_bytes:
+                    self._rotate()
             self._file.flush()
-            if not done and self._file.tell() >= self.max_bytes:
-                self._rotate()
         self._file.close()
 
     def _format(self, rec: RequestRecord) -> str:

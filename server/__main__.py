@@ -5,29 +5,15 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import signal
 import sys
 
 from aiohttp import web
 
+from pyengine.config import memory_size
 from pyengine.request_log import RequestLog
 from server.app import SERVING, ServerConfig, create_app
 from server.gateway import GatewayConfig
-
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def memory_size(text: str) -> float | int:
-    """'0.5' -> fraction 0.5; '2GiB', '512M', '1073741824' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use a fraction like 0.5 or bytes like 2GiB)")
-    value = float(m.group(1))
-    if not m.group(2) and not m.group(3) and 0 < value <= 1:
-        return value
-    return int(value * _UNITS[m.group(2)])
-
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows '(default: X)' except where there is no default value to show."""

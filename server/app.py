@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,8 @@ from server.openai_api import JOB_KEY, RATE_KEY, OpenAIServing
 from server.protocol import APIError
 
 log = logging.getLogger("server")
-OPEN_PATHS = {"/health"}
+OPEN_PATHS = {"/health", "/"}  # and the web page's files under /static/ (the page asks for the key)
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 SERVING = web.AppKey("serving", OpenAIServing)
 _SAMPLER = web.AppKey("stats_sampler", asyncio.Task)
 
@@ -46,6 +48,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     observer = Observer(engine, serving.model, registry, request_log=config.request_log,
                         stats_interval=config.stats_interval)
     registry.register(_PoolCollector(engine, serving))
+    plan = engine.plan.as_dict() if getattr(engine, "plan", None) is not None else None
 
     def route_of(request: web.Request) -> str:
         route = request.match_info.route.resource
@@ -55,7 +58,8 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         start = time.perf_counter()
         try:
-            key = "" if request.path in OPEN_PATHS else gateway.authenticate(
+            is_open = request.path in OPEN_PATHS or request.path.startswith("/static/")
+            key = "" if is_open else gateway.authenticate(
                 request.headers.get("Authorization"), gw.api_keys)
             request[RATE_KEY] = key or (request.remote or "")
             if request.content_length is not None and request.content_length > gw.max_body_bytes:
@@ -98,7 +102,10 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
         return web.json_response({"engine": _as_dict(engine.stats()),
                                   "gateway": {"waiting": serving.admission.waiting,
                                               "in_flight": serving.admission.in_flight},
-                                  "live": observer.snapshot()})
+                                  "live": observer.snapshot(), "plan": plan})
+
+    async def index(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(os.path.join(STATIC_DIR, "index.html"))
 
     async def start_engine(app: web.Application) -> None:
         await engine.start()
@@ -122,6 +129,8 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
+    app.router.add_get("/", index)
+    app.router.add_static("/static/", STATIC_DIR)
     app.on_response_prepare.append(echo_request_id)
     app.on_startup.append(start_engine)
     app.on_shutdown.append(draining)

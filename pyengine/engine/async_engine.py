@@ -34,6 +34,7 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         self.model_name = self.engine.model_name
         self.metrics = self.engine.metrics
+        self.plan = self.engine.plan  # the memory plan it logged at start-up (pyengine.plan)
         self._streams: dict[str, asyncio.Queue] = {}
         self._commands: collections.deque[tuple] = collections.deque()
         self._wakeup = threading.Event()
