@@ -287,7 +287,7 @@ def plot_sweep(reps: list[dict], kind: str, args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--model", default=None, help="model name; default: the server's first model")
@@ -316,7 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.sweep:
         reps = sweep(args)
         return 0 if all(r["failed"] == 0 for r in reps) else 1

@@ -166,9 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
         plan = plan_memory(cfg, config, dtype, max_len, weights, lambda: available() - weights)
         total = weights + plan.kv_bytes + plan.activation_reserve_bytes
+        cache_dtype = cache_dtype_of(config, dtype)
+        scale = " + 4 B scale" if cache_dtype in QUANTIZED_CACHE_DTYPES else ""
         print(f"\nKV cache dtype {kv}:\n  {plan.summary()}\n"
-              f"  KV bytes per token: {plan.kv_bytes_per_token} (2 x {cfg.num_hidden_layers} layers x "
-              f"{cfg.num_key_value_heads} KV heads x {cfg.head_dim} dims, scales included)\n"
+              f"  KV bytes per token: {plan.kv_bytes_per_token} = 2 (K, V) x {cfg.num_hidden_layers} layers x "
+              f"{cfg.num_key_value_heads} KV heads x ({cfg.head_dim} x {cache_dtype.itemsize} B{scale})\n"
               f"  tokens that fit: {plan.kv_tokens}\n"
               f"  max concurrent sequences at {args.prompt_len} prompt + {args.output_len} output tokens: "
               f"{plan.max_sequences(args.prompt_len, args.output_len)}\n"

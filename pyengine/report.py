@@ -43,8 +43,9 @@ def latencies(rows: list[dict]) -> dict[str, list[float]]:
 
 def summarize(rows: list[dict]) -> dict:
     ok = [r for r in rows if r["status"] == 200]
+    statuses = sorted({r["status"] for r in rows} - {200})
     res: dict = {"requests": len(rows), "ok": len(ok),
-                 "errors": {str(s): sum(r["status"] == s for r in rows) for s in sorted({r["status"] for r in rows}) if s != 200}}
+                 "errors": {str(s): sum(r["status"] == s for r in rows) for s in statuses}}
     if not ok:
         return res
     span = max(r["end_ts"] for r in ok) - min(r["start_ts"] for r in ok)
@@ -76,8 +77,8 @@ def format_report(s: dict) -> str:
         for k, v in table.items():
             if v is None:
                 continue
-            lines.append(f"{title + k.removesuffix('_s'):<12}" + "".join(f"{1e3 * v[h]:>10.1f}" for h in ("mean", "p50", "p95", "p99"))
-                         + f"{v['n']:>10}")
+            cells = "".join(f"{1e3 * v[h]:>10.1f}" for h in ("mean", "p50", "p95", "p99"))
+            lines.append(f"{title + k.removesuffix('_s'):<12}{cells}{v['n']:>10}")
     return "\n".join(lines)
 
 

@@ -2,9 +2,10 @@
 
 The first six columns are the classic benchmark log (`request_id,start_ts,first_token_ts,end_ts,
 input_tokens,output_tokens`); `python -m pyengine.report` reads the file back. Timestamps are Unix
-seconds; the `*_s` columns are the stages of the request, in seconds:
+seconds (`first_token_ts`: when the first output text was ready to send, i.e. the first token a
+streaming client sees); the `*_s` columns are the stages of the request, in seconds:
 
-    tokenize_s  template + tokenize (HTTP arrival -> engine request queued)
+    tokenize_s  template + tokenize (HTTP arrival -> handed to the engine)
     queue_s     queued -> first scheduled
     prefill_s   first scheduled -> first token
     decode_s    first token -> last token

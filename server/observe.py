@@ -89,9 +89,10 @@ class Observer:
         first = min((m.first_token_time for m in ms if m.first_token_time is not None), default=None)
         last = max((m.last_token_time for m in ms if m.last_token_time is not None), default=None)
         reasons = sorted({c.finish_reason for c in job.choices.values() if c.finish_reason})
+        first_text = job.first_token_time if job.first_token_time is not None else first  # no text: the engine's
         usage = job.usage
         return RequestRecord(
-            request_id=job.request_id, start_ts=_epoch(start), first_token_ts=_epoch(job.first_token_time),
+            request_id=job.request_id, start_ts=_epoch(start), first_token_ts=_epoch(first_text),
             end_ts=_epoch(end), input_tokens=usage["prompt_tokens"], output_tokens=usage["completion_tokens"],
             queued_ts=_epoch(queued), scheduled_ts=_epoch(scheduled),
             cached_tokens=usage["prompt_tokens_details"]["cached_tokens"], model=self.model, status=status,
@@ -101,19 +102,22 @@ class Observer:
             stream_s=_diff(last, end) if status == 200 else None)
 
     # ---- rolling stats ------------------------------------------------------------------------
-    def _value(self, name: str) -> float:
-        v = self.engine.metrics.registry.get_sample_value(name, {"model_name": self.engine.model_name})
-        return v or 0.0
+    _SAMPLED = {"pyengine:prompt_tokens_total": "prompt_tokens",
+                "pyengine:generation_tokens_total": "generation_tokens",
+                "pyengine:num_requests_running": "running", "pyengine:num_requests_waiting": "waiting",
+                "pyengine:kv_cache_usage_perc": "kv_usage", "pyengine:prefix_cache_queries_total": "prefix_queries",
+                "pyengine:prefix_cache_hits_total": "prefix_hits"}
 
     def sample(self) -> dict:
-        """Cumulative counters and gauges now; rates are differences of two samples."""
-        return {"t": time.time(), "prompt_tokens": self._value("pyengine:prompt_tokens_total"),
-                "generation_tokens": self._value("pyengine:generation_tokens_total"),
-                "running": self._value("pyengine:num_requests_running"),
-                "waiting": self._value("pyengine:num_requests_waiting"),
-                "kv_usage": self._value("pyengine:kv_cache_usage_perc"),
-                "prefix_queries": self._value("pyengine:prefix_cache_queries_total"),
-                "prefix_hits": self._value("pyengine:prefix_cache_hits_total")}
+        """Cumulative counters and gauges now (one pass over the engine's registry); rates are
+        differences of two samples."""
+        out = {"t": time.time(), **{k: 0.0 for k in self._SAMPLED.values()}}
+        for metric in self.engine.metrics.registry.collect():
+            for s in metric.samples:
+                key = self._SAMPLED.get(s.name)
+                if key is not None and s.labels.get("model_name", self.engine.model_name) == self.engine.model_name:
+                    out[key] = s.value
+        return out
 
     @staticmethod
     def rates(a: dict, b: dict) -> dict:

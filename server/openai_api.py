@@ -55,7 +55,9 @@ class _Job:
     choices: dict[int, _Choice] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[dict]] = field(default_factory=dict)  # echo + logprobs, per prompt
     metrics: dict[int, Any] = field(default_factory=dict)  # the engine's latest RequestMetrics, per prompt
-    first_token_time: float | None = None  # perf_counter when the first token reached the server
+    # perf_counter when the first output text reached the server: what a streaming client sees as
+    # its first token (the detokenizer may hold a token back, e.g. an incomplete UTF-8 sequence)
+    first_token_time: float | None = None
 
     @property
     def usage(self) -> dict:
@@ -243,7 +245,7 @@ class OpenAIServing:
         events = []
         if out.metrics is not None:
             job.metrics[p] = out.metrics
-        if job.first_token_time is None and any(o.token_ids for o in out.outputs):
+        if job.first_token_time is None and any(o.text for o in out.outputs):
             job.first_token_time = time.perf_counter()
         if out.prompt_logprobs is not None:
             job.prompt_logprobs[p] = self._logprobs(job.kind, out.prompt_logprobs, job.prompt_ids[p])

@@ -140,6 +140,32 @@ def test_report_agrees_with_serve_load(server, log_path, tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_serve_load_sweep_and_replay(server, log_path, tmp_path):
+    """Open-loop Poisson sweep with long-tailed lengths: a report and plots; then a replay of the
+    server's own request log."""
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "bench/serve_load.py", "--url", server.url, "--api-key", KEY, "--num-requests", "4",
+           "--prompt-len", "16", "--output-len", "6", "--length-dist", "lognormal", "--warmup", "0",
+           "--slo-ttft", "100000", "--slo-tpot", "100000"]
+    proc = subprocess.run([*cmd, "--sweep", "rate:4,16", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reps = json.loads((out / "sweep.json").read_text())
+    assert [r["sweep"]["rate"] for r in reps] == [4.0, 16.0]
+    assert all(r["completed"] == 4 and r["goodput"] == r["request_throughput"] for r in reps)  # SLOs met
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert re.search(r"^\s+16\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+$", proc.stdout, re.M)
+    n_before = len(read_records(log_path))
+    proc = subprocess.run([*cmd, "--replay", log_path, "--replay-speed", "20", "--tag", "replay"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    replayed = rows_for(log_path, "replay-", 4)
+    originals = sorted((r for r in read_records(log_path)[:n_before] if r["status"] == 200),
+                       key=lambda r: r["start_ts"])[:4]
+    assert [r["output_tokens"] for r in sorted(replayed, key=lambda r: r["client_request_id"])] == \
+        [r["output_tokens"] for r in originals]
+
+
 def test_unwritable_request_log_fails_at_startup():
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "server", "--request-log", "/proc/no-such-dir/requests.csv"],

@@ -6,7 +6,6 @@ Its tokens are deterministic: a function of the prompt, the seed, the choice ind
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -530,9 +529,9 @@ async def test_stream_error_after_headers(engine):
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 async def test_load_generator_against_fake(client, endpoint):
-    ns = argparse.Namespace(url=str(client.make_url("")), model=None, api_key=None, endpoint=endpoint,
-                            concurrency=4, num_requests=8, prompt_len=5, output_len=6, temperature=0.0,
-                            warmup=0, timeout=30.0, seed=0, json=None)
+    ns = serve_load.build_parser().parse_args([
+        "--url", str(client.make_url("")), "--endpoint", endpoint, "--concurrency", "4", "--num-requests", "8",
+        "--prompt-len", "5", "--output-len", "6", "--warmup", "0", "--timeout", "30"])
     rep = await serve_load.run(ns)
     assert rep["completed"] == 8 and rep["failed"] == 0 and rep["output_tokens"] == 48
     assert rep["ttft_s"]["p50"] > 0 and rep["tpot_s"]["p99"] >= rep["tpot_s"]["p50"] > 0
