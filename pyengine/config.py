@@ -1,8 +1,23 @@
 """Plain dataclasses for configuration; no framework."""
 from __future__ import annotations
 
+import argparse
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def memory_size(text: str) -> float | int:
+    """'0.5' -> fraction 0.5; '2GiB', '512M', '1073741824' -> bytes (an argparse type)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use a fraction like 0.5 or bytes like 2GiB)")
+    value = float(m.group(1))
+    if not m.group(2) and not m.group(3) and 0 < value <= 1:
+        return value
+    return int(value * _UNITS[m.group(2)])
 
 
 @dataclass

@@ -1,45 +1,82 @@
 """Prometheus metrics of one engine, in its own CollectorRegistry (several engines per process,
-e.g. in tests, never clash). Names follow vLLM's with a `pyengine:` prefix."""
+e.g. in tests, never clash). Names and labels follow vLLM's (`vllm:` -> `pyengine:`), so a vLLM
+Grafana dashboard works after renaming the prefix; every series carries `model_name`.
+
+Counting rules: a user request with n > 1 counts once for its prompt tokens and in the running /
+waiting gauges; per-sequence latencies (TTFT, e2e, ...) are observed per sequence, as vLLM does.
+"""
 from __future__ import annotations
 
 import logging
+from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pyengine.engine.request import Request
+from pyengine.engine.request import Request, RequestStatus
 
 log = logging.getLogger("pyengine.requests")
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                  0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+LABELS = ["model_name"]
+
+
+def count_requests(groups: Iterable) -> tuple[int, int]:
+    """(running, waiting) in user requests: running when any child sequence is in the batch."""
+    running = waiting = 0
+    for g in groups:
+        if any(c.status == RequestStatus.RUNNING for c in g.children):
+            running += 1
+        elif not all(c.finished for c in g.children):
+            waiting += 1
+    return running, waiting
 
 
 class EngineMetrics:
     def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.running = Gauge("pyengine:num_requests_running", "Sequences in the running batch", registry=r)
-        self.waiting = Gauge("pyengine:num_requests_waiting", "Sequences waiting (incl. preempted)", registry=r)
-        self.kv_usage = Gauge("pyengine:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)", registry=r)
-        self.prompt_tokens = Counter("pyengine:prompt_tokens", "Prompt tokens received", registry=r)
-        self.generation_tokens = Counter("pyengine:generation_tokens", "Tokens generated", registry=r)
-        self.prefix_queries = Counter("pyengine:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r)
-        self.prefix_hits = Counter("pyengine:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
-        self.preemptions = Counter("pyengine:num_preemptions", "Sequences preempted (recomputed later)", registry=r)
-        self.finished = Counter("pyengine:request_success", "Finished sequences", ["finished_reason"], registry=r)
-        self.ttft = Histogram("pyengine:time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pyengine:time_per_output_token_seconds", "(last - first token) / (n - 1)", buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("pyengine:e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("pyengine:request_queue_time_seconds", "Arrival to first scheduled", buckets=_LATENCY_BUCKETS, registry=r)
+
+        def metric(cls, name: str, doc: str, extra: list[str] | None = None, **kw):
+            m = cls(f"pyengine:{name}", doc, LABELS + (extra or []), registry=self.registry, **kw)
+            return m if extra else m.labels(model_name)
+
+        def hist(name: str, doc: str, buckets=LATENCY_BUCKETS):
+            return metric(Histogram, name, doc, buckets=buckets)
+
+        self.running = metric(Gauge, "num_requests_running", "Requests with a sequence in the running batch")
+        self.waiting = metric(Gauge, "num_requests_waiting", "Requests waiting to be scheduled (incl. preempted)")
+        self.kv_usage = metric(Gauge, "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens received (once per request)")
+        self.generation_tokens = metric(Counter, "generation_tokens", "Tokens generated")
+        self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.preemptions = metric(Counter, "num_preemptions", "Sequences preempted (recomputed later)")
+        self._finished = metric(Counter, "request_success", "Finished sequences", ["finished_reason"])
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token")
+        self.itl = hist("inter_token_latency_seconds", "Time between two tokens of a sequence (one per gap)",
+                        _TPOT_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds", "(last - first token) / (n - 1) per sequence",
+                         _TPOT_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish")
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled")
+        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token")
+        self.decode_time = hist("request_decode_time_seconds", "First token to finish")
+        self.inference_time = hist("request_inference_time_seconds", "First scheduled to finish")
+        self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS)
+        self.request_generation_tokens = hist("request_generation_tokens",
+                                              "Generated tokens per request (all n sequences)", _TOKEN_BUCKETS)
         self._last_queries = 0
         self._last_hits = 0
         self._last_preemptions = 0
 
     def on_step(self, num_running: int, num_waiting: int, kv_usage: float, num_generated: int,
                 query_tokens: int, hit_tokens: int, num_preemptions: int) -> None:
-        """Once per engine step; cumulative counters come in as totals and are added as deltas."""
+        """Once per engine step; running / waiting are in requests; cumulative counters come in as
+        totals and are added as deltas."""
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
@@ -56,17 +93,30 @@ class EngineMetrics:
             self._last_preemptions = num_preemptions
 
     def on_added(self, num_prompt_tokens: int) -> None:
+        """Once per user request, whatever its n."""
         self.prompt_tokens.inc(num_prompt_tokens)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
 
-    def on_first_token(self, req: Request) -> None:
-        self.ttft.observe(req.first_token_time - req.arrival_time)
+    def on_token(self, req: Request, now: float) -> None:
+        """A sequence got a token at `now` (before req.*_token_time are updated)."""
+        if req.first_token_time is None:
+            self.ttft.observe(now - req.arrival_time)
+        else:
+            self.itl.observe(now - req.last_token_time)
 
     def on_finished(self, req: Request) -> None:
-        self.finished.labels(req.finish_reason).inc()
-        if req.finished_time is not None:
-            self.e2e.observe(req.finished_time - req.arrival_time)
+        self._finished.labels(self.model_name, req.finish_reason).inc()
+        t = req.finished_time
+        if t is not None:
+            self.e2e.observe(t - req.arrival_time)
         if req.first_scheduled_time is not None:
             self.queue_time.observe(req.first_scheduled_time - req.arrival_time)
+            if req.first_token_time is not None:
+                self.prefill_time.observe(req.first_token_time - req.first_scheduled_time)
+            if t is not None:
+                self.inference_time.observe(t - req.first_scheduled_time)
+        if req.first_token_time is not None and t is not None:
+            self.decode_time.observe(t - req.first_token_time)
         n = req.num_output_tokens
         if n > 1 and req.first_token_time is not None and req.last_token_time is not None:
             self.tpot.observe((req.last_token_time - req.first_token_time) / (n - 1))
@@ -75,6 +125,10 @@ class EngineMetrics:
                       req.request_id, req.finish_reason, req.num_prompt_tokens, req.num_cached_tokens, n,
                       req.num_preemptions, _ms(req.first_scheduled_time, req.arrival_time),
                       _ms(req.first_token_time, req.arrival_time), _ms(req.finished_time, req.arrival_time))
+
+    def on_request_finished(self, children: list[Request]) -> None:
+        """Once per user request, when its last sequence finished."""
+        self.request_generation_tokens.observe(sum(c.num_output_tokens for c in children))
 
 
 def _ms(t: float | None, t0: float) -> str:

@@ -5,28 +5,15 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import signal
 import sys
 
 from aiohttp import web
 
+from pyengine.config import memory_size
+from pyengine.request_log import RequestLog
 from server.app import SERVING, ServerConfig, create_app
 from server.gateway import GatewayConfig
-
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def memory_size(text: str) -> float | int:
-    """'0.5' -> fraction 0.5; '2GiB', '512M', '1073741824' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use a fraction like 0.5 or bytes like 2GiB)")
-    value = float(m.group(1))
-    if not m.group(2) and not m.group(3) and 0 < value <= 1:
-        return value
-    return int(value * _UNITS[m.group(2)])
-
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows '(default: X)' except where there is no default value to show."""
@@ -89,7 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt + completion tokens per minute per API key; 0: no limit")
     s.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="info: one access-log line per request and a periodic stats line")
+    s.add_argument("--request-log", default=None, metavar="PATH",
+                   help="write one row per generation request to PATH (.csv, or .jsonl for JSON Lines); "
+                        "read it with `python -m pyengine.report PATH`")
+    s.add_argument("--request-log-max-bytes", type=memory_size, default=100 * 2**20,
+                   help="rotate the request log at this size (PATH.1, PATH.2, ... 5 kept)")
+    s.add_argument("--stats-interval", type=float, default=10.0,
+                   help="seconds between console stats lines (tokens/s, running/waiting, KV, prefix hits); 0: off")
     return p
 
 
@@ -105,11 +100,12 @@ def engine_config(args: argparse.Namespace):
                         seed=args.seed)
 
 
-def server_config(args: argparse.Namespace) -> ServerConfig:
+def server_config(args: argparse.Namespace, request_log: RequestLog | None = None) -> ServerConfig:
     keys = list(args.api_key or [])
     if not keys and os.environ.get("PYENGINE_API_KEY"):
         keys = [os.environ["PYENGINE_API_KEY"]]
-    return ServerConfig(served_model_name=args.served_model_name, max_n=args.max_n, gateway=GatewayConfig(
+    return ServerConfig(served_model_name=args.served_model_name, max_n=args.max_n, request_log=request_log,
+                        stats_interval=args.stats_interval, gateway=GatewayConfig(
         api_keys=keys, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
         request_timeout=args.request_timeout or None, rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm))
@@ -149,12 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pyengine import AsyncLLM
 
+    request_log = None
+    if args.request_log:
+        try:  # before the model loads: a bad path fails at once
+            request_log = RequestLog(args.request_log, max_bytes=int(args.request_log_max_bytes))
+        except OSError as e:
+            print(f"error: cannot write the request log: {e}", file=sys.stderr)
+            return 2
     try:
         engine = AsyncLLM(engine_config(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, server_config(args))
+    app = create_app(engine, server_config(args, request_log))
     try:
         asyncio.run(serve(app, args.host, args.port, args.shutdown_grace, args.block_size))
     except OSError as e:

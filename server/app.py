@@ -9,20 +9,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from pyengine.request_log import RequestLog
 from server import gateway
-from server.openai_api import RATE_KEY, OpenAIServing
+from server.observe import Observer
+from server.openai_api import JOB_KEY, RATE_KEY, OpenAIServing
 from server.protocol import APIError
 
 log = logging.getLogger("server")
-OPEN_PATHS = {"/health"}
+OPEN_PATHS = {"/health", "/"}  # and the web page's files under /static/ (the page asks for the key)
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 SERVING = web.AppKey("serving", OpenAIServing)
+_SAMPLER = web.AppKey("stats_sampler", asyncio.Task)
 
 
 @dataclass
@@ -30,6 +36,8 @@ class ServerConfig:
     served_model_name: str | None = None  # None: the engine's model name
     max_n: int = 16
     gateway: gateway.GatewayConfig = field(default_factory=gateway.GatewayConfig)
+    request_log: RequestLog | None = None  # one row per generation request; closed on cleanup
+    stats_interval: float = 10.0  # seconds between console stats lines; 0: none
 
 
 def create_app(engine: Any, config: ServerConfig | None = None) -> web.Application:
@@ -37,14 +45,21 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     gw = config.gateway
     serving = OpenAIServing(engine, config.served_model_name or engine.model_name, gw, max_n=config.max_n)
     registry = CollectorRegistry()
-    responses = Counter("pyengine_server:responses", "HTTP responses by path and status",
-                        ["path", "status"], registry=registry)
+    observer = Observer(engine, serving.model, registry, request_log=config.request_log,
+                        stats_interval=config.stats_interval)
     registry.register(_PoolCollector(engine, serving))
+    plan = engine.plan.as_dict() if getattr(engine, "plan", None) is not None else None
+
+    def route_of(request: web.Request) -> str:
+        route = request.match_info.route.resource
+        return route.canonical if route else "unmatched"
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        start = time.perf_counter()
         try:
-            key = "" if request.path in OPEN_PATHS else gateway.authenticate(
+            is_open = request.path in OPEN_PATHS or request.path.startswith("/static/")
+            key = "" if is_open else gateway.authenticate(
                 request.headers.get("Authorization"), gw.api_keys)
             request[RATE_KEY] = key or (request.remote or "")
             if request.content_length is not None and request.content_length > gw.max_body_bytes:
@@ -58,15 +73,22 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
                 raise
             resp = web.json_response(APIError(e.status, e.reason).body(), status=e.status,
                                      headers={k: v for k, v in e.headers.items() if k == "Allow"})
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionResetError):  # the client left (nginx's 499)
+            observer.finish(request, 499, start, request.get(JOB_KEY), route_of(request))
             raise
         except Exception:
             log.exception("unhandled error on %s", request.path)
             resp = web.json_response(APIError(500, "Internal server error.", type="server_error").body(),
                                      status=500)
-        route = request.match_info.route.resource
-        responses.labels(route.canonical if route else "unmatched", str(resp.status)).inc()
+        observer.finish(request, resp.status, start, request.get(JOB_KEY), route_of(request))
         return resp
+
+    async def echo_request_id(request: web.Request, resp: web.StreamResponse) -> None:
+        """X-Request-Id: the client's when it sent one, else the generation request's id."""
+        job = request.get(JOB_KEY)
+        rid = request.headers.get("X-Request-Id") or (job.request_id if job is not None else None)
+        if rid:
+            resp.headers["X-Request-Id"] = rid
 
     async def health(request: web.Request) -> web.Response:
         ok = engine.is_healthy() and not serving.admission.draining
@@ -79,13 +101,20 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({"engine": _as_dict(engine.stats()),
                                   "gateway": {"waiting": serving.admission.waiting,
-                                              "in_flight": serving.admission.in_flight}})
+                                              "in_flight": serving.admission.in_flight},
+                                  "live": observer.snapshot(), "plan": plan})
+
+    async def index(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(os.path.join(STATIC_DIR, "index.html"))
 
     async def start_engine(app: web.Application) -> None:
         await engine.start()
+        app[_SAMPLER] = asyncio.create_task(observer.run())
 
     async def stop_engine(app: web.Application) -> None:
+        app[_SAMPLER].cancel()
         await engine.shutdown()
+        observer.close()
 
     async def draining(app: web.Application) -> None:
         serving.admission.draining = True
@@ -100,6 +129,9 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
+    app.router.add_get("/", index)
+    app.router.add_static("/static/", STATIC_DIR)
+    app.on_response_prepare.append(echo_request_id)
     app.on_startup.append(start_engine)
     app.on_shutdown.append(draining)
     app.on_cleanup.append(stop_engine)
@@ -120,6 +152,7 @@ class _PoolCollector:
 
     def collect(self):
         s = self.engine.stats()
+        model = self.serving.model
         for name, doc, value in [
             ("pyengine_server:requests_waiting", "Admitted requests without a first token yet",
              self.serving.admission.waiting),
@@ -130,6 +163,6 @@ class _PoolCollector:
             ("pyengine_server:kv_free_blocks", "Free KV-cache blocks", s.num_free_blocks),
             ("pyengine_server:kv_total_blocks", "KV-cache blocks in the pool", s.num_total_blocks),
         ]:
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], value)
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([model], value)
             yield g

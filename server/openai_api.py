@@ -26,6 +26,7 @@ log = logging.getLogger("server")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 RATE_KEY = web.RequestKey("rate_key", str)  # the caller's API key, or its address without auth
+JOB_KEY = web.RequestKey("job", object)  # the generation request's _Job, for the access / request log
 
 
 @dataclass
@@ -53,12 +54,18 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[dict]] = field(default_factory=dict)  # echo + logprobs, per prompt
+    metrics: dict[int, Any] = field(default_factory=dict)  # the engine's latest RequestMetrics, per prompt
+    # perf_counter when the first output text reached the server: what a streaming client sees as
+    # its first token (the detokenizer may hold a token back, e.g. an incomplete UTF-8 sequence)
+    first_token_time: float | None = None
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict:
         p = sum(len(x) for x in self.prompt_ids)
         c = sum(ch.num_tokens for ch in self.choices.values())
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        cached = sum(m.num_cached_tokens for m in self.metrics.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class OpenAIServing:
@@ -158,6 +165,7 @@ class OpenAIServing:
         self.tasks.add(task)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         job = _Job(f"{prefix}-{uuid.uuid4().hex}", kind, req, prompt_ids, params)
+        request[JOB_KEY] = job
         try:
             return await self._respond(request, job)
         finally:
@@ -235,6 +243,10 @@ class OpenAIServing:
     def _absorb(self, job: _Job, p: int, out: Any) -> list[dict]:
         """Fold one engine delta into the job's choices; return the stream chunks it makes."""
         events = []
+        if out.metrics is not None:
+            job.metrics[p] = out.metrics
+        if job.first_token_time is None and any(o.text for o in out.outputs):
+            job.first_token_time = time.perf_counter()
         if out.prompt_logprobs is not None:
             job.prompt_logprobs[p] = self._logprobs(job.kind, out.prompt_logprobs, job.prompt_ids[p])
         for o in out.outputs:

@@ -30,6 +30,9 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class PagedEchoModel(torch.nn.Module):
+    def weight_bytes(self) -> int:
+        return 0
+
     def forward(self, input_ids, positions, kv_caches, meta, logits_indices):
         kv = kv_caches[0]
         rows = torch.stack([input_ids.float(), positions.float()], -1).view(-1, 1, 2)  # (token id, position)

@@ -95,9 +95,9 @@ async def test_metrics_registry(llm):
 
     await collect(llm, [3, 4, 5], SamplingParams(max_tokens=4, **GREEDY), "m")
     text = generate_latest(llm.metrics.registry).decode()
-    assert "pyengine:time_to_first_token_seconds_count 1.0" in text
-    assert "pyengine:generation_tokens_total 4.0" in text
-    assert 'pyengine:request_success_total{finished_reason="length"} 1.0' in text
+    assert 'pyengine:time_to_first_token_seconds_count{model_name="paged-echo"} 1.0' in text
+    assert 'pyengine:generation_tokens_total{model_name="paged-echo"} 4.0' in text
+    assert 'pyengine:request_success_total{finished_reason="length",model_name="paged-echo"} 1.0' in text
 
 
 async def test_real_model_streaming_matches_offline():

@@ -6,7 +6,6 @@ Its tokens are deterministic: a function of the prompt, the seed, the choice ind
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -255,7 +254,8 @@ async def test_chat_non_streaming(client, engine):
     (choice,) = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": expected_text(engine, ids, 5, seed=3)}
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 5, "total_tokens": len(ids) + 5}
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 5, "total_tokens": len(ids) + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
@@ -503,8 +503,8 @@ async def test_disconnect_aborts_and_frees_blocks(engine):
         assert len(engine.aborted) == 3
         text = await (await client.get("/metrics")).text()
         assert "pyengine:num_requests_running 0.0" in text
-        assert f"pyengine_server:kv_free_blocks {float(engine.num_blocks)}" in text
-        assert "pyengine_server:requests_in_flight 0.0" in text
+        assert f'pyengine_server:kv_free_blocks{{model_name="fake-model"}} {float(engine.num_blocks)}' in text
+        assert 'pyengine_server:requests_in_flight{model_name="fake-model"} 0.0' in text
     finally:
         await client.close()
 
@@ -529,9 +529,9 @@ async def test_stream_error_after_headers(engine):
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 async def test_load_generator_against_fake(client, endpoint):
-    ns = argparse.Namespace(url=str(client.make_url("")), model=None, api_key=None, endpoint=endpoint,
-                            concurrency=4, num_requests=8, prompt_len=5, output_len=6, temperature=0.0,
-                            warmup=0, timeout=30.0, seed=0, json=None)
+    ns = serve_load.build_parser().parse_args([
+        "--url", str(client.make_url("")), "--endpoint", endpoint, "--concurrency", "4", "--num-requests", "8",
+        "--prompt-len", "5", "--output-len", "6", "--warmup", "0", "--timeout", "30"])
     rep = await serve_load.run(ns)
     assert rep["completed"] == 8 and rep["failed"] == 0 and rep["output_tokens"] == 48
     assert rep["ttft_s"]["p50"] > 0 and rep["tpot_s"]["p99"] >= rep["tpot_s"]["p50"] > 0

@@ -288,7 +288,7 @@ def test_32_streams_a_third_disconnect(server, model):
             return await asyncio.gather(*(one(session, i) for i in range(32)))
 
     def aborted() -> float:
-        m = re.search(r'^pyengine:request_success_total\{finished_reason="abort"\} (\S+)$',
+        m = re.search(r'^pyengine:request_success_total\{finished_reason="abort",model_name="[^"]+"\} (\S+)$',
                       server.get("/metrics").text, re.M)
         return float(m.group(1)) if m else 0.0
 
@@ -300,7 +300,7 @@ def test_32_streams_a_third_disconnect(server, model):
     assert s["num_free_blocks"] == s["num_total_blocks"]
     metrics = server.get("/metrics").text
     assert re.search(r"^pyengine:num_requests_running(\{[^}]*\})? 0\.0$", metrics, re.M)
-    assert "pyengine_server:requests_in_flight 0.0" in metrics
+    assert re.search(r'^pyengine_server:requests_in_flight\{model_name="[^"]+"\} 0\.0$', metrics, re.M)
     assert aborted() - before == 11  # the engine stopped each stream whose client left
 
 

@@ -48,7 +48,7 @@ async def test_completion_matches_engine_reference(served):
     want = FakeTokenizer().decode(reference(prompt, 6))
     assert [c["text"] for c in body["choices"]] == [want, want]
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 12,
-                             "total_tokens": len(prompt) + 12}
+                             "total_tokens": len(prompt) + 12, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_32_streams_a_third_disconnect(served):
@@ -76,8 +76,10 @@ async def test_32_streams_a_third_disconnect(served):
     assert all(r == "length" for i, r in enumerate(results) if i % 3)
     await wait_idle(client)
     metrics = await (await client.get("/metrics")).text()
-    assert re.search(r"^pyengine:num_requests_running 0\.0$", metrics, re.M)
-    assert re.search(r"^pyengine_server:engine_requests_running 0\.0$", metrics, re.M)
+    assert re.search(r'^pyengine:num_requests_running\{model_name="paged-echo"\} 0\.0$', metrics, re.M)
+    assert re.search(r'^pyengine_server:engine_requests_running\{model_name="paged-echo"\} 0\.0$', metrics, re.M)
+    assert re.search(r'^pyengine_server:responses_total\{model_name="paged-echo",path="/v1/completions",status="499"\} 11\.0$',
+                     metrics, re.M)
 
 
 async def test_prompt_beyond_kv_pool_is_400():

@@ -11,6 +11,7 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from typing import AsyncIterator
 
 from pyengine.config import EngineConfig
@@ -34,6 +35,7 @@ class AsyncLLM:
         self.max_model_len = self.engine.max_model_len
         self.model_name = self.engine.model_name
         self.metrics = self.engine.metrics
+        self.plan = self.engine.plan  # the memory plan it logged at start-up (pyengine.plan)
         self._streams: dict[str, asyncio.Queue] = {}
         self._commands: collections.deque[tuple] = collections.deque()
         self._wakeup = threading.Event()
@@ -86,7 +88,8 @@ class AsyncLLM:
         self.engine.check_prompt(len(ids))
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
-        self._command(("add", request_id, text, ids, params, priority))
+        # Arrival is now, not when the step thread picks the request up after its current step.
+        self._command(("add", request_id, text, ids, params, priority, time.perf_counter()))
         finished = False
         try:
             while not finished:
@@ -130,10 +133,10 @@ class AsyncLLM:
         while self._commands:
             cmd = self._commands.popleft()
             if cmd[0] == "add":
-                _, rid, text, ids, params, priority = cmd
+                _, rid, text, ids, params, priority, arrival = cmd
                 try:
                     self.engine.add_request(rid, text if text is not None else ids, params,
-                                            priority=priority, prompt_token_ids=ids)
+                                            priority=priority, prompt_token_ids=ids, arrival_time=arrival)
                 except Exception as exc:
                     self._loop.call_soon_threadsafe(self._dispatch, [(rid, exc)])
             else:

@@ -13,19 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
-from pyengine.config import EngineConfig, ModelConfig
+from pyengine.config import EngineConfig
 from pyengine.engine.block_pool import BlockPool
 from pyengine.engine.output import (CompletionOutput, IncrementalDetokenizer, RequestMetrics, RequestOutput,
                                     TokenLogprob, check_token_stop)
 from pyengine.engine.request import Request, RequestStatus
 from pyengine.engine.scheduler import Scheduler
-from pyengine.metrics import EngineMetrics
+from pyengine.metrics import EngineMetrics, count_requests
+from pyengine.plan import available_memory, cache_dtype_of, plan_memory
 from pyengine.sampling_params import SamplingParams
 
 log = logging.getLogger("pyengine.engine")
-
-_GiB = 1 << 30
-_CPU_DEFAULT_KV_BYTES = 4 * _GiB  # like vLLM-CPU's default KV space
 
 
 @dataclass
@@ -83,31 +81,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def _available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def activation_reserve(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
-    """A generous bound on one step's activations: per batched token the hidden/QKV/MLP buffers,
-    per sequence one fp32 logits row and its sampling copies; plus framework slack."""
-    elt = torch.finfo(dtype).bits // 8
-    per_token = (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * elt
-    per_seq = 3 * cfg.vocab_size * 4
-    slack = _GiB if config.device == "cuda" else 256 << 20
-    return config.max_num_batched_tokens * per_token + config.max_num_seqs * per_seq + slack
-
-
 class Engine:
     def __init__(self, config: EngineConfig, *, parts: tuple | None = None) -> None:
         """parts: (model_config, model, tokenizer, name) to use instead of loading config.model
         (tests drive the engine with small stand-ins this way)."""
-        from pyengine.model.metadata import allocate_kv_caches, kv_bytes_per_token
+        from pyengine.model.metadata import allocate_kv_caches
         from pyengine.model.runner import ModelRunner
 
         self.config = config
@@ -133,15 +111,12 @@ class Engine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's maximum context "
                              f"length of {cfg.max_position_embeddings} tokens")
-        cache_dtype = {"auto": self.dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[config.kv_cache_dtype]
-        bpt = kv_bytes_per_token(cfg, cache_dtype)
-        bs = config.block_size
-        num_blocks = self._num_blocks(bpt)
-        kv_caches = allocate_kv_caches(cfg, num_blocks, bs, cache_dtype, self.device)
-        tokens = num_blocks * bs
-        log.info("KV cache: %d blocks x %d = %d tokens, %.2f GiB (%d bytes/token, %s), max %.1f sequences "
-                 "at full context (%d tokens)", num_blocks, bs, tokens, tokens * bpt / _GiB, bpt,
-                 str(cache_dtype).removeprefix("torch."), tokens / self.max_model_len, self.max_model_len)
+        # Weights are loaded already, so the free memory measured now is what is left after them.
+        self.plan = plan_memory(cfg, config, self.dtype, self.max_model_len, self.model.weight_bytes(),
+                                lambda: available_memory(self.device))
+        bs, num_blocks = config.block_size, self.plan.num_blocks
+        kv_caches = allocate_kv_caches(cfg, num_blocks, bs, cache_dtype_of(config, self.dtype), self.device)
+        log.info("%s", self.plan.summary())
         self.pool = BlockPool(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy)
@@ -155,27 +130,6 @@ class Engine:
         self._pending_aborts: collections.deque[str] = collections.deque()
         self.num_steps = 0
         self.num_computed_tokens = 0
-
-    def _num_blocks(self, bytes_per_token: int) -> int:
-        c = self.config
-        mem = c.kv_cache_memory
-        if mem is not None and mem > 1:
-            budget = int(mem)
-        else:
-            free = _available_memory(self.device) - activation_reserve(self.model_config, c, self.dtype)
-            if mem is not None:
-                if not 0 < mem <= 1:
-                    raise ValueError(f"kv_cache_memory must be a byte count > 1 or a fraction in (0, 1], got {mem}")
-                budget = int(free * mem)
-            else:
-                budget = int(free * 0.9)
-                if self.device.type == "cpu":
-                    budget = min(budget, _CPU_DEFAULT_KV_BYTES)
-        num_blocks = budget // (bytes_per_token * c.block_size)
-        if num_blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes is below one block "
-                             f"({bytes_per_token * c.block_size} bytes); raise kv_cache_memory")
-        return num_blocks
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -228,7 +182,7 @@ class Engine:
         else:
             for req in rest:
                 self.scheduler.add_request(req)
-        self.metrics.on_added(len(ids) * params.n)
+        self.metrics.on_added(len(ids))
 
     def queue_abort(self, request_id: str) -> None:
         """Thread-safe: the abort is applied at the start of the next step."""
@@ -273,7 +227,7 @@ class Engine:
             got = self.scheduler.update_from_output(sched, result.token_ids if result else [])
             outputs += self._process(got, result)
         s = self.scheduler
-        self.metrics.on_step(s.num_running, s.num_waiting, self.pool.usage, len(got),
+        self.metrics.on_step(*count_requests(self.groups.values()), self.pool.usage, len(got),
                              self.pool.query_tokens, self.pool.hit_tokens, s.num_preemptions)
         return outputs
 
@@ -283,9 +237,9 @@ class Engine:
         eos = self.eos_ids
         for row, req in enumerate(got):
             tok = req.all_token_ids[-1]
+            self.metrics.on_token(req, now)
             if req.first_token_time is None:
                 req.first_token_time = now
-                self.metrics.on_first_token(req)
             req.last_token_time = now
             lp = None
             if req.logprobs is not None and result.logprobs is not None:
@@ -319,13 +273,14 @@ class Engine:
         self.metrics.on_finished(req)
         if group.num_finished == len(group.children):
             del self.groups[group.request_id]
+            self.metrics.on_request_finished(group.children)
         return CompletionOutput(req.index, req.detok.pop_delta(True), new_ids, req.finish_reason,
                                 req.stop_reason, [lp] if lp is not None else None, _cumulative(req))
 
     def _request_output(self, group: _Group, outs: list[CompletionOutput]) -> RequestOutput:
         finished = group.num_finished == len(group.children)
         first = group.children[0]
-        metrics = RequestMetrics.of(first) if len(group.children) == 1 else None
+        metrics = RequestMetrics.of(first)  # n > 1: the first sequence's (it computed the prompt)
         prompt_lps = None  # once, in the first output after the prompt is done
         if not group.sent_prompt_logprobs and first.prompt_logprobs is not None \
                 and len(first.prompt_logprobs) == first.num_prompt_tokens:
