@@ -100,7 +100,7 @@ def test_fake_n_children_share_prompt_blocks():
     prompt = prompts_of([100], seed=6)[0]
     llm = LLM.from_engine(engine)
     hits0 = engine.pool.hit_tokens
-    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=6, seed=1, temperature=5.0), use_tqdm=False)[0]
+    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=6, seed=1, temperature=2.0), use_tqdm=False)[0]
     assert len(out.outputs) == 4 and len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct streams
     assert engine.pool.hit_tokens - hits0 == 3 * 96  # children 1..3 reused the 6 full prompt blocks
     engine.add_request("ab", prompt, SamplingParams(n=3, max_tokens=50))

@@ -84,6 +84,7 @@ class AsyncLLM:
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         self.engine.check_prompt(len(ids))
+        self.engine.check_params(params)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         self._command(("add", request_id, text, ids, params, priority))

@@ -199,6 +199,17 @@ class Engine:
             raise ValueError(f"prompt has {n} tokens but the KV cache holds only {capacity} tokens "
                              f"({self.pool.num_blocks} blocks of {self.pool.block_size}); raise kv_cache_memory")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids and logprob counts against this vocabulary."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[0]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {k}")
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     priority: int = 0, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None) -> None:
@@ -211,6 +222,7 @@ class Engine:
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         self.check_prompt(len(ids))
+        self.check_params(params)
         group = _Group(request_id, text, ids)
         capacity = self.pool.num_blocks * self.pool.block_size
         for i in range(params.n):
