@@ -4,12 +4,17 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pyengine.engine.async_engine import AsyncLLM, EngineDeadError
 from pyengine.engine.engine import MAX_FAILED_STEPS, EngineBrokenError
 from pyengine.sampling_params import SamplingParams
 
-from engine_fakes import VOCAB, fake_engine, reference
+from pyengine.ops.attention import from_cache_layout
+
+from engine_fakes import VOCAB, PagedEchoModel, fake_engine, next_token, reference
 from test_engine import assert_all_free, prompts_of
 
 GREEDY = dict(temperature=0.0)
@@ -56,6 +61,36 @@ def test_extreme_but_valid_params_run_beside_others():
     outs = drain(engine)
     assert tokens(outs["y"]) == reference(prompt, 6)
     assert outs["x"][-1].finished
+    assert_all_free(engine)
+
+
+_INT = st.one_of(st.integers(-2, 40), st.sampled_from([2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, -(2**31)]))
+_FLOAT = st.one_of(st.floats(-3, 3), st.sampled_from([1e-50, 2**-149, 1e-40, 1e-30, float("nan"), float("inf")]))
+_FIELDS = {"n": st.integers(1, 3), "temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT, "min_p": _FLOAT,
+           "seed": _INT, "max_tokens": _INT, "min_tokens": _INT, "presence_penalty": _FLOAT,
+           "frequency_penalty": _FLOAT, "repetition_penalty": _FLOAT, "logprobs": _INT,
+           "stop_token_ids": st.lists(_INT, max_size=3), "ignore_eos": st.booleans()}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.fixed_dictionaries({}, optional=_FIELDS))
+def test_fuzzed_params_are_refused_or_run_beside_others(kwargs):
+    """Whatever the values: refused with ValueError up front, or run for several steps beside an
+    innocent request that finishes with its exact output (nothing fails inside a step)."""
+    engine = fake_engine(kv_tokens=1024)
+    prompt = [5, 6, 7, 8]
+    try:
+        engine.add_request("fuzz", prompt, SamplingParams(**kwargs))
+    except ValueError:
+        return
+    engine.add_request("innocent", prompt, SamplingParams(max_tokens=5, **GREEDY))
+    outs = {}
+    for _ in range(8):
+        for o in engine.step():
+            assert o.error is None
+            outs.setdefault(o.request_id, []).append(o)
+    assert tokens(outs["innocent"]) == reference(prompt, 5)
+    engine.abort_request("fuzz")
     assert_all_free(engine)
 
 
@@ -170,3 +205,96 @@ async def test_async_broken_engine_fails_everyone_and_stops():
             await run(99)
     finally:
         await llm.shutdown()
+
+
+# ---- fairness for expensive requests
+class AllRowsEchoModel(PagedEchoModel):
+    """PagedEchoModel that also gives logits for prompt rows (prompt logprobs): row i of a sequence
+    predicts from the context up to i, read back from the paged KV cache like the last row."""
+
+    def forward(self, input_ids, positions, kv_caches, meta, logits_indices):
+        last = super().forward(input_ids, positions, kv_caches, meta, logits_indices[:0])  # writes the KV
+        k, _ = from_cache_layout(kv_caches[0].k, kv_caches[0].v)
+        bs = k.shape[2]
+        qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        rows = []
+        for idx in logits_indices.tolist():
+            s = next(s for s in range(len(seq_lens)) if qsl[s] <= idx < qsl[s + 1])
+            n = seq_lens[s] - (qsl[s + 1] - 1 - idx)  # context length at this row
+            blocks = meta.block_tables[s, : -(-n // bs)].long()
+            nxt = next_token(k[blocks, 0].reshape(-1, 2)[:n, 0].long().tolist())
+            row = -0.5 * (torch.arange(VOCAB) - nxt).abs().float()
+            row[nxt] = 5.0
+            rows.append(row)
+        return torch.stack(rows) if rows else last
+
+
+def all_rows_engine(**config):
+    engine = fake_engine(**config)
+    engine.runner.model = AllRowsEchoModel()
+    return engine
+
+
+def test_n_children_compute_the_prompt_and_its_logprobs_once():
+    engine = all_rows_engine()
+    prompt = prompts_of([200], seed=5)[0]
+    params = SamplingParams(n=4, max_tokens=3, prompt_logprobs=2, logprobs=2, **GREEDY)
+    engine.add_request("big", prompt, params)
+    outs = drain(engine)["big"]
+    # child 0: the whole prompt; children 1..3: the 8 tokens after the 12 cached blocks; 2 decodes each
+    assert engine.num_computed_tokens == 200 + 3 * 8 + 4 * 2
+    lps = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    assert len(lps) == 1 and len(lps[0]) == 200 and lps[0][0] is None
+    assert [e.token_id for e in lps[0][1:]] == prompt[1:]
+    for j in (1, 57, 199):  # the prompt token's logprob is the model's, given the tokens before it
+        assert lps[0][j].top[0][0] == next_token(prompt[:j])
+    assert_all_free(engine)
+
+
+def test_children_queue_behind_earlier_arrivals():
+    """n > 1: children 1..n-1 are queued when child 0 has its first token, at the back: a request
+    that arrived before that goes first (before, they were pushed to the queue front)."""
+    engine = fake_engine(max_num_seqs=1)
+    engine.add_request("big", prompts_of([40], seed=6)[0], SamplingParams(n=3, max_tokens=3, **GREEDY))
+    engine.add_request("other", [5, 6, 7], SamplingParams(max_tokens=2, **GREEDY))
+    order = [(o.request_id, c.index) for _ in range(100) for o in engine.step() for c in o.outputs
+             if len(c.token_ids) and c.finished]
+    assert order == [("big", 0), ("other", 0), ("big", 1), ("big", 2)]
+    assert_all_free(engine)
+
+
+def test_one_request_adds_at_most_long_prefill_tokens_per_step():
+    engine = fake_engine(max_num_batched_tokens=512, long_prefill_tokens=64)
+    big = prompts_of([400], seed=7)[0]
+    engine.add_request("big", big, SamplingParams(max_tokens=2, **GREEDY))
+    engine.step()
+    assert engine.num_computed_tokens == 64
+    engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=1, **GREEDY))
+    outs = engine.step()
+    assert engine.num_computed_tokens == 64 + 64 + 3  # the short one started beside the next chunk
+    assert [o.request_id for o in outs] == ["short"]
+    assert tokens(drain(engine)["big"]) == reference(big, 2)
+    assert_all_free(engine)
+
+
+# ---- small but real
+def test_engine_seed_makes_unseeded_requests_reproducible():
+    def run(seed):
+        engine = fake_engine(seed=seed)
+        for i in range(3):
+            engine.add_request(f"r{i}", [5, 6, 7 + i], SamplingParams(max_tokens=24, n=2, temperature=1.0))
+        return {rid: [c.token_ids for o in outs for c in o.outputs] for rid, outs in drain(engine).items()}
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_prefix_cache_queries_count_each_admission_once():
+    """A request blocked for free blocks is looked up every step, but counted once, when admitted."""
+    engine = fake_engine(kv_tokens=64)  # 4 blocks: B waits for A's blocks over many steps
+    a, b = prompts_of([40, 30], seed=8)
+    engine.add_request("a", a, SamplingParams(max_tokens=20, **GREEDY))
+    engine.add_request("b", b, SamplingParams(max_tokens=2, **GREEDY))
+    drain(engine)
+    s = engine.stats()
+    assert s.num_steps > 10 and s.prefix_cache_queries == 40 + 30 and s.prefix_cache_hits == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass
 
@@ -65,8 +66,9 @@ class _Group:
         self.prompt_token_ids = prompt_token_ids
         self.children: list[Request] = []
         self.num_finished = 0
-        # n > 1 with prefix caching: children 1..n-1 are queued once child 0 has computed the
-        # prompt, so they take its blocks from the prefix cache instead of recomputing them.
+        # n > 1 with prefix caching: children 1..n-1 are queued (at the back, like a new request)
+        # once child 0 has computed the prompt, so they take its blocks from the prefix cache
+        # instead of recomputing them.
         self.deferred: list[Request] = []
         self.sent_prompt_logprobs = False
 
@@ -150,7 +152,8 @@ class Engine:
                  str(cache_dtype).removeprefix("torch."), tokens / self.max_model_len, self.max_model_len)
         self.pool = BlockPool(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, config.long_prefill_tokens)
+        self._seeds = random.Random(config.seed)  # seeds for requests that bring none
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, kv_caches, block_size=bs, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
@@ -232,10 +235,11 @@ class Engine:
         self.check_params(params)
         group = _Group(request_id, text, ids)
         capacity = self.pool.num_blocks * self.pool.block_size
+        seed = self._seeds.getrandbits(63) if params.seed is None else None
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, text, ids, params, priority=priority, index=i, parent_id=request_id,
-                          arrival_time=arrival, max_model_len=min(self.max_model_len, capacity))
+                          arrival_time=arrival, max_model_len=min(self.max_model_len, capacity), seed=seed)
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings,
                                                params.include_stop_str_in_output, params.skip_special_tokens)
             group.children.append(req)
@@ -304,7 +308,7 @@ class Engine:
             self._failed_steps = 0 if done else self._failed_steps + 1
         s = self.scheduler
         self.metrics.on_step(s.num_running, s.num_waiting, self.pool.usage, num_got,
-                             self.pool.query_tokens, self.pool.hit_tokens, s.num_preemptions)
+                             s.prefix_query_tokens, s.prefix_hit_tokens, s.num_preemptions)
         if self._failed_steps >= MAX_FAILED_STEPS:
             raise EngineBrokenError(f"{self._failed_steps} model steps in a row failed for every request in them")
         return outputs
@@ -376,8 +380,8 @@ class Engine:
                     stop = (RequestStatus.FINISHED_STOPPED, hit)
             group = self.groups[req.parent_id]
             if group.deferred:
-                for child in reversed(group.deferred):  # each goes to the queue front
-                    self.scheduler.add_request(child, req)
+                for child in group.deferred:
+                    self.scheduler.add_request(child)
                 group.deferred = []
             if stop is not None:
                 self.scheduler.finish(req, stop[0])
@@ -411,4 +415,4 @@ class Engine:
     def stats(self) -> EngineStats:
         s, p = self.scheduler, self.pool
         return EngineStats(s.num_running, s.num_waiting, p.num_free, p.num_blocks, p.usage, s.num_preemptions,
-                           p.query_tokens, p.hit_tokens, self.num_steps, self.num_computed_tokens)
+                           s.prefix_query_tokens, s.prefix_hit_tokens, self.num_steps, self.num_computed_tokens)
