@@ -10,6 +10,10 @@
 //   block_tables [S, MB] int32, seq_lens [S] int32, query_start_loc [S+1] int32
 // Query token j of sequence s (q_len = qsl[s+1] - qsl[s]) sits at position seq_len - q_len + j and
 // sees cache positions <= its own. q head hq reads kv head hq / G (G = H / KVH).
+// Options (0 = off): window > 0 limits that to the `window` positions ending at its own (Mistral,
+// Gemma sliding-window layers); softcap > 0 maps each score s (scale included) to
+// softcap * tanh(s / softcap) before the softmax (Gemma 2). Either one, where it changes anything
+// (a sequence longer than the window, any softcap), takes the run_item path.
 //
 // Parallel shape: work items (sequence, kv head, query tile, kv split) over the thread pool, heaviest
 // first. A query tile is QT = max(1, 16 / G) query tokens x the G q heads of one kv head (<= 16 rows
@@ -75,6 +79,8 @@ struct Args {
   int64_t T, H, KVH, D, q_stride, NB, BS, S, MB;
   float scale;
   DType qdt, cdt;
+  int64_t window;  // 0 = unlimited
+  float softcap;   // 0 = none
   int64_t G, Dp, chunk, QT;  // derived
 };
 
@@ -326,7 +332,8 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
   const int64_t ntok = it.tok1 - it.tok0, rows = ntok * G;
   ws.fit(rows, Dp, a.chunk);
 
-  const float qscale = a.scale * kLog2e;
+  // with a softcap, scores are capped in natural units and converted to log2 units after
+  const float qscale = a.softcap > 0.0f ? a.scale : a.scale * kLog2e;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_start + it.tok0 + r / G, head = it.kvh * G + r % G;
     const void* qrow = static_cast<const char*>(a.q) + (tok * a.q_stride + head * D) * elem_size(a.qdt);
@@ -341,7 +348,9 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
   const size_t es = elem_size(CD);
   const int32_t* table = a.bt + it.seq * a.MB;
   const int64_t kv_end = std::min<int64_t>(it.kv_hi, first_pos + it.tok1);  // causal end of the tile
-  for (int64_t c0 = it.kv_lo; c0 < kv_end; c0 += a.chunk) {
+  // the window's start for the tile's first token: nothing before it is read
+  const int64_t kv_start = a.window > 0 ? std::max<int64_t>(it.kv_lo, first_pos + it.tok0 + 1 - a.window) : it.kv_lo;
+  for (int64_t c0 = kv_start; c0 < kv_end; c0 += a.chunk) {
     const int64_t n = std::min(a.chunk, kv_end - c0);
     for (int64_t p = c0; p < c0 + n;) {  // dequantize the chunk, one block run at a time
       const int64_t blk = table[p / a.BS], off = p % a.BS, run = std::min(a.BS - off, c0 + n - p);
@@ -358,9 +367,13 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = first_pos + it.tok0 + r / G;
       const int64_t nv = std::min(n, pos + 1 - c0);
-      if (nv <= 0) continue;
-      qk<NC>(ws.qf.data() + r * Dp, ws.kf.data(), Dp, nv, ws.sc.data());
-      softmax_pv<NC>(ws.sc.data(), nv, ws.vf.data(), Dp, ws.m[r], ws.l[r], ws.acc.data() + r * Dp);
+      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos + 1 - a.window - c0) : 0;  // window start
+      if (nv <= lo) continue;
+      float* sc = ws.sc.data();
+      qk<NC>(ws.qf.data() + r * Dp, ws.kf.data() + lo * Dp, Dp, nv - lo, sc);
+      if (a.softcap > 0.0f)
+        for (int64_t i = 0; i < nv - lo; ++i) sc[i] = a.softcap * std::tanh(sc[i] / a.softcap) * kLog2e;
+      softmax_pv<NC>(sc, nv - lo, ws.vf.data() + lo * Dp, Dp, ws.m[r], ws.l[r], ws.acc.data() + r * Dp);
     }
   }
 
@@ -676,8 +689,17 @@ bool bf16_head_dim(const Args& a, const std::vector<Item>& items, Partials& part
   return true;
 }
 
+// Whether the window cuts off any position of this step (a sequence longer than it).
+bool window_applies(const Args& a) {
+  if (a.window <= 0) return false;
+  for (int64_t s = 0; s < a.S; ++s)
+    if (a.seq_lens[s] > a.window) return true;
+  return false;
+}
+
 bool try_bf16_path(const Args& a, const std::vector<Item>& items, Partials& parts) {
   if (a.qdt != DType::kBFloat16 || (a.BS != 8 && a.BS % 16 != 0)) return false;  // tiles of 16 tokens
+  if (a.softcap > 0.0f || window_applies(a)) return false;  // run_item has the window and the cap
   switch (a.cdt) {
     case DType::kBFloat16: return bf16_head_dim<DType::kBFloat16>(a, items, parts);
     case DType::kFloat8E4M3: return bf16_head_dim<DType::kFloat8E4M3>(a, items, parts);
@@ -734,6 +756,8 @@ void check_args(const Args& a, int64_t max_seq_len) {
   if (quant && (a.ks == nullptr || a.vs == nullptr)) fail("fp8/int8 caches need k_scales and v_scales");
   if (a.qdt != DType::kFloat32 && a.qdt != DType::kBFloat16 && a.qdt != DType::kFloat16)
     fail("q must be fp32, bf16 or fp16");
+  if (a.window < 0) fail("window must be >= 0 (0: no window)");
+  if (!(a.softcap >= 0.0f) || !std::isfinite(a.softcap)) fail("softcap must be a finite value >= 0 (0: none)");
   if (a.qsl[0] != 0 || a.qsl[a.S] != a.T)
     fail("query_start_loc must start at 0 and end at num_tokens (" + std::to_string(a.T) + "), got " +
          std::to_string(a.qsl[0]) + " .. " + std::to_string(a.qsl[a.S]));
@@ -761,10 +785,10 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
                          const int32_t* query_start_loc, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t q_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
                          int64_t max_blocks_per_seq, int64_t max_seq_len, float scale, DType q_dtype,
-                         DType cache_dtype) {
+                         DType cache_dtype, int64_t window, float softcap) {
   Args a{out, q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc,
          num_tokens, num_heads, num_kv_heads, head_dim, q_stride, num_blocks, block_size, num_seqs,
-         max_blocks_per_seq, scale, q_dtype, cache_dtype, 0, 0, 0, 0};
+         max_blocks_per_seq, scale, q_dtype, cache_dtype, window, softcap, 0, 0, 0, 0};
   check_args(a, max_seq_len);
   a.G = a.H / a.KVH;
   a.Dp = (a.D + 63) / 64 * 64;
