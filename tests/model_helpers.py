@@ -9,14 +9,20 @@ from pyengine.config import ModelConfig
 from pyengine.model.loader import default_model_path  # noqa: F401  (re-exported for other tests)
 from pyengine.model.metadata import AttentionMetadata, allocate_kv_caches
 
-TINY_ARCHS = ("llama", "llama_tied", "llama3_rope", "mistral", "qwen2")
+TINY_ARCHS = ("llama", "llama_tied", "llama3_rope", "mistral", "qwen2", "qwen2_yarn", "mistral_window", "qwen3",
+              "phi3", "gemma2", "gemma3")
+TINY_WINDOW = 24  # sliding window of the windowed kinds: well inside the parity tests' 130-token prompts
 
 
 def write_tiny_checkpoint(folder: str, kind: str = "llama", seed: int = 0, vocab_size: int = 256) -> str:
     """A random-weight HF checkpoint (config.json + model.safetensors) written by transformers.
 
     kind: llama (untied, GQA 4:2), llama_tied, llama3_rope (rope_scaling llama3), mistral (GQA 4:1),
-    qwen2 (QKV bias, GQA 6:2, head_dim 8). Weights are scaled up so logits are not all ~0.
+    qwen2 (QKV bias, GQA 6:2, head_dim 8), qwen2_yarn (Qwen2.5-style YaRN: 64 -> 256 positions),
+    llama_dynamic (dynamic NTK: 64 -> 128 positions), mistral_window (sliding window on every layer),
+    qwen3 (q/k norms), phi3 (fused qkv and gate_up), gemma2 (GeGLU, sandwich norms, a sliding and a
+    global layer, soft-caps that bite), gemma3 (q/k norms, local and linear-scaled global RoPE).
+    Weights are scaled up so logits are not all ~0.
     """
     import transformers as tf
 
@@ -37,6 +43,34 @@ def write_tiny_checkpoint(folder: str, kind: str = "llama", seed: int = 0, vocab
     elif kind == "qwen2":
         config = tf.Qwen2Config(**{**common, "num_attention_heads": 6, "num_key_value_heads": 2})
         cls = tf.Qwen2ForCausalLM
+    elif kind == "qwen2_yarn":
+        config = tf.Qwen2Config(**{**common, "max_position_embeddings": 64}, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+        cls = tf.Qwen2ForCausalLM
+    elif kind == "llama_dynamic":
+        config = tf.LlamaConfig(**{**common, "max_position_embeddings": 64}, rope_scaling={
+            "rope_type": "dynamic", "factor": 2.0})
+        cls = tf.LlamaForCausalLM
+    elif kind == "mistral_window":
+        config = tf.MistralConfig(**common, sliding_window=TINY_WINDOW)
+        cls = tf.MistralForCausalLM
+    elif kind == "qwen3":
+        config = tf.Qwen3Config(**common, head_dim=12)
+        cls = tf.Qwen3ForCausalLM
+    elif kind == "phi3":
+        config = tf.Phi3Config(**common, pad_token_id=0)
+        cls = tf.Phi3ForCausalLM
+    elif kind == "gemma2":
+        config = tf.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=10, sliding_window=TINY_WINDOW,
+                                 attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=0)
+        cls = tf.Gemma2ForCausalLM
+    elif kind == "gemma3":
+        config = tf.Gemma3TextConfig(
+            **common, head_dim=16, query_pre_attn_scalar=10, sliding_window=TINY_WINDOW, pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+        cls = tf.Gemma3ForCausalLM
     else:
         raise ValueError(f"unknown tiny checkpoint kind {kind!r}; one of {TINY_ARCHS}")
     torch.manual_seed(seed)

@@ -104,10 +104,10 @@ def test_tiny_checkpoint_parity(kind, tmp_path):
     from transformers import AutoModelForCausalLM
 
     folder = write_tiny_checkpoint(str(tmp_path), kind)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     cfg, model = load_model(folder, torch.float32, "cpu")
-    assert cfg.tie_word_embeddings == (kind == "llama_tied")
-    assert (model.lm_head is model.embed) == (kind == "llama_tied")
+    assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings == (kind in ("llama_tied", "gemma2", "gemma3"))
+    assert (model.lm_head is model.embed) == cfg.tie_word_embeddings
     prompt = torch.randint(0, cfg.vocab_size, (130,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():
         want = hf(torch.tensor([prompt])).logits[0]
@@ -120,3 +120,19 @@ def test_tiny_checkpoint_parity(kind, tmp_path):
     with torch.inference_mode():
         want_next = hf(torch.tensor([prompt + [nxt]])).logits[0, -1]
     assert float((got - want_next).abs().max()) <= 1e-4 * span
+
+
+def test_dynamic_rope_parity(tmp_path):
+    """Dynamic NTK: our base is the one for the whole served context (64 x 2 positions), which is what
+    transformers computes for a sequence of exactly that length."""
+    from transformers import AutoModelForCausalLM
+
+    folder = write_tiny_checkpoint(str(tmp_path), "llama_dynamic")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    cfg, model = load_model(folder, torch.float32, "cpu")
+    assert cfg.max_position_embeddings == 128
+    prompt = torch.randint(0, cfg.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0]
+    got = SequenceRunner(model, cfg, 128).step(prompt, all_logits=True)
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.max() - want.min())
