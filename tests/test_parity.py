@@ -6,7 +6,7 @@ import torch
 from pyengine.model.loader import load_model
 from pyengine.tokenizer import Tokenizer
 from tests.model_helpers import TINY_ARCHS, SequenceRunner, default_model_path, gguf_folder_and_name, \
-    write_tiny_checkpoint
+    write_tiny_checkpoint, write_tiny_gguf
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -99,14 +99,14 @@ def test_tiny_half_precision(dtype, tmp_path):
     assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.99
 
 
-@pytest.mark.parametrize("kind", TINY_ARCHS)
-def test_tiny_checkpoint_parity(kind, tmp_path):
+def assert_matches_transformers(hf_folder: str, model_path: str) -> None:
+    """fp32 logits of a 130-token prompt and one decode step within 1e-4 of the logit span of
+    transformers on the HF checkpoint (eager attention), the next token its argmax."""
     from transformers import AutoModelForCausalLM
 
-    folder = write_tiny_checkpoint(str(tmp_path), kind)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    cfg, model = load_model(folder, torch.float32, "cpu")
-    assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings == (kind in ("llama_tied", "gemma2", "gemma3"))
+    hf = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32, attn_implementation="eager").eval()
+    cfg, model = load_model(model_path, torch.float32, "cpu")
+    assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
     assert (model.lm_head is model.embed) == cfg.tie_word_embeddings
     prompt = torch.randint(0, cfg.vocab_size, (130,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():
@@ -120,6 +120,21 @@ def test_tiny_checkpoint_parity(kind, tmp_path):
     with torch.inference_mode():
         want_next = hf(torch.tensor([prompt + [nxt]])).logits[0, -1]
     assert float((got - want_next).abs().max()) <= 1e-4 * span
+    assert int(got.argmax()) == int(want_next.argmax())
+
+
+@pytest.mark.parametrize("kind", TINY_ARCHS)
+def test_tiny_checkpoint_parity(kind, tmp_path):
+    folder = write_tiny_checkpoint(str(tmp_path), kind)
+    assert_matches_transformers(folder, folder)
+
+
+@pytest.mark.parametrize("kind", ["llama3_rope", "qwen3", "phi3", "gemma2", "gemma3_gguf"])
+def test_tiny_gguf_parity(kind, tmp_path):
+    """The same checkpoints converted to GGUF as llama.cpp does: Llama 3's scaling as rope_freqs,
+    Qwen3's q/k norms, Phi-3's fused tensors, Gemma's 1 + w norms and metadata."""
+    folder = write_tiny_checkpoint(str(tmp_path), kind)
+    assert_matches_transformers(folder, write_tiny_gguf(str(tmp_path / "model.gguf"), folder))
 
 
 def test_dynamic_rope_parity(tmp_path):
