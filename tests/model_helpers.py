@@ -167,7 +167,7 @@ _GGUF_LAYER_NAMES = {
 }
 _GGUF_GEMMA_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                      "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
-_GGUF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
+_GGUF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
                "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 
 
@@ -194,9 +194,9 @@ def llama3_rope_freqs(scaling: dict, theta: float, head_dim: int) -> "np.ndarray
 
 
 def write_tiny_gguf(path: str, hf_folder: str, types: dict[str, str] | None = None) -> str:
-    """Convert a tiny HF checkpoint (write_tiny_checkpoint: llama kinds, qwen3, phi3, gemma2, gemma3) to
-    GGUF the way llama.cpp does: Q/K rows permuted (llama), llama3 scaling as `rope_freqs`, Gemma's
-    norms stored as 1 + w, its soft-caps and window in the metadata.
+    """Convert a tiny HF checkpoint (write_tiny_checkpoint: llama kinds, qwen2, qwen3, phi3, gemma2, gemma3)
+    to GGUF the way llama.cpp does: Q/K rows permuted (llama), llama3 scaling as `rope_freqs`, YaRN in
+    the metadata, Gemma's norms stored as 1 + w, its soft-caps and window in the metadata.
 
     types: GGUF tensor-name substring -> "F32" | "F16" | "BF16" (default F32); floats only, so the file
     holds exactly the HF weights rounded to that type. Tokenizer metadata is a dummy byte vocabulary.
@@ -225,6 +225,10 @@ def write_tiny_gguf(path: str, hf_folder: str, types: dict[str, str] | None = No
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, rope["rope_theta"], head_dim))
     if c.get("sliding_window"):

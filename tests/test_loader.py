@@ -182,6 +182,13 @@ def test_mistral_sliding_window_keeps_the_context(tmp_path):
     assert cfg.num_key_value_heads == 1 and cfg.eos_token_ids == [2]
 
 
+def test_windowed_models_refused_on_gpus(tmp_path):
+    """The CUDA attention kernel has no window or soft-cap: refused before any weight moves."""
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM: sliding-window and soft-capped attention run on the "
+                                         "CPU only"):
+        load_model(write_tiny_checkpoint(str(tmp_path), "gemma2"), torch.float32, "cuda")
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_quantized_kv_cache_forward(tiny_llama, cache_dtype):
     cfg, model = load_model(tiny_llama, torch.float32, "cpu")

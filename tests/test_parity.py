@@ -3,6 +3,7 @@ random-weight checkpoints of every supported architecture, all in fp32 through t
 import pytest
 import torch
 
+from pyengine.config import ModelConfig
 from pyengine.model.loader import load_model
 from pyengine.tokenizer import Tokenizer
 from tests.model_helpers import TINY_ARCHS, SequenceRunner, default_model_path, gguf_folder_and_name, \
@@ -99,7 +100,7 @@ def test_tiny_half_precision(dtype, tmp_path):
     assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.99
 
 
-def assert_matches_transformers(hf_folder: str, model_path: str) -> None:
+def assert_matches_transformers(hf_folder: str, model_path: str) -> ModelConfig:
     """fp32 logits of a 130-token prompt and one decode step within 1e-4 of the logit span of
     transformers on the HF checkpoint (eager attention), the next token its argmax."""
     from transformers import AutoModelForCausalLM
@@ -121,6 +122,7 @@ def assert_matches_transformers(hf_folder: str, model_path: str) -> None:
         want_next = hf(torch.tensor([prompt + [nxt]])).logits[0, -1]
     assert float((got - want_next).abs().max()) <= 1e-4 * span
     assert int(got.argmax()) == int(want_next.argmax())
+    return cfg
 
 
 @pytest.mark.parametrize("kind", TINY_ARCHS)
@@ -129,12 +131,13 @@ def test_tiny_checkpoint_parity(kind, tmp_path):
     assert_matches_transformers(folder, folder)
 
 
-@pytest.mark.parametrize("kind", ["llama3_rope", "qwen3", "phi3", "gemma2", "gemma3_gguf"])
+@pytest.mark.parametrize("kind", ["llama3_rope", "qwen2_yarn", "qwen3", "phi3", "gemma2", "gemma3_gguf"])
 def test_tiny_gguf_parity(kind, tmp_path):
     """The same checkpoints converted to GGUF as llama.cpp does: Llama 3's scaling as rope_freqs,
-    Qwen3's q/k norms, Phi-3's fused tensors, Gemma's 1 + w norms and metadata."""
+    Qwen2.5's YaRN (served over factor x the original context), Qwen3's q/k norms, Phi-3's fused tensors, Gemma's 1 + w norms and metadata."""
     folder = write_tiny_checkpoint(str(tmp_path), kind)
-    assert_matches_transformers(folder, write_tiny_gguf(str(tmp_path / "model.gguf"), folder))
+    cfg = assert_matches_transformers(folder, write_tiny_gguf(str(tmp_path / "model.gguf"), folder))
+    assert cfg.max_position_embeddings == (256 if kind == "qwen2_yarn" else 512)
 
 
 def test_dynamic_rope_parity(tmp_path):

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pyengine.config import ModelConfig
+from pyengine.model.families import scaled_context
 
 # GGUF architecture -> (HF architecture, Q/K rows permuted by the converter)
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -275,8 +276,7 @@ class GGUFFile:
         vocab = self.arch_meta("vocab_size") or len(self.meta("tokenizer.ggml.tokens", []))
         if not vocab:
             vocab = int(self.tensors["token_embd.weight"].shape[0])
-        max_pos = int(self.arch_meta("context_length", 2048))
-        rope_scaling = self._rope_scaling(max_pos)
+        rope_scaling, max_pos = scaled_context(*self._rope_scaling(int(self.arch_meta("context_length", 2048))))
         eos = [self.meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         return ModelConfig(
             architecture=GGUF_ARCHITECTURES[self.arch][0],
@@ -298,20 +298,20 @@ class GGUFFile:
             **self._family_fields(hidden, heads, layers),
         )
 
-    def _rope_scaling(self, max_pos: int) -> dict | None:
-        """RoPE scaling from the metadata, or the `rope_freqs` frequency factors (Llama 3.x)."""
+    def _rope_scaling(self, max_pos: int) -> tuple[dict | None, int]:
+        """(RoPE scaling from the metadata or the `rope_freqs` frequency factors (Llama 3.x), context length)."""
         if "rope_freqs.weight" in self.tensors:
             factors = self.tensor("rope_freqs.weight", None).float().flatten().tolist()
-            return {"rope_type": "freq_factors", "factors": factors}
+            return {"rope_type": "freq_factors", "factors": factors}, max_pos
         kind = self.arch_meta("rope.scaling.type")
         if not kind or kind == "none":
-            return None
+            return None, max_pos
         factor = float(self.arch_meta("rope.scaling.factor"))
         if kind == "linear":
-            return {"rope_type": "linear", "factor": factor}
+            return {"rope_type": "linear", "factor": factor}, max_pos
         if kind == "yarn":
             old_len = int(self.arch_meta("rope.scaling.original_context_length", max_pos))
-            return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": old_len}
+            return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": old_len}, max_pos
         raise ValueError(f"{self.path}: rope scaling type {kind!r} is not supported (linear, yarn, rope_freqs)")
 
     def _family_fields(self, hidden: int, heads: int, layers: int) -> dict[str, Any]:

@@ -166,6 +166,10 @@ class LlamaForCausalLM(torch.nn.Module):
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_sizes = [h * d, kvh * d, kvh * d]
         self.q_shape, self.kv_shape = (h, d), (kvh, d)
+        windows = [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
+        if device.type != "cpu" and (cfg.attn_logit_softcap or any(windows)):
+            raise ValueError(f"{cfg.architecture}: sliding-window and soft-capped attention run on the CPU only "
+                             "(use --device cpu)")
 
         def w(name: str, required: bool = True) -> torch.Tensor | None:
             t = get(name)
@@ -229,17 +233,13 @@ class LlamaForCausalLM(torch.nn.Module):
         self.lm_head = self.embed if lm_head is None else None if _holds_weights(self.lm_head_linear) else lm_head
         self.cos_sin_cache = rope_cache(cfg).to(device)
         local_cache = self.cos_sin_cache if cfg.rope_local_theta is None else rope_cache(cfg, cfg.rope_local_theta).to(device)
-        self.attention = [LayerAttention(win, local_cache if win else self.cos_sin_cache)
-                          for win in map(cfg.layer_window, range(cfg.num_hidden_layers))]
-        if device.type != "cpu" and (cfg.attn_logit_softcap or any(a.window for a in self.attention)):
-            raise ValueError(f"{cfg.architecture}: sliding-window or soft-capped attention runs on the CPU only "
-                             "(use --device cpu)")
+        self.attention = [LayerAttention(win, local_cache if win else self.cos_sin_cache) for win in windows]
         # Steps run all layers in one native call (decoder_layers) on the CPU with bf16 weights, every
         # projection a PackedLinear with its native kernel (tests set this lower to compare with the
         # op-by-op path), for Llama-shaped models (the family features run op by op). 0: always op by op.
         lins = [x for l in self.linears for x in l]
         llama_shaped = not (cfg.qk_norm or cfg.post_norms or cfg.hidden_act != "silu" or cfg.embed_scale
-                            or cfg.attn_logit_softcap or cfg.final_logit_softcap or any(a.window for a in self.attention))
+                            or cfg.attn_logit_softcap or cfg.final_logit_softcap or any(windows))
         native = llama_shaped and dtype == torch.bfloat16 and all(_holds_weights(x) for x in lins)
         self.native_layer_rows = 1 << 62 if native else 0
         self._layer_table: torch.Tensor | None = None  # addresses for decoder_layers, per KV cache list
