@@ -180,11 +180,12 @@ class LlamaForCausalLM(torch.nn.Module):
             return t.to(device=device, dtype=dtype).contiguous()
 
         def norm(name: str, required: bool = True) -> torch.Tensor | None:
-            """An RMSNorm weight; Gemma's (1 + w) is folded in here, in fp32."""
+            """An RMSNorm weight. Gemma's, 1 + w (the 1 folded in here for HF checkpoints), stay fp32 as in
+            transformers: near 1, bf16 would keep only 2-3 digits of w."""
             t = get(name)
-            if t is None or not cfg.norm_weight_offset:
+            if t is None or not cfg.post_norms:
                 return w(name, required)
-            return (t.float() + cfg.norm_weight_offset).to(device=device, dtype=dtype).contiguous()
+            return (t.float() + cfg.norm_weight_offset).to(device).contiguous()
 
         def fused(fused_name: str, names: list[str]) -> torch.Tensor:
             """A fused projection as stored (Phi-3's qkv_proj, gate_up_proj), or the parts concatenated."""
