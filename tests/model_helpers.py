@@ -12,7 +12,7 @@ from pyengine.model.metadata import AttentionMetadata, allocate_kv_caches
 TINY_ARCHS = ("llama", "llama_tied", "llama3_rope", "mistral", "qwen2", "qwen2_yarn", "mistral_window", "qwen3",
               "phi3", "gemma2", "gemma3")
 # the Llama-shaped kinds, which run bf16 steps in one native call (decoder_layers); the others run op by op
-TINY_NATIVE_ARCHS = ("llama", "llama_tied", "llama3_rope", "mistral", "qwen2", "qwen2_yarn", "phi3")
+TINY_NATIVE_ARCHS = ("llama", "llama_tied", "llama3_rope", "mistral", "qwen2", "qwen2_yarn", "phi3", "mistral_window")
 TINY_WINDOW = 24  # sliding window of the windowed kinds: well inside the parity tests' 130-token prompts
 
 

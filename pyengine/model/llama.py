@@ -8,8 +8,9 @@ fused weights, the fp32 cos/sin caches, the split sizes, the attention scale.
 The other families are this model with a few switches (ModelConfig's family fields): Qwen3 and
 Gemma 3 RMS-norm each q/k head before RoPE; Gemma norms the attention and MLP outputs before the
 residual add, uses GeGLU, scales the embeddings and soft-caps scores and logits (Gemma 2); Mistral,
-Phi-3 and Gemma's sliding layers attend over a window, Gemma 3's with their own RoPE base. Plain
-Llama-shaped models run every step in one native call (decoder_layers); the others op by op.
+Phi-3 and Gemma's sliding layers attend over a window, Gemma 3's with their own RoPE base. Llama-shaped
+models (one window for all layers or none) run every step in one native call (decoder_layers); the
+others op by op.
 """
 from __future__ import annotations
 
@@ -240,7 +241,7 @@ class LlamaForCausalLM(torch.nn.Module):
         # op-by-op path), for Llama-shaped models (the family features run op by op). 0: always op by op.
         lins = [x for l in self.linears for x in l]
         llama_shaped = not (cfg.qk_norm or cfg.post_norms or cfg.hidden_act != "silu" or cfg.embed_scale
-                            or cfg.attn_logit_softcap or cfg.final_logit_softcap or any(windows))
+                            or cfg.attn_logit_softcap or cfg.final_logit_softcap or len(set(windows)) > 1)
         native = llama_shaped and dtype == torch.bfloat16 and all(_holds_weights(x) for x in lins)
         self.native_layer_rows = 1 << 62 if native else 0
         self._layer_table: torch.Tensor | None = None  # addresses for decoder_layers, per KV cache list
@@ -334,7 +335,7 @@ class LlamaForCausalLM(torch.nn.Module):
             self.cos_sin_cache.shape[0], meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
             meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), t, cfg.hidden_size, h, kvh, d, inter, nb, bs,
             s, max_blocks, meta.max_seq_len, self.eps, self.scale, DTYPE_CODES[self.layers[0].input_norm.dtype],
-            DTYPE_CODES[cache.k.dtype])
+            DTYPE_CODES[cache.k.dtype], self.attention[0].window)
         return x
 
     def _layer_table_for(self, kv_caches: list[KVCache]) -> torch.Tensor:
