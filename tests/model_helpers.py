@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from pyengine.config import ModelConfig
@@ -167,15 +168,13 @@ _GGUF_LAYER_NAMES = {
 }
 _GGUF_GEMMA_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                      "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
-_GGUF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
-               "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+_GGUF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+               "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 
 
-def llama3_rope_freqs(scaling: dict, theta: float, head_dim: int) -> "np.ndarray":
+def llama3_rope_freqs(scaling: dict, theta: float, head_dim: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf.py: the llama3 scaling of a checkpoint as `rope_freqs` factors."""
     import math
-
-    import numpy as np
 
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -204,7 +203,6 @@ def write_tiny_gguf(path: str, hf_folder: str, types: dict[str, str] | None = No
     import json
 
     import gguf
-    import numpy as np
     from safetensors.torch import load_file
 
     with open(os.path.join(hf_folder, "config.json")) as f:

@@ -134,7 +134,8 @@ def test_tiny_checkpoint_parity(kind, tmp_path):
 @pytest.mark.parametrize("kind", ["llama3_rope", "qwen2_yarn", "qwen3", "phi3", "gemma2", "gemma3_gguf"])
 def test_tiny_gguf_parity(kind, tmp_path):
     """The same checkpoints converted to GGUF as llama.cpp does: Llama 3's scaling as rope_freqs,
-    Qwen2.5's YaRN (served over factor x the original context), Qwen3's q/k norms, Phi-3's fused tensors, Gemma's 1 + w norms and metadata."""
+    Qwen2.5's YaRN (served over factor x the original context), Qwen3's q/k norms, Phi-3's fused tensors,
+    Gemma's 1 + w norms and metadata."""
     folder = write_tiny_checkpoint(str(tmp_path), kind)
     cfg = assert_matches_transformers(folder, write_tiny_gguf(str(tmp_path / "model.gguf"), folder))
     assert cfg.max_position_embeddings == (256 if kind == "qwen2_yarn" else 512)

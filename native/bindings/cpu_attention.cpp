@@ -103,7 +103,8 @@ void register_attention_ops(py::module_& m) {
       py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("q_token_stride"),
       py::arg("num_blocks"), py::arg("block_size"), py::arg("num_seqs"), py::arg("max_blocks_per_seq"),
       py::arg("max_seq_len"), py::arg("scale"), py::arg("q_dtype"), py::arg("cache_dtype"), py::arg("stream"),
-      py::arg("window") = 0, py::arg("softcap") = 0.0, py::call_guard<py::gil_scoped_release>(), "Causal paged attention over a mixed step (see cpu_attention.cpp).");
+      py::arg("window") = 0, py::arg("softcap") = 0.0, py::call_guard<py::gil_scoped_release>(),
+      "Causal paged attention over a mixed step (see cpu_attention.cpp).");
   m.def(
       "reshape_and_cache",
       [](uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,

@@ -32,7 +32,8 @@ def rope_parameters(raw: dict[str, Any]) -> tuple[float, dict | None, float | No
         local = rope.get("sliding_attention", {}).get("rope_theta", local)
         rope = dict(rope["full_attention"])
     theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-    scaling = raw.get("rope_scaling") or {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    scaling = raw.get("rope_scaling") or {
+        k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
     if not scaling or scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
     partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))

@@ -328,7 +328,8 @@ class GGUFFile:
             if self.arch == "gemma3":
                 fields["rope_local_theta"] = float(self.arch_meta("rope.freq_base_swa", 10000.0))
             fields.update(
-                layer_types=["sliding_attention" if x else "full_attention" for x in sliding], hidden_act="gelu_pytorch_tanh", post_norms=True, embed_scale=math.sqrt(hidden),
+                layer_types=["sliding_attention" if x else "full_attention" for x in sliding],
+                hidden_act="gelu_pytorch_tanh", post_norms=True, embed_scale=math.sqrt(hidden),
                 query_pre_attn_scalar=hidden / heads if layers == _GEMMA_27B_LAYERS[self.arch] else None,
                 attn_logit_softcap=self.arch_meta("attn_logit_softcapping"),
                 final_logit_softcap=self.arch_meta("final_logit_softcapping"),

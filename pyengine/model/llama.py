@@ -234,7 +234,8 @@ class LlamaForCausalLM(torch.nn.Module):
         # an untied lm_head is kept only if its linear does not hold a copy of its own
         self.lm_head = self.embed if lm_head is None else None if _holds_weights(self.lm_head_linear) else lm_head
         self.cos_sin_cache = rope_cache(cfg).to(device)
-        local_cache = self.cos_sin_cache if cfg.rope_local_theta is None else rope_cache(cfg, cfg.rope_local_theta).to(device)
+        local_cache = (self.cos_sin_cache if cfg.rope_local_theta is None
+                       else rope_cache(cfg, cfg.rope_local_theta).to(device))
         self.attention = [LayerAttention(win, local_cache if win else self.cos_sin_cache) for win in windows]
         # Steps run all layers in one native call (decoder_layers) on the CPU with bf16 weights, every
         # projection a PackedLinear with its native kernel (tests set this lower to compare with the
