@@ -12,8 +12,7 @@
 // sees cache positions <= its own. q head hq reads kv head hq / G (G = H / KVH).
 // Options (0 = off): window > 0 limits that to the `window` positions ending at its own (Mistral,
 // Gemma sliding-window layers); softcap > 0 maps each score s (scale included) to
-// softcap * tanh(s / softcap) before the softmax (Gemma 2). Either one, where it changes anything
-// (a sequence longer than the window, any softcap), takes the run_item path.
+// softcap * tanh(s / softcap) before the softmax (Gemma 2; the run_item path only).
 //
 // Parallel shape: work items (sequence, kv head, query tile, kv split) over the thread pool, heaviest
 // first. A query tile is QT = max(1, 16 / G) query tokens x the G q heads of one kv head (<= 16 rows
@@ -488,20 +487,23 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_str
   }
 }
 
-// Online-softmax update of one row with nv scores: writes the bf16 probabilities (times the V
-// scale) to pb[0, round_up(n, 2)) (zeros past nv), updates m and l; returns alpha for acc.
+// Online-softmax update of one row with the scores sc[lo, nv) (lo > 0: before its window): writes
+// the bf16 probabilities (times the V scale) to pb[0, round_up(n, 2)) (zeros outside [lo, nv)),
+// updates m and l; returns alpha for acc.
 template <DType CD>
-inline float softmax_row(const float* sc, int nv, int n, const ChunkPtrs& c, uint16_t* pb, float& m, float& l) {
-  if (nv <= 0) {
+inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs& c, uint16_t* pb, float& m,
+                         float& l) {
+  if (nv <= lo) {
     std::memset(pb, 0, kChunk * 2);
     return 1.0f;
   }
   float alpha;
-  const float m_new = online_max(sc, nv, m, alpha);
+  const float m_new = online_max(sc + lo, nv - lo, m, alpha);
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 vsum = _mm512_setzero_ps();
   for (int t0 = 0; t0 < n; t0 += 16) {
-    const __m512 p = _mm512_maskz_mov_ps(tail_mask(nv - t0), exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
+    const __mmask16 keep = tail_mask(nv - t0) & static_cast<__mmask16>(~tail_mask(lo - t0));
+    const __m512 p = _mm512_maskz_mov_ps(keep, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
     __m256bh ph;
     if constexpr (CD != DType::kBFloat16) {
       ph = _mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(c.vs + t0)));
@@ -549,13 +551,13 @@ inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const uint16_t* 
 }
 
 template <DType CD, int NC32, int NR, bool SPLIT>
-void group_chunk(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_stride, const uint16_t* q, const int* nv, float* m, float* l,
-                 float* acc, float* sc, uint16_t* pb, __m512 qscale) {
+void group_chunk(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_stride, const uint16_t* q, const int* lo,
+                 const int* nv, float* m, float* l, float* acc, float* sc, uint16_t* pb, __m512 qscale) {
   qk_group<CD, NC32, NR, SPLIT>(c, next, pair_stride, q, sc, qscale);
   float alpha[NR];
   int maxnv = 0;
   for (int r = 0; r < NR; ++r) {
-    alpha[r] = softmax_row<CD>(sc + r * kChunk, nv[r], c.n, c, pb + r * kChunk, m[r], l[r]);
+    alpha[r] = softmax_row<CD>(sc + r * kChunk, lo[r], nv[r], c.n, c, pb + r * kChunk, m[r], l[r]);
     maxnv = std::max(maxnv, nv[r]);
   }
   pv_group<CD, NC32, NR>(c, next, pb, alpha, acc, (maxnv + 1) / 2);
@@ -634,24 +636,30 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
       c = last;
     }
   };
+  // with a window, from the 16-token tile holding the first row's window start (tiles stay aligned)
+  const int64_t kv_start =
+      a.window > 0 ? std::max<int64_t>(it.kv_lo, (first_pos + it.tok0 + 1 - a.window) / 16 * 16) : it.kv_lo;
   ChunkPtrs buf[2];
-  if (it.kv_lo < kv_end) fill_chunk<CD, NC32, SPLIT>(a, it, it.kv_lo, kv_end, buf[0]);
-  for (int64_t c0 = it.kv_lo, ci = 0; c0 < kv_end; c0 += kChunk, ci ^= 1) {
+  if (kv_start < kv_end) fill_chunk<CD, NC32, SPLIT>(a, it, kv_start, kv_end, buf[0]);
+  for (int64_t c0 = kv_start, ci = 0; c0 < kv_end; c0 += kChunk, ci ^= 1) {
     const ChunkPtrs& c = buf[ci];
     fill_next(buf[ci ^ 1], c0 + kChunk, c);
     const ChunkPtrs& next = buf[ci ^ 1];
     for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
       const int nr = static_cast<int>(std::min<int64_t>(kGroup, rows - r0));
-      int nv[kGroup];
-      for (int r = 0; r < nr; ++r)
-        nv[r] = static_cast<int>(std::clamp<int64_t>(first_pos + it.tok0 + (r0 + r) / G + 1 - c0, 0, c.n));
+      int lo[kGroup], nv[kGroup];
+      for (int r = 0; r < nr; ++r) {
+        const int64_t end = first_pos + it.tok0 + (r0 + r) / G + 1 - c0;  // the row's causal end in the chunk
+        nv[r] = static_cast<int>(std::clamp<int64_t>(end, 0, c.n));
+        lo[r] = a.window > 0 ? static_cast<int>(std::clamp<int64_t>(end - a.window, 0, c.n)) : 0;
+      }
       float* m = ws.m.data() + r0;
       float* l = ws.l.data() + r0;
       float* acc = ws.acc.data() + r0 * D;
       const uint16_t* q = ws.qb.data() + r0 * D;
       auto run = [&](auto nr_const) {
-        group_chunk<CD, NC32, decltype(nr_const)::value, SPLIT>(c, next, pair_stride, q, nv, m, l, acc, ws.sc.data(),
-                                                                 ws.pb.data(), qscale);
+        group_chunk<CD, NC32, decltype(nr_const)::value, SPLIT>(c, next, pair_stride, q, lo, nv, m, l, acc,
+                                                                 ws.sc.data(), ws.pb.data(), qscale);
       };
       switch (nr) {
         case 1: run(std::integral_constant<int, 1>()); break;
@@ -689,17 +697,9 @@ bool bf16_head_dim(const Args& a, const std::vector<Item>& items, Partials& part
   return true;
 }
 
-// Whether the window cuts off any position of this step (a sequence longer than it).
-bool window_applies(const Args& a) {
-  if (a.window <= 0) return false;
-  for (int64_t s = 0; s < a.S; ++s)
-    if (a.seq_lens[s] > a.window) return true;
-  return false;
-}
-
 bool try_bf16_path(const Args& a, const std::vector<Item>& items, Partials& parts) {
   if (a.qdt != DType::kBFloat16 || (a.BS != 8 && a.BS % 16 != 0)) return false;  // tiles of 16 tokens
-  if (a.softcap > 0.0f || window_applies(a)) return false;  // run_item has the window and the cap
+  if (a.softcap > 0.0f) return false;  // run_item has the cap
   switch (a.cdt) {
     case DType::kBFloat16: return bf16_head_dim<DType::kBFloat16>(a, items, parts);
     case DType::kFloat8E4M3: return bf16_head_dim<DType::kFloat8E4M3>(a, items, parts);

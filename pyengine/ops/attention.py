@@ -119,7 +119,7 @@ def paged_attention(
     max_seq_len: an upper bound on seq_lens (defaults to the block table's capacity).
     window > 0: sliding-window attention, each query sees only the `window` positions ending at its
     own (Mistral, Gemma's local layers). softcap > 0: scores s (scale applied) become
-    softcap * tanh(s / softcap) before the softmax (Gemma 2). Both are CPU only for now.
+    softcap * tanh(s / softcap) before the softmax (Gemma 2). Both are CPU only for now (CUDA: ValueError).
     Returns out [T, H, D] in q's dtype.
     """
     check_tensor("q", q, dtypes=ACT_DTYPES, ndim=3, contiguous=False)
@@ -139,11 +139,6 @@ def paged_attention(
         raise ValueError(f"window must be an int >= 0 (0: no window), got {window!r}")
     if not isinstance(softcap, (float, int)) or not 0 <= softcap < float("inf"):
         raise ValueError(f"softcap must be a finite float >= 0 (0: none), got {softcap!r}")
-    options = {}
-    if window or softcap:
-        if device.type != "cpu":
-            raise NotImplementedError("sliding-window and soft-capped attention run on the CPU only")
-        options = {"window": window, "softcap": float(softcap)}
     if max_seq_len is None:
         max_seq_len = max_blocks * bs
     if out is None:
@@ -157,6 +152,6 @@ def paged_attention(
         k_scales.data_ptr() if k_scales is not None else 0, v_scales.data_ptr() if v_scales is not None else 0,
         block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
         T, H, kvh, D, q.stride(0), nb, bs, S, max_blocks, int(max_seq_len), float(scale),
-        dtype_code(q), dtype_code(k_cache), cuda_stream(device), **options,
+        dtype_code(q), dtype_code(k_cache), cuda_stream(device), window, float(softcap),
     )
     return out
