@@ -40,6 +40,25 @@ class ModelConfig:
     attention_bias: bool = False  # QKV projection bias (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Family features; the defaults are plain Llama (model/families.py reads them from checkpoints).
+    sliding_window: int | None = None  # attention window of the "sliding_attention" layers (Mistral, Gemma)
+    layer_types: list[str] | None = None  # per layer "sliding_attention" | "full_attention" (None: all sliding
+    # when sliding_window is set)
+    rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers (unscaled)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # MLP activation: "silu" | "gelu_pytorch_tanh" (Gemma's GeGLU)
+    post_norms: bool = False  # Gemma 2/3: the attention and MLP outputs are RMS-normed before the residual add
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    norm_weight_offset: float = 0.0  # Gemma's HF checkpoints store w of the (1 + w) RMSNorm (GGUF stores 1 + w)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma; default head_dim)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+
+    def layer_window(self, layer: int) -> int:
+        """The attention window of a layer (0: none)."""
+        if not self.sliding_window or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return 0
+        return self.sliding_window
 
 
 @dataclass

@@ -3,20 +3,30 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from pyengine.config import ModelConfig
 from pyengine.model.loader import default_model_path  # noqa: F401  (re-exported for other tests)
 from pyengine.model.metadata import AttentionMetadata, allocate_kv_caches
 
-TINY_ARCHS = ("llama", "llama_tied", "llama3_rope", "mistral", "qwen2")
+TINY_ARCHS = ("llama", "llama_tied", "llama3_rope", "mistral", "qwen2", "qwen2_yarn", "mistral_window", "qwen3",
+              "phi3", "gemma2", "gemma3")
+# the Llama-shaped kinds, which run bf16 steps in one native call (decoder_layers); the others run op by op
+TINY_NATIVE_ARCHS = ("llama", "llama_tied", "llama3_rope", "mistral", "qwen2", "qwen2_yarn", "phi3", "mistral_window")
+TINY_WINDOW = 24  # sliding window of the windowed kinds: well inside the parity tests' 130-token prompts
 
 
 def write_tiny_checkpoint(folder: str, kind: str = "llama", seed: int = 0, vocab_size: int = 256) -> str:
     """A random-weight HF checkpoint (config.json + model.safetensors) written by transformers.
 
     kind: llama (untied, GQA 4:2), llama_tied, llama3_rope (rope_scaling llama3), mistral (GQA 4:1),
-    qwen2 (QKV bias, GQA 6:2, head_dim 8). Weights are scaled up so logits are not all ~0.
+    qwen2 (QKV bias, GQA 6:2, head_dim 8), qwen2_yarn (Qwen2.5-style YaRN: 64 -> 256 positions),
+    llama_dynamic (dynamic NTK: 64 -> 128 positions), mistral_window (sliding window on every layer),
+    qwen3 (q/k norms), phi3 (fused qkv and gate_up), gemma2 (GeGLU, sandwich norms, a sliding and a
+    global layer, soft-caps that bite), gemma3 (q/k norms, local and linear-scaled global RoPE,
+    query_pre_attn_scalar != head_dim).
+    Weights are scaled up so logits are not all ~0.
     """
     import transformers as tf
 
@@ -37,6 +47,35 @@ def write_tiny_checkpoint(folder: str, kind: str = "llama", seed: int = 0, vocab
     elif kind == "qwen2":
         config = tf.Qwen2Config(**{**common, "num_attention_heads": 6, "num_key_value_heads": 2})
         cls = tf.Qwen2ForCausalLM
+    elif kind == "qwen2_yarn":
+        config = tf.Qwen2Config(**{**common, "max_position_embeddings": 64}, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+        cls = tf.Qwen2ForCausalLM
+    elif kind == "llama_dynamic":
+        config = tf.LlamaConfig(**{**common, "max_position_embeddings": 64}, rope_scaling={
+            "rope_type": "dynamic", "factor": 2.0})
+        cls = tf.LlamaForCausalLM
+    elif kind == "mistral_window":
+        config = tf.MistralConfig(**common, sliding_window=TINY_WINDOW)
+        cls = tf.MistralForCausalLM
+    elif kind == "qwen3":
+        config = tf.Qwen3Config(**common, head_dim=12)
+        cls = tf.Qwen3ForCausalLM
+    elif kind == "phi3":
+        config = tf.Phi3Config(**common, pad_token_id=0)
+        cls = tf.Phi3ForCausalLM
+    elif kind == "gemma2":
+        config = tf.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=16, sliding_window=TINY_WINDOW,
+                                 attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=0)
+        cls = tf.Gemma2ForCausalLM
+    elif kind in ("gemma3", "gemma3_gguf"):  # gemma3_gguf: the scale GGUF implies (head_dim)
+        config = tf.Gemma3TextConfig(
+            **common, head_dim=16, query_pre_attn_scalar=10 if kind == "gemma3" else 16,
+            sliding_window=TINY_WINDOW, pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+        cls = tf.Gemma3ForCausalLM
     else:
         raise ValueError(f"unknown tiny checkpoint kind {kind!r}; one of {TINY_ARCHS}")
     torch.manual_seed(seed)
@@ -119,8 +158,44 @@ def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+# HF -> GGUF tensor names as llama.cpp's converter writes them (gguf-py tensor_mapping), per architecture
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+}
+_GGUF_GEMMA_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_GGUF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+               "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+
+
+def llama3_rope_freqs(scaling: dict, theta: float, head_dim: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py: the llama3 scaling of a checkpoint as `rope_freqs` factors."""
+    import math
+
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_tiny_gguf(path: str, hf_folder: str, types: dict[str, str] | None = None) -> str:
-    """Convert a tiny HF Llama checkpoint (write_tiny_checkpoint) to GGUF the way llama.cpp does.
+    """Convert a tiny HF checkpoint (write_tiny_checkpoint: llama kinds, qwen2, qwen3, phi3, gemma2, gemma3)
+    to GGUF the way llama.cpp does: Q/K rows permuted (llama), llama3 scaling as `rope_freqs`, YaRN in
+    the metadata, Gemma's norms stored as 1 + w, its soft-caps and window in the metadata.
 
     types: GGUF tensor-name substring -> "F32" | "F16" | "BF16" (default F32); floats only, so the file
     holds exactly the HF weights rounded to that type. Tokenizer metadata is a dummy byte vocabulary.
@@ -128,39 +203,61 @@ def write_tiny_gguf(path: str, hf_folder: str, types: dict[str, str] | None = No
     import json
 
     import gguf
-    import numpy as np
     from safetensors.torch import load_file
 
     with open(os.path.join(hf_folder, "config.json")) as f:
         c = json.load(f)
     sd = load_file(os.path.join(hf_folder, "model.safetensors"))
-    w = gguf.GGUFWriter(path, "llama")
+    arch = _GGUF_ARCHS[c["architectures"][0]]
+    gemma = arch.startswith("gemma")
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    rope = c["rope_parameters"]
+    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
+    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, rope["rope_theta"], head_dim))
+    if c.get("sliding_window"):
+        w.add_sliding_window(c["sliding_window"])
+    if arch == "gemma3":
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        if rope["full_attention"]["rope_type"] == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(c["final_logit_softcapping"])
     w.add_vocab_size(c["vocab_size"])
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"<t{i}>" for i in range(c["vocab_size"])])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    layer_names = _GGUF_GEMMA_NAMES if gemma else _GGUF_LAYER_NAMES
     for name, t in sd.items():
         parts = name.split(".")
         if parts[1] == "layers":
-            from pyengine.model.gguf import _LAYER_NAMES
-
-            inv = {v: k for k, v in _LAYER_NAMES.items()}
-            gname = f"blk.{parts[2]}.{inv['.'.join(parts[3:-1])]}.{parts[-1]}"
+            gname = f"blk.{parts[2]}.{layer_names['.'.join(parts[3:-1])]}.{parts[-1]}"
         else:
             gname = f"{names[parts[-2] if parts[0] == 'model' else parts[0]]}.weight"
-        if ".attn_q." in gname:
+        if gemma and name.endswith("norm.weight"):
+            t = t + 1
+        if arch == "llama" and ".attn_q." in gname:
             t = _llama_cpp_permute(t, c["num_attention_heads"])
-        elif ".attn_k." in gname:
+        elif arch == "llama" and ".attn_k." in gname:
             t = _llama_cpp_permute(t, c["num_key_value_heads"])
         kind = next((v for k, v in (types or {}).items() if k in gname), "F32")
         if kind == "BF16":

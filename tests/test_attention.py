@@ -12,8 +12,10 @@ from pyengine.ops.attention import from_cache_layout, paged_attention, to_cache_
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def reference(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, k_scales=None, v_scales=None):
-    """Dense causal attention per sequence over the gathered (dequantized) cache, in fp32."""
+def reference(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, k_scales=None, v_scales=None, window=0,
+              softcap=0.0):
+    """Dense causal attention per sequence over the gathered (dequantized) cache, in fp32 (window > 0:
+    each query sees its last `window` positions; softcap > 0: scores capped by softcap * tanh(s / softcap))."""
     T, H, D = q.shape
     k_cache, v_cache = from_cache_layout(k_cache, v_cache)
     kvh, bs = k_cache.shape[1], k_cache.shape[2]
@@ -29,8 +31,12 @@ def reference(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, k_scales=
         k = kf[blocks].permute(1, 0, 2, 3).reshape(kvh, -1, D)[:, :L].repeat_interleave(H // kvh, 0)
         v = vf[blocks].permute(1, 0, 2, 3).reshape(kvh, -1, D)[:, :L].repeat_interleave(H // kvh, 0)
         scores = q[q0:q1].float().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, q_len, L]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         pos = L - (q1 - q0) + torch.arange(q1 - q0)
         scores.masked_fill_(torch.arange(L)[None, :] > pos[:, None], float("-inf"))
+        if window:
+            scores.masked_fill_(torch.arange(L)[None, :] <= pos[:, None] - window, float("-inf"))
         out[q0:q1] = (scores.softmax(-1) @ v).transpose(0, 1)
     return out
 
@@ -112,6 +118,27 @@ def test_long_context_split_path(specs, dtype):
         _C.set_num_threads(threads)
     ref = reference(q, kc, vc, bt, sl, qsl, 0.125)
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (7, 0.0), (64, 0.0), (200, 0.0), (0, 5.0), (33, 2.0)])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.int8)])
+def test_sliding_window_and_softcap(window, softcap, dtype, cache_dtype):
+    """Mistral/Gemma sliding windows (shorter, equal to and longer than the sequences) and Gemma 2's
+    score soft-cap, over the mixed step and a long split decode."""
+    threads = _C.num_threads()
+    _C.set_num_threads(2)  # splits need > 1 thread
+    try:
+        for specs in (MIXED, [(3000, 1)]):
+            q, kc, vc, bt, sl, qsl, scales = make_batch(specs, 6, 2, 64, 16, dtype, cache_dtype=cache_dtype, seed=3)
+            ks, vs = scales or (None, None)
+            q = q * 3  # large scores, so the cap changes them
+            out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125, k_scales=ks, v_scales=vs, window=window,
+                                  softcap=softcap)
+            ref = reference(q, kc, vc, bt, sl, qsl, 0.125, ks, vs, window=window, softcap=softcap)
+            torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    finally:
+        _C.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])

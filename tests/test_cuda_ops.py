@@ -255,6 +255,16 @@ def test_paged_attention_quantized_cache(dtype, cache_kind):
                                **ATT_TOL[dtype])
 
 
+@pytest.mark.parametrize("option", [dict(window=8), dict(softcap=30.0)])
+def test_paged_attention_window_and_softcap_refused(option):
+    """The CPU kernel's window and soft-cap are not implemented on CUDA: a clear error, not wrong numbers."""
+    from pyengine.ops.attention import paged_attention
+
+    q, kc, vc, ks, vs, bt, sl, qsl = make_step([40], [3], 4, 2, 64, 16, torch.float32, "same", 9)
+    with pytest.raises(ValueError, match="not implemented on CUDA"):
+        paged_attention(q.to(DEV), kc.to(DEV), vc.to(DEV), bt.to(DEV), sl.to(DEV), qsl.to(DEV), 0.1, **option)
+
+
 def test_paged_attention_strided_q_and_odd_head_dim():
     """q as a column slice of a fused qkv tensor; head_dim 80 (not a multiple of 32)."""
     from pyengine.ops.attention import paged_attention

@@ -136,7 +136,8 @@ def test_unknown_architecture(tiny_llama, tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*supported: LlamaForCausalLM, MistralForCausalLM"):
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*supported: LlamaForCausalLM, MistralForCausalLM.*"
+                       "Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM"):
         load_model(str(tmp_path), torch.float32, "cpu")
 
 
@@ -167,17 +168,25 @@ def test_bad_paths(tmp_path):
     assert resolve_model_path(str(tmp_path)) == str(tmp_path / "junk.gguf")
 
 
-def test_mistral_sliding_window_limits_context(tmp_path):
+def test_mistral_sliding_window_keeps_the_context(tmp_path):
     from pyengine.model.loader import config_from_hf
 
     write_tiny_checkpoint(str(tmp_path), "mistral")
     raw = json.loads((tmp_path / "config.json").read_text())
-    assert config_from_hf(str(tmp_path)).max_position_embeddings == raw["max_position_embeddings"] == 512
+    assert config_from_hf(str(tmp_path)).sliding_window is None
     raw["sliding_window"] = 128
     (tmp_path / "config.json").write_text(json.dumps(raw))
     cfg = config_from_hf(str(tmp_path))
-    assert cfg.architecture == "MistralForCausalLM" and cfg.max_position_embeddings == 128
+    assert cfg.architecture == "MistralForCausalLM" and cfg.max_position_embeddings == 512
+    assert [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)] == [128, 128]
     assert cfg.num_key_value_heads == 1 and cfg.eos_token_ids == [2]
+
+
+def test_windowed_models_refused_on_gpus(tmp_path):
+    """The CUDA attention kernel has no window or soft-cap: refused before any weight moves."""
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM: sliding-window and soft-capped attention run on the "
+                                         "CPU only"):
+        load_model(write_tiny_checkpoint(str(tmp_path), "gemma2"), torch.float32, "cuda")
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pyengine import _C
-from model_helpers import TINY_ARCHS, SequenceRunner, default_model_path, write_tiny_checkpoint
+from model_helpers import TINY_ARCHS, TINY_NATIVE_ARCHS, SequenceRunner, default_model_path, write_tiny_checkpoint
 from pyengine.model.loader import load_model
 from pyengine.ops.attention import from_cache_layout
 
@@ -43,7 +43,7 @@ def assert_same(results):
 STEPS = [list(range(3, 43)), [7], [9], list(range(50, 70)), [11]]  # a prompt, decodes, a chunk, a decode
 
 
-@pytest.mark.parametrize("kind", TINY_ARCHS)
+@pytest.mark.parametrize("kind", TINY_NATIVE_ARCHS)
 def test_tiny_models_bit_identical(kind, tmp_path):
     cfg, model = load_model(write_tiny_checkpoint(str(tmp_path), kind), torch.bfloat16, "cpu")
     assert_same(run_both(model, cfg, STEPS))
@@ -74,6 +74,21 @@ def test_bad_metadata_raises_and_changes_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 16000000 is outside"):
         runner.step([3, 4, 5])
     assert not any(c.k.any() or c.v.any() for c in runner.caches)  # checked before layer 0 wrote anything
+
+
+@pytest.mark.parametrize("kind", sorted(set(TINY_ARCHS) - set(TINY_NATIVE_ARCHS)))
+def test_family_features_run_op_by_op_in_bf16(kind, tmp_path):
+    """q/k norms, Gemma's norms and caps, sliding windows (prompts longer than the window): op by op,
+    close to fp32."""
+    folder = write_tiny_checkpoint(str(tmp_path), kind)
+    cfg, model = load_model(folder, torch.bfloat16, "cpu")
+    assert model.native_layer_rows == 0
+    _, model32 = load_model(folder, torch.float32, "cpu")
+    prompt = list(range(3, 103))
+    got = SequenceRunner(model, cfg, 128).prefill(prompt, chunk=40)
+    want = SequenceRunner(model32, cfg, 128).prefill(prompt)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.99
+    assert int(got.argmax()) == int(want.argmax())
 
 
 def test_fp32_models_run_op_by_op(tmp_path):

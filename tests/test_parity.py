@@ -3,10 +3,11 @@ random-weight checkpoints of every supported architecture, all in fp32 through t
 import pytest
 import torch
 
+from pyengine.config import ModelConfig
 from pyengine.model.loader import load_model
 from pyengine.tokenizer import Tokenizer
 from tests.model_helpers import TINY_ARCHS, SequenceRunner, default_model_path, gguf_folder_and_name, \
-    write_tiny_checkpoint
+    write_tiny_checkpoint, write_tiny_gguf
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -99,15 +100,15 @@ def test_tiny_half_precision(dtype, tmp_path):
     assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.99
 
 
-@pytest.mark.parametrize("kind", TINY_ARCHS)
-def test_tiny_checkpoint_parity(kind, tmp_path):
+def assert_matches_transformers(hf_folder: str, model_path: str) -> ModelConfig:
+    """fp32 logits of a 130-token prompt and one decode step within 1e-4 of the logit span of
+    transformers on the HF checkpoint (eager attention), the next token its argmax."""
     from transformers import AutoModelForCausalLM
 
-    folder = write_tiny_checkpoint(str(tmp_path), kind)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    cfg, model = load_model(folder, torch.float32, "cpu")
-    assert cfg.tie_word_embeddings == (kind == "llama_tied")
-    assert (model.lm_head is model.embed) == (kind == "llama_tied")
+    hf = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32, attn_implementation="eager").eval()
+    cfg, model = load_model(model_path, torch.float32, "cpu")
+    assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert (model.lm_head is model.embed) == cfg.tie_word_embeddings
     prompt = torch.randint(0, cfg.vocab_size, (130,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.inference_mode():
         want = hf(torch.tensor([prompt])).logits[0]
@@ -120,3 +121,37 @@ def test_tiny_checkpoint_parity(kind, tmp_path):
     with torch.inference_mode():
         want_next = hf(torch.tensor([prompt + [nxt]])).logits[0, -1]
     assert float((got - want_next).abs().max()) <= 1e-4 * span
+    assert int(got.argmax()) == int(want_next.argmax())
+    return cfg
+
+
+@pytest.mark.parametrize("kind", TINY_ARCHS)
+def test_tiny_checkpoint_parity(kind, tmp_path):
+    folder = write_tiny_checkpoint(str(tmp_path), kind)
+    assert_matches_transformers(folder, folder)
+
+
+@pytest.mark.parametrize("kind", ["llama3_rope", "qwen2_yarn", "qwen3", "phi3", "gemma2", "gemma3_gguf"])
+def test_tiny_gguf_parity(kind, tmp_path):
+    """The same checkpoints converted to GGUF as llama.cpp does: Llama 3's scaling as rope_freqs,
+    Qwen2.5's YaRN (served over factor x the original context), Qwen3's q/k norms, Phi-3's fused tensors,
+    Gemma's 1 + w norms and metadata."""
+    folder = write_tiny_checkpoint(str(tmp_path), kind)
+    cfg = assert_matches_transformers(folder, write_tiny_gguf(str(tmp_path / "model.gguf"), folder))
+    assert cfg.max_position_embeddings == (256 if kind == "qwen2_yarn" else 512)
+
+
+def test_dynamic_rope_parity(tmp_path):
+    """Dynamic NTK: our base is the one for the whole served context (64 x 2 positions), which is what
+    transformers computes for a sequence of exactly that length."""
+    from transformers import AutoModelForCausalLM
+
+    folder = write_tiny_checkpoint(str(tmp_path), "llama_dynamic")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    cfg, model = load_model(folder, torch.float32, "cpu")
+    assert cfg.max_position_embeddings == 128
+    prompt = torch.randint(0, cfg.vocab_size, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0]
+    got = SequenceRunner(model, cfg, 128).step(prompt, all_logits=True)
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.max() - want.min())

@@ -5,12 +5,13 @@
 //   paged_attention(out, q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens,
 //                   query_start_loc, num_tokens, num_heads, num_kv_heads, head_dim, q_token_stride,
 //                   num_blocks, block_size, num_seqs, max_blocks_per_seq, max_seq_len, scale,
-//                   q_dtype, cache_dtype, stream) -> None
+//                   q_dtype, cache_dtype, stream, window=0, softcap=0.0) -> None
 //     out [T, H, D] contiguous, q [T, H, D] with token stride q_token_stride; caches
 //     [num_blocks, KVH, block_size, D]; k_scales/v_scales [num_blocks, KVH, block_size] fp32 or 0
 //     (required for fp8/int8 caches); block_tables [num_seqs, max_blocks_per_seq] int32; seq_lens
 //     [num_seqs] int32; query_start_loc [num_seqs + 1] int32; max_seq_len: an upper bound on
-//     seq_lens. Bad index values raise ValueError (CPU).
+//     seq_lens; window > 0: each query sees only the last `window` positions up to its own;
+//     softcap > 0: scores s -> softcap * tanh(s / softcap). Bad index values raise ValueError (CPU).
 //
 //   reshape_and_cache(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, num_tokens,
 //                     num_kv_heads, head_dim, key_token_stride, value_token_stride, num_blocks,
@@ -89,20 +90,21 @@ void register_attention_ops(py::module_& m) {
          uintptr_t block_tables, uintptr_t seq_lens, uintptr_t query_start_loc, int64_t num_tokens, int64_t num_heads,
          int64_t num_kv_heads, int64_t head_dim, int64_t q_token_stride, int64_t num_blocks, int64_t block_size,
          int64_t num_seqs, int64_t max_blocks_per_seq, int64_t max_seq_len, double scale, int q_dtype,
-         int cache_dtype, uintptr_t /*stream*/) {
+         int cache_dtype, uintptr_t /*stream*/, int64_t window, double softcap) {
         paged_attention_cpu(ptr<void>(out), ptr<const void>(q), ptr<const void>(k_cache), ptr<const void>(v_cache),
                             ptr<const float>(k_scales), ptr<const float>(v_scales), ptr<const int32_t>(block_tables),
                             ptr<const int32_t>(seq_lens), ptr<const int32_t>(query_start_loc), num_tokens, num_heads,
                             num_kv_heads, head_dim, q_token_stride, num_blocks, block_size, num_seqs,
                             max_blocks_per_seq, max_seq_len, static_cast<float>(scale), to_dtype(q_dtype),
-                            to_dtype(cache_dtype));
+                            to_dtype(cache_dtype), window, static_cast<float>(softcap));
       },
       py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scales"), py::arg("v_scales"),
       py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("num_tokens"),
       py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("q_token_stride"),
       py::arg("num_blocks"), py::arg("block_size"), py::arg("num_seqs"), py::arg("max_blocks_per_seq"),
       py::arg("max_seq_len"), py::arg("scale"), py::arg("q_dtype"), py::arg("cache_dtype"), py::arg("stream"),
-      py::call_guard<py::gil_scoped_release>(), "Causal paged attention over a mixed step (see cpu_attention.cpp).");
+      py::arg("window") = 0, py::arg("softcap") = 0.0, py::call_guard<py::gil_scoped_release>(),
+      "Causal paged attention over a mixed step (see cpu_attention.cpp).");
   m.def(
       "reshape_and_cache",
       [](uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,

@@ -15,7 +15,8 @@ void register_attention(py::module_& m) {
         py::arg("query_start_loc"), py::arg("num_tokens"), py::arg("num_heads"), py::arg("num_kv_heads"),
         py::arg("head_dim"), py::arg("q_token_stride"), py::arg("num_blocks"), py::arg("block_size"),
         py::arg("num_seqs"), py::arg("max_blocks_per_seq"), py::arg("max_seq_len"), py::arg("scale"),
-        py::arg("q_dtype"), py::arg("cache_dtype"), py::arg("stream"), nogil,
+        py::arg("q_dtype"), py::arg("cache_dtype"), py::arg("stream"), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        nogil,
         "Causal paged attention over a mixed step (layouts: native/cuda/attention.cu).");
   m.def("reshape_and_cache", &pc::reshape_and_cache, py::arg("key"), py::arg("value"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("k_scales"), py::arg("v_scales"), py::arg("slot_mapping"), py::arg("num_tokens"),

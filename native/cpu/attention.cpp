@@ -10,6 +10,9 @@
 //   block_tables [S, MB] int32, seq_lens [S] int32, query_start_loc [S+1] int32
 // Query token j of sequence s (q_len = qsl[s+1] - qsl[s]) sits at position seq_len - q_len + j and
 // sees cache positions <= its own. q head hq reads kv head hq / G (G = H / KVH).
+// Options (0 = off): window > 0 limits that to the `window` positions ending at its own (Mistral,
+// Gemma sliding-window layers); softcap > 0 maps each score s (scale included) to
+// softcap * tanh(s / softcap) before the softmax (Gemma 2; the run_item path only).
 //
 // Parallel shape: work items (sequence, kv head, query tile, kv split) over the thread pool, heaviest
 // first. A query tile is QT = max(1, 16 / G) query tokens x the G q heads of one kv head (<= 16 rows
@@ -75,6 +78,8 @@ struct Args {
   int64_t T, H, KVH, D, q_stride, NB, BS, S, MB;
   float scale;
   DType qdt, cdt;
+  int64_t window;  // 0 = unlimited
+  float softcap;   // 0 = none
   int64_t G, Dp, chunk, QT;  // derived
 };
 
@@ -326,7 +331,8 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
   const int64_t ntok = it.tok1 - it.tok0, rows = ntok * G;
   ws.fit(rows, Dp, a.chunk);
 
-  const float qscale = a.scale * kLog2e;
+  // with a softcap, scores are capped in natural units and converted to log2 units after
+  const float qscale = a.softcap > 0.0f ? a.scale : a.scale * kLog2e;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_start + it.tok0 + r / G, head = it.kvh * G + r % G;
     const void* qrow = static_cast<const char*>(a.q) + (tok * a.q_stride + head * D) * elem_size(a.qdt);
@@ -341,7 +347,9 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
   const size_t es = elem_size(CD);
   const int32_t* table = a.bt + it.seq * a.MB;
   const int64_t kv_end = std::min<int64_t>(it.kv_hi, first_pos + it.tok1);  // causal end of the tile
-  for (int64_t c0 = it.kv_lo; c0 < kv_end; c0 += a.chunk) {
+  // the window's start for the tile's first token: nothing before it is read
+  const int64_t kv_start = a.window > 0 ? std::max<int64_t>(it.kv_lo, first_pos + it.tok0 + 1 - a.window) : it.kv_lo;
+  for (int64_t c0 = kv_start; c0 < kv_end; c0 += a.chunk) {
     const int64_t n = std::min(a.chunk, kv_end - c0);
     for (int64_t p = c0; p < c0 + n;) {  // dequantize the chunk, one block run at a time
       const int64_t blk = table[p / a.BS], off = p % a.BS, run = std::min(a.BS - off, c0 + n - p);
@@ -358,9 +366,13 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = first_pos + it.tok0 + r / G;
       const int64_t nv = std::min(n, pos + 1 - c0);
-      if (nv <= 0) continue;
-      qk<NC>(ws.qf.data() + r * Dp, ws.kf.data(), Dp, nv, ws.sc.data());
-      softmax_pv<NC>(ws.sc.data(), nv, ws.vf.data(), Dp, ws.m[r], ws.l[r], ws.acc.data() + r * Dp);
+      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos + 1 - a.window - c0) : 0;  // window start
+      if (nv <= lo) continue;
+      float* sc = ws.sc.data();
+      qk<NC>(ws.qf.data() + r * Dp, ws.kf.data() + lo * Dp, Dp, nv - lo, sc);
+      if (a.softcap > 0.0f)
+        for (int64_t i = 0; i < nv - lo; ++i) sc[i] = a.softcap * std::tanh(sc[i] / a.softcap) * kLog2e;
+      softmax_pv<NC>(sc, nv - lo, ws.vf.data() + lo * Dp, Dp, ws.m[r], ws.l[r], ws.acc.data() + r * Dp);
     }
   }
 
@@ -475,20 +487,23 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_str
   }
 }
 
-// Online-softmax update of one row with nv scores: writes the bf16 probabilities (times the V
-// scale) to pb[0, round_up(n, 2)) (zeros past nv), updates m and l; returns alpha for acc.
+// Online-softmax update of one row with the scores sc[lo, nv) (lo > 0: before its window): writes
+// the bf16 probabilities (times the V scale) to pb[0, round_up(n, 2)) (zeros outside [lo, nv)),
+// updates m and l; returns alpha for acc.
 template <DType CD>
-inline float softmax_row(const float* sc, int nv, int n, const ChunkPtrs& c, uint16_t* pb, float& m, float& l) {
-  if (nv <= 0) {
+inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs& c, uint16_t* pb, float& m,
+                         float& l) {
+  if (nv <= lo) {
     std::memset(pb, 0, kChunk * 2);
     return 1.0f;
   }
   float alpha;
-  const float m_new = online_max(sc, nv, m, alpha);
+  const float m_new = online_max(sc + lo, nv - lo, m, alpha);
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 vsum = _mm512_setzero_ps();
   for (int t0 = 0; t0 < n; t0 += 16) {
-    const __m512 p = _mm512_maskz_mov_ps(tail_mask(nv - t0), exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
+    const __mmask16 keep = tail_mask(nv - t0) & static_cast<__mmask16>(~tail_mask(lo - t0));
+    const __m512 p = _mm512_maskz_mov_ps(keep, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
     __m256bh ph;
     if constexpr (CD != DType::kBFloat16) {
       ph = _mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(c.vs + t0)));
@@ -536,13 +551,13 @@ inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const uint16_t* 
 }
 
 template <DType CD, int NC32, int NR, bool SPLIT>
-void group_chunk(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_stride, const uint16_t* q, const int* nv, float* m, float* l,
-                 float* acc, float* sc, uint16_t* pb, __m512 qscale) {
+void group_chunk(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_stride, const uint16_t* q, const int* lo,
+                 const int* nv, float* m, float* l, float* acc, float* sc, uint16_t* pb, __m512 qscale) {
   qk_group<CD, NC32, NR, SPLIT>(c, next, pair_stride, q, sc, qscale);
   float alpha[NR];
   int maxnv = 0;
   for (int r = 0; r < NR; ++r) {
-    alpha[r] = softmax_row<CD>(sc + r * kChunk, nv[r], c.n, c, pb + r * kChunk, m[r], l[r]);
+    alpha[r] = softmax_row<CD>(sc + r * kChunk, lo[r], nv[r], c.n, c, pb + r * kChunk, m[r], l[r]);
     maxnv = std::max(maxnv, nv[r]);
   }
   pv_group<CD, NC32, NR>(c, next, pb, alpha, acc, (maxnv + 1) / 2);
@@ -621,24 +636,30 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
       c = last;
     }
   };
+  // with a window, from the 16-token tile holding the first row's window start (tiles stay aligned)
+  const int64_t kv_start =
+      a.window > 0 ? std::max<int64_t>(it.kv_lo, (first_pos + it.tok0 + 1 - a.window) / 16 * 16) : it.kv_lo;
   ChunkPtrs buf[2];
-  if (it.kv_lo < kv_end) fill_chunk<CD, NC32, SPLIT>(a, it, it.kv_lo, kv_end, buf[0]);
-  for (int64_t c0 = it.kv_lo, ci = 0; c0 < kv_end; c0 += kChunk, ci ^= 1) {
+  if (kv_start < kv_end) fill_chunk<CD, NC32, SPLIT>(a, it, kv_start, kv_end, buf[0]);
+  for (int64_t c0 = kv_start, ci = 0; c0 < kv_end; c0 += kChunk, ci ^= 1) {
     const ChunkPtrs& c = buf[ci];
     fill_next(buf[ci ^ 1], c0 + kChunk, c);
     const ChunkPtrs& next = buf[ci ^ 1];
     for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
       const int nr = static_cast<int>(std::min<int64_t>(kGroup, rows - r0));
-      int nv[kGroup];
-      for (int r = 0; r < nr; ++r)
-        nv[r] = static_cast<int>(std::clamp<int64_t>(first_pos + it.tok0 + (r0 + r) / G + 1 - c0, 0, c.n));
+      int lo[kGroup], nv[kGroup];
+      for (int r = 0; r < nr; ++r) {
+        const int64_t end = first_pos + it.tok0 + (r0 + r) / G + 1 - c0;  // the row's causal end in the chunk
+        nv[r] = static_cast<int>(std::clamp<int64_t>(end, 0, c.n));
+        lo[r] = a.window > 0 ? static_cast<int>(std::clamp<int64_t>(end - a.window, 0, c.n)) : 0;
+      }
       float* m = ws.m.data() + r0;
       float* l = ws.l.data() + r0;
       float* acc = ws.acc.data() + r0 * D;
       const uint16_t* q = ws.qb.data() + r0 * D;
       auto run = [&](auto nr_const) {
-        group_chunk<CD, NC32, decltype(nr_const)::value, SPLIT>(c, next, pair_stride, q, nv, m, l, acc, ws.sc.data(),
-                                                                 ws.pb.data(), qscale);
+        group_chunk<CD, NC32, decltype(nr_const)::value, SPLIT>(c, next, pair_stride, q, lo, nv, m, l, acc,
+                                                                 ws.sc.data(), ws.pb.data(), qscale);
       };
       switch (nr) {
         case 1: run(std::integral_constant<int, 1>()); break;
@@ -678,6 +699,7 @@ bool bf16_head_dim(const Args& a, const std::vector<Item>& items, Partials& part
 
 bool try_bf16_path(const Args& a, const std::vector<Item>& items, Partials& parts) {
   if (a.qdt != DType::kBFloat16 || (a.BS != 8 && a.BS % 16 != 0)) return false;  // tiles of 16 tokens
+  if (a.softcap > 0.0f) return false;  // run_item has the cap
   switch (a.cdt) {
     case DType::kBFloat16: return bf16_head_dim<DType::kBFloat16>(a, items, parts);
     case DType::kFloat8E4M3: return bf16_head_dim<DType::kFloat8E4M3>(a, items, parts);
@@ -734,6 +756,8 @@ void check_args(const Args& a, int64_t max_seq_len) {
   if (quant && (a.ks == nullptr || a.vs == nullptr)) fail("fp8/int8 caches need k_scales and v_scales");
   if (a.qdt != DType::kFloat32 && a.qdt != DType::kBFloat16 && a.qdt != DType::kFloat16)
     fail("q must be fp32, bf16 or fp16");
+  if (a.window < 0) fail("window must be >= 0 (0: no window)");
+  if (!(a.softcap >= 0.0f) || !std::isfinite(a.softcap)) fail("softcap must be a finite value >= 0 (0: none)");
   if (a.qsl[0] != 0 || a.qsl[a.S] != a.T)
     fail("query_start_loc must start at 0 and end at num_tokens (" + std::to_string(a.T) + "), got " +
          std::to_string(a.qsl[0]) + " .. " + std::to_string(a.qsl[a.S]));
@@ -761,10 +785,10 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
                          const int32_t* query_start_loc, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t q_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
                          int64_t max_blocks_per_seq, int64_t max_seq_len, float scale, DType q_dtype,
-                         DType cache_dtype) {
+                         DType cache_dtype, int64_t window, float softcap) {
   Args a{out, q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc,
          num_tokens, num_heads, num_kv_heads, head_dim, q_stride, num_blocks, block_size, num_seqs,
-         max_blocks_per_seq, scale, q_dtype, cache_dtype, 0, 0, 0, 0};
+         max_blocks_per_seq, scale, q_dtype, cache_dtype, window, softcap, 0, 0, 0, 0};
   check_args(a, max_seq_len);
   a.G = a.H / a.KVH;
   a.Dp = (a.D + 63) / 64 * 64;

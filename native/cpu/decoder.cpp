@@ -2,7 +2,8 @@
 // call. The same kernels in the same order as LlamaForCausalLM.forward's op-by-op path
 // (pyengine/model/llama.py), on the same buffers, so the result is bit-identical; what goes away is
 // the Python between ~300 kernel calls per step (about 3 ms of a 12 ms batch-1 decode step of the
-// default model). Used for every step of a bf16 model on the CPU (PackedLinear projections).
+// default model). Used for every step of a bf16 model on the CPU (PackedLinear projections) whose
+// layers are Llama-shaped (one attention window for all layers, or none: Mistral, Phi-3).
 //
 // Per layer l (x, residual [T, hidden] bf16; both updated in place):
 //   x = rms_norm(residual) (l = 0)  |  residual += x; x = rms_norm(residual) (l > 0)   input_norm
@@ -30,7 +31,8 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
                     int64_t max_position, uintptr_t slot_mapping, uintptr_t block_tables, uintptr_t seq_lens,
                     uintptr_t query_start_loc, int64_t T, int64_t hidden, int64_t H, int64_t KVH, int64_t D,
                     int64_t inter, int64_t num_blocks, int64_t block_size, int64_t num_seqs, int64_t max_blocks,
-                    int64_t max_seq_len, double eps, double scale, int norm_dtype, int cache_dtype) {
+                    int64_t max_seq_len, double eps, double scale, int norm_dtype, int cache_dtype,
+                    int64_t window) {
   const int bf16 = static_cast<int>(DType::kBFloat16);
   const int64_t nqkv = (H + 2 * KVH) * D;
   const uintptr_t q = qkv, k = qkv + H * D * 2, v = qkv + (H + KVH) * D * 2;
@@ -52,7 +54,7 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
                         reinterpret_cast<const int32_t*>(block_tables), reinterpret_cast<const int32_t*>(seq_lens),
                         reinterpret_cast<const int32_t*>(query_start_loc), T, H, KVH, D, nqkv, num_blocks,
                         block_size, num_seqs, max_blocks, max_seq_len, static_cast<float>(scale), DType::kBFloat16,
-                        static_cast<DType>(cache_dtype));
+                        static_cast<DType>(cache_dtype), window);
     linear_bf16(attn, at(kO), at(kOBias), x, T, hidden, H * D, bf16);
     add_rms_norm(x, residual, at(kPostNorm), T, hidden, eps, bf16, norm_dtype);
     linear_bf16(x, at(kGateUp), 0, gate_up, T, 2 * inter, hidden, bf16);

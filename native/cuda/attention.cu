@@ -596,9 +596,11 @@ void paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_
                      int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                      int64_t q_token_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
                      int64_t max_blocks_per_seq, int64_t max_seq_len, double scale, int q_dtype, int cache_dtype,
-                     uintptr_t stream) {
+                     uintptr_t stream, int64_t window, double softcap) {
   const char* op = "paged_attention";
   auto fail = [](const char* what) { throw std::invalid_argument(std::string("pyengine._cuda.paged_attention: ") + what); };
+  // the CPU kernel's options (Mistral/Gemma windows, Gemma 2's cap); models that need them load on the CPU only
+  if (window != 0 || softcap != 0.0) fail("sliding windows and soft-capped scores are not implemented on CUDA");
   if (head_dim <= 0 || head_dim > kMaxHeadDim) fail("head_dim must be in [1, 256]");
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) fail("num_heads must be a multiple of num_kv_heads");
   if (num_heads > 65535) fail("num_heads must be <= 65535");

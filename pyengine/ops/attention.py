@@ -106,6 +106,8 @@ def paged_attention(
     v_scales: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention for a mixed step of prompt chunks and decodes.
 
@@ -115,6 +117,9 @@ def paged_attention(
     seq_lens [S] int32 (cache tokens including this step's); query_start_loc [S+1] int32.
     Query token j of sequence s sits at position seq_lens[s] - q_len + j and sees positions <= its own.
     max_seq_len: an upper bound on seq_lens (defaults to the block table's capacity).
+    window > 0: sliding-window attention, each query sees only the `window` positions ending at its
+    own (Mistral, Gemma's local layers). softcap > 0: scores s (scale applied) become
+    softcap * tanh(s / softcap) before the softmax (Gemma 2). Both are CPU only for now (CUDA: ValueError).
     Returns out [T, H, D] in q's dtype.
     """
     check_tensor("q", q, dtypes=ACT_DTYPES, ndim=3, contiguous=False)
@@ -130,6 +135,10 @@ def paged_attention(
     check_tensor("query_start_loc", query_start_loc, dtypes=(torch.int32,), shape=(S + 1,), device=device)
     if not isinstance(scale, (float, int)):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no window), got {window!r}")
+    if not isinstance(softcap, (float, int)) or not 0 <= softcap < float("inf"):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: none), got {softcap!r}")
     if max_seq_len is None:
         max_seq_len = max_blocks * bs
     if out is None:
@@ -143,6 +152,6 @@ def paged_attention(
         k_scales.data_ptr() if k_scales is not None else 0, v_scales.data_ptr() if v_scales is not None else 0,
         block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
         T, H, kvh, D, q.stride(0), nb, bs, S, max_blocks, int(max_seq_len), float(scale),
-        dtype_code(q), dtype_code(k_cache), cuda_stream(device),
+        dtype_code(q), dtype_code(k_cache), cuda_stream(device), window, float(softcap),
     )
     return out

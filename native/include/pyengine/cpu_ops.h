@@ -12,7 +12,7 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
                          const int32_t* query_start_loc, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t q_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
                          int64_t max_blocks_per_seq, int64_t max_seq_len, float scale, DType q_dtype,
-                         DType cache_dtype);
+                         DType cache_dtype, int64_t window = 0, float softcap = 0.0f);
 
 void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, void* v_cache, float* k_scales,
                            float* v_scales, const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
@@ -36,7 +36,8 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
                     int64_t max_position, uintptr_t slot_mapping, uintptr_t block_tables, uintptr_t seq_lens,
                     uintptr_t query_start_loc, int64_t T, int64_t hidden, int64_t H, int64_t KVH, int64_t D,
                     int64_t inter, int64_t num_blocks, int64_t block_size, int64_t num_seqs, int64_t max_blocks,
-                    int64_t max_seq_len, double eps, double scale, int norm_dtype, int cache_dtype);
+                    int64_t max_seq_len, double eps, double scale, int norm_dtype, int cache_dtype,
+                    int64_t window);
 
 }  // namespace cpu
 }  // namespace pyengine
