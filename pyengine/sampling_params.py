@@ -1,9 +1,59 @@
 """Per-request sampling parameters, validated up front (vLLM names and semantics)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 _MAX_LOGPROBS = 20
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's names); exactly one of the fields is set.
+
+    json: a JSON schema (dict or JSON string); json_object: any JSON object; regex: a regular
+    expression the whole output matches; choice: one of these strings; grammar: EBNF (GBNF style,
+    a `root` rule). The engine compiles it with xgrammar (pyengine.structured) when the request is
+    added; an invalid or unsupported grammar raises ValueError there.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {kinds or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or string), got {type(self.json).__name__}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("structured_outputs.grammar must be a string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): what the compiled grammar depends on."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json", text
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return "grammar", self.grammar
 
 
 @dataclass
@@ -16,6 +66,9 @@ class SamplingParams:
     logprobs: None = none; 0 = the sampled token's; N = also the top N.
     prompt_logprobs: the same for each prompt token (given the tokens before it; the first has
     none). Such a request computes its whole prompt: it takes nothing from the prefix cache.
+    structured_outputs: constrain the output to a JSON schema, regex, choice or grammar.
+    logit_bias: token id -> bias in [-100, 100], added to the logits before sampling (ids must be
+    below the model's vocabulary size; the engine checks that when the request is added).
     """
 
     n: int = 1
@@ -36,6 +89,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +135,13 @@ class SamplingParams:
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "None or a StructuredOutputsParams")
+        if self.logit_bias is not None:
+            lo, hi = LOGIT_BIAS_RANGE
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t) and t >= 0 and _is_number(v) and lo <= v <= hi for t, v in self.logit_bias.items()):
+                raise bad("logit_bias", f"None or a dict of token id (int >= 0) -> bias in [{lo:g}, {hi:g}]")
 
     @property
     def greedy(self) -> bool:
@@ -88,3 +150,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
