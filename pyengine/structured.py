@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 
@@ -24,6 +25,15 @@ import xgrammar as xgr
 from pyengine.sampling_params import StructuredOutputsParams
 
 _CACHE_SIZE = 256  # compiled grammars kept (least recently used first out)
+# JSON schema keywords xgrammar would silently ignore (measured: e.g. multipleOf 2 still accepts 3):
+# a schema using one is refused rather than half-enforced.
+UNSUPPORTED_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "multipleOf", "uniqueItems", "contains", "minContains", "maxContains",
+    "dependentRequired", "dependentSchemas", "dependencies", "contentEncoding", "contentMediaType",
+    "contentSchema"})
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMAS = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
 
 
 class StructuredOutputs:
@@ -66,10 +76,13 @@ class StructuredOutputs:
         try:
             if kind == "json":
                 schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                json.loads(schema)  # a clear message for text that is not JSON at all
+                check_schema(json.loads(schema))
+                # strict_mode: no properties beyond the schema's (what OpenAI's strict schemas say, and
+                # what keeps a small model on track)
                 return self.compiler.compile_json_schema(schema, any_whitespace=False)
             if kind == "json_object":
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                         strict_mode=False)
             if kind == "regex":
                 return self.compiler.compile_regex(params.regex)
             if kind == "choice":
@@ -97,11 +110,35 @@ class StructuredOutputs:
         return out
 
 
+def check_schema(schema, path: str = "#") -> None:
+    """ValueError naming the first keyword xgrammar cannot enforce (UNSUPPORTED_KEYWORDS), by its path."""
+    if not isinstance(schema, dict):
+        if isinstance(schema, bool):
+            return
+        raise ValueError(f"{path} must be a schema object, got {type(schema).__name__}")
+    for key in schema:
+        if key in UNSUPPORTED_KEYWORDS:
+            raise ValueError(f"unsupported keyword {key!r} at {path}")
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                check_schema(sub, f"{path}/{key}/{name}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                check_schema(sub, f"{path}/{key}/{i}")
+    for key in _SUBSCHEMAS:
+        if isinstance(schema.get(key), dict):
+            check_schema(schema[key], f"{path}/{key}")
+
+
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly the given strings."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def _first_line(e: Exception) -> str:
+    """xgrammar's message without its log prefix ("[12:00:00] /path/file.cc:123: ")."""
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    line = text.splitlines()[0] if text else type(e).__name__
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", line)

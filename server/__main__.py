@@ -13,6 +13,7 @@ from aiohttp import web
 
 from server.app import SERVING, ServerConfig, create_app
 from server.gateway import GatewayConfig
+from server.tools import PARSERS
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
                    help="largest request body; larger ones get 413")
     s.add_argument("--max-n", type=int, default=16, help="largest 'n' (choices per request)")
+    s.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
+                   help="how tool calls are read from output under tool_choice auto (default: by the model's "
+                        "chat template: llama3_json for Llama-3 templates, else hermes)")
     s.add_argument("--rate-limit-rpm", type=int, default=0,
                    help="requests per minute per API key (or client address); 0: no limit")
     s.add_argument("--rate-limit-tpm", type=int, default=0,
@@ -109,7 +113,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     keys = list(args.api_key or [])
     if not keys and os.environ.get("PYENGINE_API_KEY"):
         keys = [os.environ["PYENGINE_API_KEY"]]
-    return ServerConfig(served_model_name=args.served_model_name, max_n=args.max_n, gateway=GatewayConfig(
+    return ServerConfig(served_model_name=args.served_model_name, max_n=args.max_n,
+                        tool_call_parser=args.tool_call_parser, gateway=GatewayConfig(
         api_keys=keys, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
         request_timeout=args.request_timeout or None, rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm))

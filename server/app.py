@@ -29,13 +29,15 @@ SERVING = web.AppKey("serving", OpenAIServing)
 class ServerConfig:
     served_model_name: str | None = None  # None: the engine's model name
     max_n: int = 16
+    tool_call_parser: str | None = None  # None: chosen by the model's chat template (server/tools.py)
     gateway: gateway.GatewayConfig = field(default_factory=gateway.GatewayConfig)
 
 
 def create_app(engine: Any, config: ServerConfig | None = None) -> web.Application:
     config = config or ServerConfig()
     gw = config.gateway
-    serving = OpenAIServing(engine, config.served_model_name or engine.model_name, gw, max_n=config.max_n)
+    serving = OpenAIServing(engine, config.served_model_name or engine.model_name, gw, max_n=config.max_n,
+                            tool_call_parser=config.tool_call_parser)
     registry = CollectorRegistry()
     responses = Counter("pyengine_server:responses", "HTTP responses by path and status",
                         ["path", "status"], registry=registry)
