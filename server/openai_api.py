@@ -162,7 +162,8 @@ class OpenAIServing:
             try:  # the vocabulary and the grammar: the engine compiles it now (cached for the request)
                 await self.engine.check_params(params[-1])
             except ValueError as e:
-                param = "logit_bias" if str(e).startswith("logit_bias") else req.structured_param
+                first = str(e).split(" ", 1)[0]
+                param = first if first in req.sampling and first != "structured_outputs" else req.structured_param
                 raise APIError(400, str(e), param=param, code="invalid_value") from None
             cost += len(ids) + max_tokens * req.n
         self.limiter.check_tokens(key, cost)

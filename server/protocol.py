@@ -7,16 +7,15 @@ Unknown fields are ignored, as OpenAI's server does; known fields this server ca
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyengine.sampling_params import LOGIT_BIAS_RANGE, StructuredOutputsParams
+from pyengine.sampling_params import INT64_MAX, LIMITS, StructuredOutputsParams
 from server.tools import ToolSpec, parse_tools
 
-MAX_LOGPROBS = 20
 MAX_STOP = 16
-INT64_MAX = 2**63 - 1
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -73,8 +72,7 @@ def get_bool(body: dict, name: str, default: bool | None = None) -> bool | None:
     return v
 
 
-def get_int(body: dict, name: str, default: int | None = None, *, lo: int | None = None,
-            hi: int | None = None) -> int | None:
+def get_int(body: dict, name: str, default: int, *, lo: int, hi: int) -> int:
     v = body.get(name)
     if v is None:
         return default
@@ -82,22 +80,27 @@ def get_int(body: dict, name: str, default: int | None = None, *, lo: int | None
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise invalid(name, f"'{name}' must be an integer, got {_typename(v)}")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise invalid(name, f"'{name}' must be {_range(lo, hi)}, got {v}")
+    if not lo <= v <= hi:
+        raise invalid(name, f"'{name}' must be in [{lo}, {hi}], got {v}")
     return v
 
 
-def get_float(body: dict, name: str, default: float | None = None, *, lo: float | None = None,
-              hi: float | None = None, lo_open: bool = False) -> float | None:
+def get_param(body: dict, name: str, default: Any = None, *, limit: str | None = None,
+              hi: int | None = None) -> Any:
+    """A sampling field, checked against SamplingParams' LIMITS[limit or name] (the engine's own
+    native-type ranges, one definition); `hi` tightens the upper bound (the server's max n)."""
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise invalid(name, f"'{name}' must be a number, got {_typename(v)}")
-    v = float(v)
-    if v != v or (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
-        raise invalid(name, f"'{name}' must be {_range(lo, hi, lo_open)}, got {v:g}")
-    return v
+    rng = LIMITS[limit or name]
+    if hi is not None:
+        rng = dataclasses.replace(rng, hi=min(rng.hi, hi))
+    if rng.kind != "float32" and isinstance(v, float) and v.is_integer():
+        v = int(v)
+    try:
+        return rng.convert(v)
+    except ValueError as e:
+        raise invalid(name, f"'{name}' {e}") from None
 
 
 def get_str(body: dict, name: str, default: str | None = None) -> str | None:
@@ -107,14 +110,6 @@ def get_str(body: dict, name: str, default: str | None = None) -> str | None:
     if not isinstance(v, str):
         raise invalid(name, f"'{name}' must be a string, got {_typename(v)}")
     return v
-
-
-def _range(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
-    if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
-    if lo is not None:
-        return f"{'>' if lo_open else '>='} {lo:g}"
-    return f"<= {hi:g}"
 
 
 # ---------------------------------------------------------------- requests
@@ -150,7 +145,7 @@ class CompletionRequest(GenerationRequest):
 def _common(body: dict, max_n: int) -> dict[str, Any]:
     """Validate the fields both endpoints share; return GenerationRequest kwargs."""
     model = get_str(body, "model")
-    n = get_int(body, "n", 1, lo=1, hi=max_n)
+    n = get_param(body, "n", 1, hi=max_n)
     stream = get_bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = False
@@ -158,20 +153,20 @@ def _common(body: dict, max_n: int) -> dict[str, Any]:
         if not isinstance(opts, dict):
             raise invalid("stream_options", "'stream_options' must be an object")
         include_usage = bool(get_bool(opts, "include_usage", False)) and stream
-    max_tokens = get_int(body, "max_completion_tokens", None, lo=1)
+    max_tokens = get_param(body, "max_completion_tokens", limit="max_tokens")
     if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens", None, lo=1)
+        max_tokens = get_param(body, "max_tokens")
     get_str(body, "user")
     s: dict[str, Any] = {
-        "temperature": get_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        "top_p": get_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        "top_k": get_int(body, "top_k", 0, lo=-1),
-        "min_p": get_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        "presence_penalty": get_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
-        "frequency_penalty": get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        "repetition_penalty": get_float(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
-        "seed": get_int(body, "seed", None, lo=0, hi=INT64_MAX),
-        "min_tokens": get_int(body, "min_tokens", 0, lo=0),
+        "temperature": get_param(body, "temperature", 1.0),
+        "top_p": get_param(body, "top_p", 1.0),
+        "top_k": get_param(body, "top_k", 0),
+        "min_p": get_param(body, "min_p", 0.0),
+        "presence_penalty": get_param(body, "presence_penalty", 0.0),
+        "frequency_penalty": get_param(body, "frequency_penalty", 0.0),
+        "repetition_penalty": get_param(body, "repetition_penalty", 1.0),
+        "seed": get_param(body, "seed"),
+        "min_tokens": get_param(body, "min_tokens", 0),
         "ignore_eos": get_bool(body, "ignore_eos", False),
         "stop": _stop(body.get("stop")),
         "stop_token_ids": _int_list(body, "stop_token_ids"),
@@ -188,12 +183,13 @@ def _common(body: dict, max_n: int) -> dict[str, Any]:
     s["logit_bias"] = _logit_bias(body.get("logit_bias"))
     s["structured_outputs"], structured_param = _structured(body)
     return dict(model=model, n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                priority=get_int(body, "priority", 0), sampling=s, structured_param=structured_param)
+                priority=get_int(body, "priority", 0, lo=-INT64_MAX - 1, hi=INT64_MAX), sampling=s,
+                structured_param=structured_param)
 
 
 def _refuse_unsupported(body: dict, n: int) -> None:
     """Fields OpenAI defines that this server cannot honour: a 400 naming each, never a silent ignore."""
-    best_of = get_int(body, "best_of", None, lo=1)
+    best_of = get_param(body, "best_of", None, limit="n")
     if best_of is not None and best_of != n:
         raise APIError(400, f"'best_of' ({best_of}) other than n ({n}) is not supported; ask for n choices "
                        "and pick among them", param="best_of", code="unsupported_parameter")
@@ -213,21 +209,16 @@ def _logit_bias(v: Any) -> dict[int, float] | None:
     """{"token id": bias} -> {id: bias}; ids beyond the vocabulary are refused by the engine."""
     if v is None:
         return None
-    lo, hi = LOGIT_BIAS_RANGE
     if not isinstance(v, dict):
         raise invalid("logit_bias", "'logit_bias' must be an object mapping token ids to biases")
     out = {}
     for k, b in v.items():
         try:
-            tid = int(k)
-        except (TypeError, ValueError):
-            tid = -1
-        if tid < 0 or str(tid) != str(k).strip():
-            raise invalid("logit_bias", f"'logit_bias' keys must be token ids (non-negative integers), got {k!r}")
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not lo <= b <= hi:
-            raise invalid("logit_bias", f"'logit_bias' values must be numbers in [{lo:g}, {hi:g}], got {b!r} "
-                          f"for token {k}")
-        out[tid] = float(b)
+            tid = LIMITS["stop_token_ids"].convert(int(k) if str(k).strip().isdigit() else k)
+            out[tid] = LIMITS["logit_bias"].convert(b)
+        except ValueError as e:
+            raise invalid("logit_bias", f"'logit_bias' {'values' if str(k).strip().isdigit() else 'keys'} {e} "
+                          f"(entry {k!r})") from None
     return out or None
 
 
@@ -290,9 +281,14 @@ def _int_list(body: dict, name: str) -> list[int] | None:
     v = body.get(name)
     if v is None:
         return None
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                          for x in v):
-        raise invalid(name, f"'{name}' must be a list of non-negative integers")
+    rng = LIMITS[name]
+    if not isinstance(v, list):
+        raise invalid(name, f"'{name}' must be a list of token ids")
+    for i, x in enumerate(v):
+        try:
+            rng.convert(x)
+        except ValueError as e:
+            raise invalid(name, f"'{name}[{i}]' {e}") from None
     return v or None
 
 
@@ -311,9 +307,9 @@ def parse_chat(body: dict, max_n: int) -> ChatRequest:
         common["structured_param"] = "tools"
     num_logprobs = None
     if get_bool(body, "logprobs", False):
-        num_logprobs = get_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+        num_logprobs = get_param(body, "top_logprobs", 0, limit="logprobs")
     elif body.get("top_logprobs") is not None:
-        get_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+        get_param(body, "top_logprobs", limit="logprobs")
         raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
     return ChatRequest(**common, num_logprobs=num_logprobs, messages=messages, tools=tools)
 
@@ -359,7 +355,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
 def parse_completion(body: dict, max_n: int, vocab_size: int) -> CompletionRequest:
     common = _common(body, max_n)
     prompts = _prompts(body.get("prompt"), vocab_size)
-    num_logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    num_logprobs = get_param(body, "logprobs")
     echo = bool(get_bool(body, "echo", False))
     return CompletionRequest(**common, num_logprobs=num_logprobs, prompts=prompts, echo=echo)
 
