@@ -257,3 +257,16 @@ def test_unsupported_completion_and_content_fields_and_the_server_keeps_serving(
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
     assert e.value.body["param"] == "messages[0].content[1]" and "image_url" in e.value.body["message"]
     assert chat(client, model, "hi", max_tokens=3).choices[0].finish_reason in ("stop", "length")
+
+
+def test_langchain_with_structured_output_and_bind_tools(server, model):
+    """LangChain (optional test dependency: pip install -e '.[langchain]')."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key=KEY, model=model, temperature=0,
+                                      max_tokens=100, max_retries=0)
+    city = llm.with_structured_output(City).invoke(
+        "Paris has 2100000 inhabitants. Answer in JSON with the city's name and population.")
+    assert isinstance(city, City)
+    msg = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    assert [c["name"] for c in msg.tool_calls] == ["get_weather"]
+    jsonschema.validate(msg.tool_calls[0]["args"], WEATHER["function"]["parameters"])
