@@ -100,7 +100,8 @@ class StructuredOutputs:
     def fill_bitmask(self, reqs: list, bitmask: torch.Tensor) -> torch.Tensor | None:
         """Row i of bitmask = request i's allowed next tokens (all ones without a grammar); None when
         no request has one. bitmask: a CPU int32 buffer with >= len(reqs) rows."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        # a terminated grammar (it took EOS, and ignore_eos kept the request going) constrains nothing
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
         if not rows:
             return None
         out = bitmask[: len(reqs)]
