@@ -45,7 +45,6 @@ class StructuredOutputs:
         vocab = [""] * max(vocab_size, hf.get_vocab_size(with_added_tokens=True))
         for token, i in hf.get_vocab(with_added_tokens=True).items():
             vocab[i] = token
-        self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo(vocab[:vocab_size], meta["vocab_type"], vocab_size=vocab_size,
                                       stop_token_ids=list(eos_ids), add_prefix_space=meta["add_prefix_space"])
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
