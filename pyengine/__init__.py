@@ -22,6 +22,7 @@ _EXPORTS = {
     "LLM": "pyengine.llm",
     "AsyncLLM": "pyengine.engine.async_engine",
     "SamplingParams": "pyengine.sampling_params",
+    "StructuredOutputsParams": "pyengine.sampling_params",
     "EngineConfig": "pyengine.config",
     "RequestOutput": "pyengine.engine.output",
     "CompletionOutput": "pyengine.engine.output",

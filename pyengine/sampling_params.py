@@ -6,6 +6,7 @@ int64 or float32), so a request that passes can never fail inside a shared step.
 """
 from __future__ import annotations
 
+import json
 import math
 import struct
 from dataclasses import dataclass, field
@@ -72,9 +73,57 @@ LIMITS: dict[str, Range] = {
     "logprobs": Range("int32", 0, MAX_LOGPROBS),
     "prompt_logprobs": Range("int32", 0, MAX_LOGPROBS),
     "stop_token_ids": Range("int32", 0, INT32_MAX),  # each id; the engine checks it against its vocabulary
+    "logit_bias": Range("float32", -100.0, 100.0),  # each bias (its keys: token ids, as stop_token_ids)
 }
 _OPTIONAL = ("seed", "max_tokens", "logprobs", "prompt_logprobs")  # None allowed
 _FLAGS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's names); exactly one of the fields is set.
+
+    json: a JSON schema (dict or JSON string); json_object: any JSON object; regex: a regular
+    expression the whole output matches; choice: one of these strings; grammar: EBNF (GBNF style,
+    a `root` rule). The engine compiles it with xgrammar (pyengine.structured) when the request is
+    added; an invalid or unsupported grammar raises ValueError there.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {kinds or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or string), got {type(self.json).__name__}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("structured_outputs.grammar must be a string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): what the compiled grammar depends on."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json", text
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return "grammar", self.grammar
 
 
 @dataclass
@@ -89,6 +138,9 @@ class SamplingParams:
     whatever the batch it runs in.
     logprobs: None = none; 0 = the sampled token's; N = also the top N.
     prompt_logprobs: the same for each prompt token (given the tokens before it; the first has none).
+    structured_outputs: constrain the output to a JSON schema, regex, choice or grammar.
+    logit_bias: token id -> bias in [-100, 100], added to the logits before sampling (ids must be
+    below the model's vocabulary size; the engine checks that when the request is added).
     """
 
     n: int = 1
@@ -109,6 +161,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -120,7 +174,14 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple, type(None))):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
         self.stop_token_ids = [self._convert("stop_token_ids", t) for t in ids or ()]
-        for name in LIMITS.keys() - {"stop_token_ids"}:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            self.logit_bias = {self._convert("stop_token_ids", t, "logit_bias token id"): self._convert("logit_bias", v)
+                               for t, v in self.logit_bias.items()}
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be None or a StructuredOutputsParams, got {self.structured_outputs!r}")
+        for name in LIMITS.keys() - {"stop_token_ids", "logit_bias"}:
             value = getattr(self, name)
             if value is not None or name not in _OPTIONAL:
                 setattr(self, name, self._convert(name, value))
@@ -131,11 +192,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
     @staticmethod
-    def _convert(name: str, value: Any) -> int | float:
+    def _convert(name: str, value: Any, label: str | None = None) -> int | float:
         try:
             return LIMITS[name].convert(value)
         except ValueError as e:
-            raise ValueError(f"{name} {e}") from None
+            raise ValueError(f"{label or name} {e}") from None
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,7 @@ from pyengine.config import memory_size
 from pyengine.request_log import RequestLog
 from server.app import SERVING, ServerConfig, create_app
 from server.gateway import GatewayConfig
+from server.tools import PARSERS
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows '(default: X)' except where there is no default value to show."""
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
                    help="largest request body; larger ones get 413")
     s.add_argument("--max-n", type=int, default=16, help="largest 'n' (choices per request)")
+    s.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
+                   help="how tool calls are read from output under tool_choice auto (default: by the model's "
+                        "chat template: llama3_json for Llama-3 templates, else hermes)")
     s.add_argument("--rate-limit-rpm", type=int, default=0,
                    help="requests per minute per API key (or client address); 0: no limit")
     s.add_argument("--rate-limit-tpm", type=int, default=0,
@@ -105,7 +109,8 @@ def server_config(args: argparse.Namespace, request_log: RequestLog | None = Non
     if not keys and os.environ.get("PYENGINE_API_KEY"):
         keys = [os.environ["PYENGINE_API_KEY"]]
     return ServerConfig(served_model_name=args.served_model_name, max_n=args.max_n, request_log=request_log,
-                        stats_interval=args.stats_interval, gateway=GatewayConfig(
+                        stats_interval=args.stats_interval, tool_call_parser=args.tool_call_parser,
+                        gateway=GatewayConfig(
         api_keys=keys, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
         request_timeout=args.request_timeout or None, rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_tpm=args.rate_limit_tpm))

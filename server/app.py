@@ -35,6 +35,7 @@ _SAMPLER = web.AppKey("stats_sampler", asyncio.Task)
 class ServerConfig:
     served_model_name: str | None = None  # None: the engine's model name
     max_n: int = 16
+    tool_call_parser: str | None = None  # None: chosen by the model's chat template (server/tools.py)
     gateway: gateway.GatewayConfig = field(default_factory=gateway.GatewayConfig)
     request_log: RequestLog | None = None  # one row per generation request; closed on cleanup
     stats_interval: float = 10.0  # seconds between console stats lines; 0: none
@@ -43,7 +44,8 @@ class ServerConfig:
 def create_app(engine: Any, config: ServerConfig | None = None) -> web.Application:
     config = config or ServerConfig()
     gw = config.gateway
-    serving = OpenAIServing(engine, config.served_model_name or engine.model_name, gw, max_n=config.max_n)
+    serving = OpenAIServing(engine, config.served_model_name or engine.model_name, gw, max_n=config.max_n,
+                            tool_call_parser=config.tool_call_parser)
     registry = CollectorRegistry()
     observer = Observer(engine, serving.model, registry, request_log=config.request_log,
                         stats_interval=config.stats_interval)

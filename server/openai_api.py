@@ -18,8 +18,8 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from pyengine.sampling_params import SamplingParams
-from server import gateway
-from server.protocol import (APIError, CompletionRequest, GenerationRequest, get_bool, get_str,
+from server import gateway, tools
+from server.protocol import (APIError, ChatRequest, CompletionRequest, GenerationRequest, get_bool, get_str,
                              parse_chat, parse_completion, parse_detokenize, parse_json)
 
 log = logging.getLogger("server")
@@ -40,6 +40,13 @@ class _Choice:
     logprobs: list[Any] = field(default_factory=list)
     logprob_chars: int = 0  # text length the streamed logprob tokens covered so far (text_offset)
     role_sent: bool = False
+    tools: tools.ToolStream | None = None  # chat with tools: reads calls out of the text
+
+    def finish(self) -> str | None:
+        """OpenAI's finish_reason: "tool_calls" when the choice ended normally with calls."""
+        if self.finish_reason == "stop" and self.tools is not None and self.tools.message()[1]:
+            return "tool_calls"
+        return self.finish_reason
 
 
 @dataclass
@@ -70,7 +77,7 @@ class _Job:
 
 class OpenAIServing:
     def __init__(self, engine: Any, served_model_name: str, gw: gateway.GatewayConfig, *,
-                 max_n: int, long_prompt_chars: int = 4096) -> None:
+                 max_n: int, long_prompt_chars: int = 4096, tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model = served_model_name
@@ -81,6 +88,7 @@ class OpenAIServing:
         self.admission = gateway.AdmissionControl(gw.max_queue)
         self.created = int(time.time())
         self.tasks: set[asyncio.Task] = set()  # handlers of admitted generation requests
+        self.tool_parser = tools.choose_parser(tool_call_parser, getattr(self.tokenizer, "chat_template", None))
 
     async def drain(self, grace: float) -> None:
         """Refuse new requests; give in-flight ones `grace` seconds, then end them cleanly."""
@@ -127,7 +135,7 @@ class OpenAIServing:
         self.limiter.check_request(key)
         req = parse_chat(parse_json(await read_body(request)), self.max_n)
         self._check_model(req.model)
-        ids = await self._chat_ids(req.messages, True)
+        ids = await self._chat_ids(req.messages, True, req.tools)
         return await self._serve(request, key, "chat", req, [ids])
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -158,6 +166,12 @@ class OpenAIServing:
                 field_name = str(e).split(" ", 1)[0]
                 raise APIError(400, str(e), param=field_name if field_name in req.sampling else None,
                                code="invalid_value") from None
+            try:  # the vocabulary and the grammar: the engine compiles it now (cached for the request)
+                await self.engine.check_params(params[-1])
+            except ValueError as e:
+                first = str(e).split(" ", 1)[0]
+                param = first if first in req.sampling and first != "structured_outputs" else req.structured_param
+                raise APIError(400, str(e), param=param, code="invalid_value") from None
             cost += len(ids) + max_tokens * req.n
         self.limiter.check_tokens(key, cost)
         self.admission.admit()
@@ -257,7 +271,12 @@ class OpenAIServing:
                 prompt = job.req.prompts[p]
                 text = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) + text
                 echoed = job.prompt_logprobs.get(p, [])
-            ch = job.choices.setdefault(idx, _Choice())
+            ch = job.choices.get(idx)
+            if ch is None:
+                ch = job.choices[idx] = _Choice()
+                spec = job.req.tools if isinstance(job.req, ChatRequest) else None
+                if spec is not None and spec.choice != "none":
+                    ch.tools = tools.ToolStream(tools.CallScanner(spec, self.tool_parser))
             if ch.finish_reason is not None:  # a finished choice has nothing more to say
                 continue
             ids = list(o.token_ids or [])
@@ -276,15 +295,21 @@ class OpenAIServing:
                 ch.role_sent = True
                 events.append(self._chunk(job, [{"index": idx, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]))
+            calls = []
+            if ch.tools is not None:
+                text, calls = ch.tools.feed(text, o.finish_reason is not None)
             if text or lps:
                 events.append(self._chunk(job, [self._choice_delta(job, idx, text, lps, None)]))
+            if calls:
+                events.append(self._chunk(job, [{"index": idx, "delta": {"tool_calls": calls}, "logprobs": None,
+                                                 "finish_reason": None}]))
             if o.finish_reason is not None:
                 events.append(self._chunk(job, [self._choice_delta(job, idx, None, None, ch)]))
         return events
 
     def _choice_delta(self, job: _Job, idx: int, text: str | None, lps: list | None,
                       done: _Choice | None) -> dict:
-        finish = done.finish_reason if done else None
+        finish = done.finish() if done else None
         if job.kind == "chat":
             c = {"index": idx, "delta": {"content": text} if text is not None else {},
                  "logprobs": {"content": lps} if lps else None, "finish_reason": finish}
@@ -313,9 +338,15 @@ class OpenAIServing:
             text = "".join(ch.text)
             lp = ch.logprobs if job.req.num_logprobs is not None else None
             if job.kind == "chat":
-                choices.append({"index": idx, "message": {"role": "assistant", "content": text},
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if ch.tools is not None:
+                    ch.tools.text = text
+                    message["content"], calls = ch.tools.message()
+                    if calls:
+                        message["tool_calls"] = calls
+                choices.append({"index": idx, "message": message,
                                 "logprobs": {"content": lp} if lp is not None else None,
-                                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+                                "finish_reason": ch.finish(), "stop_reason": ch.stop_reason})
             else:
                 choices.append({"index": idx, "text": text,
                                 "logprobs": _completion_logprobs(lp) if lp is not None else None,
@@ -346,10 +377,21 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist. This server serves "
                            f"`{self.model}`.", param="model", code="model_not_found")
 
-    async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool,
+                        spec: tools.ToolSpec | None = None) -> list[int]:
+        """Render with the model's template: tools go in as `tools` when the template takes them, else in
+        the default format (server/tools.py), which also rewrites tool calls and tool results."""
         n = sum(len(m["content"]) for m in messages)
+        functions = spec.functions if spec is not None and spec.choice != "none" else None
+        template = getattr(self.tokenizer, "chat_template", None)
+        kwargs = {}
+        if tools.template_takes_tools(template):
+            if functions:
+                kwargs["tools"] = spec.tools
+        elif functions or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = tools.render_default(messages, functions)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # a template may reject a role order, e.g. two system messages
             raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
         return await self._off_loop(n, self.tokenizer.encode, text, False)

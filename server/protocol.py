@@ -2,7 +2,8 @@
 
 Everything here is pure (no aiohttp, no engine): a request body (already decoded JSON) goes in,
 a validated ``ChatRequest``/``CompletionRequest`` comes out, or an ``APIError`` naming the field.
-Unknown fields are ignored, as OpenAI's server does.
+Unknown fields are ignored, as OpenAI's server does; known fields this server cannot honour
+(best_of > n, suffix, functions, audio) are refused with a 400 naming them, never ignored.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyengine.sampling_params import INT64_MAX, LIMITS
+from pyengine.sampling_params import INT64_MAX, LIMITS, StructuredOutputsParams
+from server.tools import ToolSpec, parse_tools
 
 MAX_STOP = 16
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -124,11 +126,13 @@ class GenerationRequest:
     # Keyword arguments for SamplingParams (max_tokens and logprobs are added by the handler).
     sampling: dict[str, Any] = field(default_factory=dict)
     num_logprobs: int | None = None  # None: no logprobs; N: sampled token + top N
+    structured_param: str | None = None  # the field that asked for structured output (names its errors)
 
 
 @dataclass
 class ChatRequest(GenerationRequest):
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: ToolSpec | None = None
 
 
 @dataclass
@@ -175,8 +179,89 @@ def _common(body: dict, max_n: int) -> dict[str, Any]:
     if max_tokens is not None and s["min_tokens"] > max_tokens:
         raise invalid("min_tokens", f"'min_tokens' ({s['min_tokens']}) must not exceed "
                       f"max_tokens ({max_tokens})")
+    _refuse_unsupported(body, n)
+    s["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    s["structured_outputs"], structured_param = _structured(body)
     return dict(model=model, n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                priority=get_int(body, "priority", 0, lo=-INT64_MAX - 1, hi=INT64_MAX), sampling=s)
+                priority=get_int(body, "priority", 0, lo=-INT64_MAX - 1, hi=INT64_MAX), sampling=s,
+                structured_param=structured_param)
+
+
+def _refuse_unsupported(body: dict, n: int) -> None:
+    """Fields OpenAI defines that this server cannot honour: a 400 naming each, never a silent ignore."""
+    best_of = get_param(body, "best_of", None, limit="n")
+    if best_of is not None and best_of != n:
+        raise APIError(400, f"'best_of' ({best_of}) other than n ({n}) is not supported; ask for n choices "
+                       "and pick among them", param="best_of", code="unsupported_parameter")
+    if body.get("suffix"):
+        raise APIError(400, "'suffix' (insertion) is not supported", param="suffix", code="unsupported_parameter")
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise APIError(400, f"'{name}' is deprecated and not supported; use 'tools' and 'tool_choice'",
+                           param=name, code="unsupported_parameter")
+    modalities = body.get("modalities")
+    if body.get("audio") is not None or (isinstance(modalities, list) and "audio" in modalities):
+        raise APIError(400, "audio output is not supported ('audio' / 'modalities')",
+                       param="audio" if body.get("audio") is not None else "modalities", code="unsupported_parameter")
+
+
+def _logit_bias(v: Any) -> dict[int, float] | None:
+    """{"token id": bias} -> {id: bias}; ids beyond the vocabulary are refused by the engine."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise invalid("logit_bias", "'logit_bias' must be an object mapping token ids to biases")
+    out = {}
+    for k, b in v.items():
+        try:
+            tid = LIMITS["stop_token_ids"].convert(int(k) if str(k).strip().isdigit() else k)
+            out[tid] = LIMITS["logit_bias"].convert(b)
+        except ValueError as e:
+            raise invalid("logit_bias", f"'logit_bias' {'values' if str(k).strip().isdigit() else 'keys'} {e} "
+                          f"(entry {k!r})") from None
+    return out or None
+
+
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _structured(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """response_format (OpenAI) or structured_outputs (vLLM) -> (StructuredOutputsParams, field name)."""
+    rf, so = body.get("response_format"), body.get("structured_outputs")
+    if rf is not None and so is not None:
+        raise invalid("structured_outputs", "use either 'response_format' or 'structured_outputs', not both")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise invalid("response_format", "'response_format' must be {\"type\": \"text\"}, "
+                          "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": {...}}")
+        if rf["type"] == "text":
+            return None, None
+        if rf["type"] == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+            raise invalid("response_format.json_schema", "'response_format.json_schema' must be an object with "
+                          "a 'name' and a 'schema'")
+        schema = js.get("schema")
+        if schema is None:
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if not isinstance(schema, dict):
+            raise invalid("response_format.json_schema.schema", "'response_format.json_schema.schema' must be "
+                          "a JSON schema object")
+        return StructuredOutputsParams(json=schema), "response_format"
+    if so is None:
+        return None, None
+    if not isinstance(so, dict):
+        raise invalid("structured_outputs", f"'structured_outputs' must be an object with one of {list(_STRUCTURED_KEYS)}")
+    unknown = sorted(set(so) - set(_STRUCTURED_KEYS))
+    if unknown:
+        raise invalid("structured_outputs", f"'structured_outputs' has unsupported key {unknown[0]!r}; "
+                      f"supported: {list(_STRUCTURED_KEYS)}")
+    kw = {k: v for k, v in so.items() if v is not None and v is not False}
+    try:
+        return StructuredOutputsParams(**kw), "structured_outputs"
+    except ValueError as e:
+        raise invalid("structured_outputs", str(e)) from None
 
 
 def _stop(v: Any) -> list[str] | None:
@@ -213,16 +298,23 @@ def parse_chat(body: dict, max_n: int) -> ChatRequest:
     if not isinstance(msgs, list) or not msgs:
         raise invalid("messages", "'messages' must be a non-empty list of messages")
     messages = [_message(m, i) for i, m in enumerate(msgs)]
+    tools = parse_tools(body, invalid)
+    if tools is not None and tools.schema() is not None:
+        if common["structured_param"] is not None:
+            raise invalid(common["structured_param"], f"'{common['structured_param']}' cannot be combined with "
+                          f"tool_choice {tools.choice if tools.choice != 'named' else 'naming a function'}")
+        common["sampling"]["structured_outputs"] = StructuredOutputsParams(json=tools.schema())
+        common["structured_param"] = "tools"
     num_logprobs = None
     if get_bool(body, "logprobs", False):
         num_logprobs = get_param(body, "top_logprobs", 0, limit="logprobs")
     elif body.get("top_logprobs") is not None:
         get_param(body, "top_logprobs", limit="logprobs")
         raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
-    return ChatRequest(**common, num_logprobs=num_logprobs, messages=messages)
+    return ChatRequest(**common, num_logprobs=num_logprobs, messages=messages, tools=tools)
 
 
-def _message(m: Any, i: int) -> dict[str, str]:
+def _message(m: Any, i: int) -> dict[str, Any]:
     p = f"messages[{i}]"
     if not isinstance(m, dict):
         raise invalid(p, f"'{p}' must be an object with 'role' and 'content'")
@@ -235,14 +327,29 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" and isinstance(kind, str):
+                raise APIError(400, f"'{p}.content[{j}]' is a '{kind}' part; this model reads only text parts",
+                               param=f"{p}.content[{j}]", code="unsupported_parameter")
+            if kind != "text" or not isinstance(part.get("text"), str):
                 raise invalid(f"{p}.content[{j}]", f"'{p}.content[{j}]' must be a text part "
-                              "{\"type\": \"text\", \"text\": ...}; only text is supported")
+                              "{\"type\": \"text\", \"text\": ...}")
             parts.append(part["text"])
         content = "".join(parts)
     if not isinstance(content, str):
         raise invalid(f"{p}.content", f"'{p}.content' must be a string or a list of text parts")
-    return {"role": "system" if role == "developer" else role, "content": content}
+    msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if role != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                for c in calls):
+            raise invalid(f"{p}.tool_calls", f"'{p}.tool_calls' must be a list of "
+                          "{\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}} on an assistant message")
+        msg["tool_calls"] = calls
+    if role == "tool":
+        msg["tool_call_id"] = get_str(m, "tool_call_id")
+    return msg
 
 
 def parse_completion(body: dict, max_n: int, vocab_size: int) -> CompletionRequest:

@@ -503,3 +503,21 @@ def test_apply_penalties():
     got = logits.to(DEV)
     apply_penalties(got, *csr(prompts), *csr(outputs), pres.to(DEV), freq.to(DEV), rep.to(DEV))
     torch.testing.assert_close(got.cpu(), want, atol=1e-6, rtol=1e-6)
+
+
+def test_bitmask_matches_cpu():
+    """The CUDA sampler under a token bitmask: the tokens and masked logits of the CPU sampler."""
+    from pyengine.ops.sampling import sample
+    from test_sampling_op import random_bitmask
+
+    B, V = 16, 49155
+    logits = torch.randn(B, V, generator=gen(41)) * 3
+    mask, allowed = random_bitmask(B, V, 0.03, seed=42)
+    for params in (dict(temperature=0.0), dict(temperature=1.0, top_k=40, top_p=0.9, seed=3)):
+        dev_logits = logits.to(DEV)
+        got = sample(dev_logits, *sample_args(B, **params), bitmask=mask.to(DEV)).token_ids.cpu()
+        cpu_logits = logits.clone()
+        want = sample(cpu_logits, *sample_args(B, **params, device="cpu"), bitmask=mask).token_ids
+        assert torch.equal(got, want)
+        assert bool(allowed.gather(1, got[:, None].long()).all())
+        assert torch.equal(dev_logits.cpu(), cpu_logits)

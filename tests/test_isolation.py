@@ -84,12 +84,12 @@ def poison_sampler(engine, is_poison, calls=None):
     sequence samples in the batch: the step's KV writes already happened when it fails."""
     real = engine.runner.sample
 
-    def sample(logits, reqs):
+    def sample(logits, reqs, *rest):  # rest: the grammar bitmask
         if calls is not None:
             calls.append(len(reqs))
         if any(is_poison(r) for r in reqs):
             raise RuntimeError("poisoned row")
-        return real(logits, reqs)
+        return real(logits, reqs, *rest)
 
     engine.runner.sample = sample
 

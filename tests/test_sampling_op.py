@@ -285,3 +285,51 @@ def test_first_parallel_call_after_import_returns():
     env = dict(os.environ, PYENGINE_NUM_THREADS="2")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "2", out.stderr
+
+
+# ---- token bitmask (grammar-constrained decoding) -------------------------------------------------
+
+def random_bitmask(batch, vocab, density, seed):
+    """[batch, ceil(vocab/32)] int32 in xgrammar's layout and the bool [batch, vocab] it encodes."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(batch, vocab, generator=g) < density
+    allowed[torch.arange(batch), torch.randint(vocab, (batch,), generator=g)] = True  # never all masked
+    return pack_bitmask(allowed), allowed
+
+
+def pack_bitmask(allowed):
+    """bool [B, V] -> int32 [B, ceil(V/32)], bit j of word i = token 32*i + j (the torch reference)."""
+    batch, vocab = allowed.shape
+    words = -(-vocab // 32)
+    padded = torch.zeros(batch, words * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    packed = (padded.view(batch, words, 32) << torch.arange(32)).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 37])
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=20, top_p=0.9)])
+def test_bitmask_matches_torch_reference(vocab, kw):
+    """sample(bitmask=m) == sample(logits with disallowed tokens at -inf), and in place: the masked logits."""
+    batch = 12
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
+    mask, allowed = random_bitmask(batch, vocab, 0.05, seed=vocab + 1)
+    ref_logits = logits.masked_fill(~allowed, float("-inf"))
+    want = sample(ref_logits.clone(), **params(batch, seed=5, **kw), num_logprobs=3)
+    got_logits = logits.clone()
+    got = sample(got_logits, **params(batch, seed=5, **kw), num_logprobs=3, bitmask=mask)
+    assert torch.equal(got.token_ids, want.token_ids)
+    assert bool(allowed.gather(1, got.token_ids[:, None].long()).all())
+    torch.testing.assert_close(got.logprobs, want.logprobs)
+    assert torch.equal(got_logits, ref_logits)
+
+
+def test_bitmask_all_ones_changes_nothing_and_bad_shape_raises():
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(1))
+    ones = torch.full((3, 4), -1, dtype=torch.int32)
+    copy = logits.clone()
+    got = sample(copy, **params(3, seed=2), bitmask=ones)
+    assert torch.equal(got.token_ids, sample(logits, **params(3, seed=2)).token_ids)
+    assert torch.equal(copy, logits)
+    with pytest.raises(ValueError, match="bitmask"):
+        sample(logits, **params(3), bitmask=torch.zeros(3, 3, dtype=torch.int32))

@@ -70,3 +70,24 @@ def test_server_reads_the_same_limits():
         assert e.value.status == 400 and e.value.param == name and rng.describe() in e.value.message
     with pytest.raises(APIError, match="float32"):
         get_param({"top_p": 1e-50}, "top_p")
+
+
+@pytest.mark.parametrize("bias", [{5: 100.5}, {5: -101}, {-1: 1.0}, {"5": 1.0}, {5: True}, [5]])
+def test_logit_bias_range_and_types(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+    assert SamplingParams(logit_bias={5: 100, 7: -100.0}).logit_bias == {5: 100, 7: -100.0}
+
+
+def test_structured_outputs_sets_exactly_one_constraint():
+    from pyengine.sampling_params import StructuredOutputsParams
+
+    for kw in ({}, {"regex": "a", "choice": ["a"]}, {"json": {"type": "object"}, "json_object": True}):
+        with pytest.raises(ValueError, match="exactly one"):
+            StructuredOutputsParams(**kw)
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    p = SamplingParams(structured_outputs=StructuredOutputsParams(json={"b": 1, "a": 2}))
+    assert p.structured_outputs.key == ("json", '{"a": 2, "b": 1}')  # the cache key ignores key order
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})

@@ -119,6 +119,9 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
 
+    async def check_params(self, params) -> None:  # the real engine checks the vocabulary and grammars
+        pass
+
     @staticmethod
     def token(prompt: list[int], seed: int | None, choice: int, step: int) -> int:
         return ord(ALPHABET[(sum(prompt) + (seed or 0) + 7 * choice + 3 * step) % len(ALPHABET)])

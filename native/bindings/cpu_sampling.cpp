@@ -14,7 +14,7 @@ namespace py = pybind11;
 namespace pyengine::cpu {
 void sample(uintptr_t logits, int64_t B, int64_t V, uintptr_t temperature, uintptr_t top_k, uintptr_t top_p,
             uintptr_t min_p, uintptr_t seeds, uintptr_t steps, uintptr_t token_ids, uintptr_t logprobs,
-            int64_t num_top, uintptr_t top_ids, uintptr_t top_logprobs);
+            int64_t num_top, uintptr_t top_ids, uintptr_t top_logprobs, uintptr_t bitmask);
 void apply_penalties(uintptr_t logits, int64_t B, int64_t V, uintptr_t prompt_ids, int64_t num_prompt_ids,
                      uintptr_t prompt_offsets, uintptr_t output_ids, int64_t num_output_ids,
                      uintptr_t output_offsets, uintptr_t presence, uintptr_t frequency, uintptr_t repetition);
@@ -28,14 +28,14 @@ void register_sampling_ops(py::module_& m) {
       "sample",
       [](uintptr_t logits, int64_t B, int64_t V, uintptr_t temperature, uintptr_t top_k, uintptr_t top_p,
          uintptr_t min_p, uintptr_t seeds, uintptr_t steps, uintptr_t token_ids, uintptr_t logprobs,
-         int64_t num_top, uintptr_t top_ids, uintptr_t top_logprobs, uintptr_t) {
+         int64_t num_top, uintptr_t top_ids, uintptr_t top_logprobs, uintptr_t bitmask, uintptr_t) {
         pyengine::cpu::sample(logits, B, V, temperature, top_k, top_p, min_p, seeds, steps, token_ids, logprobs,
-                              num_top, top_ids, top_logprobs);
+                              num_top, top_ids, top_logprobs, bitmask);
       },
       py::arg("logits"), py::arg("batch"), py::arg("vocab"), py::arg("temperature"), py::arg("top_k"),
       py::arg("top_p"), py::arg("min_p"), py::arg("seeds"), py::arg("steps"), py::arg("token_ids"),
-      py::arg("logprobs"), py::arg("num_top"), py::arg("top_ids"), py::arg("top_logprobs"), py::arg("stream"),
-      nogil, "Per-row temperature/top-k/top-p/min-p sampling keyed by (seed, step); see sampling.cpp.");
+      py::arg("logprobs"), py::arg("num_top"), py::arg("top_ids"), py::arg("top_logprobs"), py::arg("bitmask"),
+      py::arg("stream"), nogil, "Per-row temperature/top-k/top-p/min-p sampling keyed by (seed, step), optionally under a token bitmask; see sampling.cpp.");
   m.def(
       "apply_penalties",
       [](uintptr_t logits, int64_t B, int64_t V, uintptr_t prompt_ids, int64_t num_prompt_ids,

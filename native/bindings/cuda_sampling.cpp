@@ -13,8 +13,8 @@ void register_sampling(py::module_& m) {
   m.def("sample", &pc::sample, py::arg("logits"), py::arg("batch"), py::arg("vocab"), py::arg("temperature"),
         py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("seeds"), py::arg("steps"),
         py::arg("token_ids"), py::arg("logprobs"), py::arg("num_top"), py::arg("top_ids"), py::arg("top_logprobs"),
-        py::arg("stream"), nogil,
-        "Per-row temperature/top-k/top-p/min-p sampling keyed by (seed, step); see sampling.cu.");
+        py::arg("bitmask"), py::arg("stream"), nogil,
+        "Per-row temperature/top-k/top-p/min-p sampling keyed by (seed, step), optionally under a token bitmask; see sampling.cu.");
   m.def("apply_penalties", &pc::apply_penalties, py::arg("logits"), py::arg("batch"), py::arg("vocab"),
         py::arg("prompt_ids"), py::arg("num_prompt_ids"), py::arg("prompt_offsets"), py::arg("output_ids"),
         py::arg("num_output_ids"), py::arg("output_offsets"), py::arg("presence"), py::arg("frequency"),

@@ -1,8 +1,11 @@
 // Token sampling and sampling penalties.
 //
-// sample(): logits [B, V] fp32 row-major (read only); per-row temperature/top_p/min_p fp32,
-//   top_k int32, seeds/steps int64; writes token_ids [B] int32 and, on request, logprobs [B] fp32
-//   and top_ids/top_logprobs [B, N]. One row at a time, no state shared between rows:
+// sample(): logits [B, V] fp32 row-major; per-row temperature/top_p/min_p fp32, top_k int32,
+//   seeds/steps int64; writes token_ids [B] int32 and, on request, logprobs [B] fp32 and
+//   top_ids/top_logprobs [B, N]. An optional bitmask [B, ceil(V/32)] int32 (bit j of word i set:
+//   token 32*i + j allowed; xgrammar's layout) first sets the disallowed logits to -inf in place,
+//   so everything below (and the logprobs) sees the constrained distribution. Otherwise the
+//   logits are only read. One row at a time, no state shared between rows:
 //   1. T == 0: exact argmax, ties to the lowest id.
 //   2. top-k: the minimum of the maxima of k disjoint id groups bounds the k-th largest logit from
 //      below; one vectorized gather above it leaves a few*k candidates, whose k-th largest value is
@@ -284,6 +287,23 @@ int32_t sample_row(const float* x, int64_t V, const RowParams& p, Scratch& s) {
   return last;
 }
 
+// x[i] = -inf where bit i of `mask` is clear (x holds V floats, mask ceil(V/32) words).
+void apply_row_bitmask(float* x, const int32_t* mask, int64_t V) {
+  int64_t w = 0;
+#if defined(__AVX512F__)
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  for (; 32 * w + 32 <= V; ++w) {
+    const uint32_t bits = static_cast<uint32_t>(mask[w]);
+    if (bits == 0xffffffffu) continue;
+    float* p = x + 32 * w;
+    _mm512_storeu_ps(p, _mm512_mask_mov_ps(ninf, static_cast<__mmask16>(bits), _mm512_loadu_ps(p)));
+    _mm512_storeu_ps(p + 16, _mm512_mask_mov_ps(ninf, static_cast<__mmask16>(bits >> 16), _mm512_loadu_ps(p + 16)));
+  }
+#endif
+  for (int64_t i = 32 * w; i < V; ++i)
+    if (!((static_cast<uint32_t>(mask[i >> 5]) >> (i & 31)) & 1u)) x[i] = kNegInf;
+}
+
 template <class T> T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
 [[noreturn]] void bad_value(const char* op, const char* what, int64_t row, double value, const char* allowed) {
@@ -305,7 +325,7 @@ void for_rows(int64_t rows, int64_t work, F&& fn) {
 
 void sample(uintptr_t logits, int64_t B, int64_t V, uintptr_t temperature, uintptr_t top_k, uintptr_t top_p,
             uintptr_t min_p, uintptr_t seeds, uintptr_t steps, uintptr_t token_ids, uintptr_t logprobs,
-            int64_t num_top, uintptr_t top_ids, uintptr_t top_logprobs) {
+            int64_t num_top, uintptr_t top_ids, uintptr_t top_logprobs, uintptr_t bitmask) {
   const float *temp = ptr<const float>(temperature), *tp = ptr<const float>(top_p), *mp = ptr<const float>(min_p);
   const int32_t* tk = ptr<const int32_t>(top_k);
   for (int64_t b = 0; b < B; ++b) {
@@ -313,12 +333,15 @@ void sample(uintptr_t logits, int64_t B, int64_t V, uintptr_t temperature, uintp
     if (!(tp[b] > 0.0f && tp[b] <= 1.0f)) bad_value("sample", "top_p", b, tp[b], "(0, 1]");
     if (!(mp[b] >= 0.0f && mp[b] <= 1.0f)) bad_value("sample", "min_p", b, mp[b], "[0, 1]");
   }
-  const float* x = ptr<const float>(logits);
+  float* x = ptr<float>(logits);
+  const int32_t* mask = ptr<const int32_t>(bitmask);
+  const int64_t words = (V + 31) / 32;
   const int64_t* sd = ptr<const int64_t>(seeds);
   const int64_t* st = ptr<const int64_t>(steps);
   int32_t* out = ptr<int32_t>(token_ids);
   for_rows(B, B * V, [&](int64_t b) {
-    const float* row = x + b * V;
+    float* row = x + b * V;
+    if (mask) apply_row_bitmask(row, mask + b * words, V);
     Scratch& s = scratch(V);
     const RowParams p{temp[b], tk[b], tp[b], mp[b], static_cast<uint64_t>(sd[b]), static_cast<uint64_t>(st[b])};
     const int32_t tok = sample_row(row, V, p, s);

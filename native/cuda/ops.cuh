@@ -51,7 +51,7 @@ void reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintpt
 // Same argument lists as native/bindings/cpu_sampling.cpp; rules at the top of sampling.cu.
 void sample(uintptr_t logits, int64_t batch, int64_t vocab, uintptr_t temperature, uintptr_t top_k, uintptr_t top_p,
             uintptr_t min_p, uintptr_t seeds, uintptr_t steps, uintptr_t token_ids, uintptr_t logprobs,
-            int64_t num_top, uintptr_t top_ids, uintptr_t top_logprobs, uintptr_t stream);
+            int64_t num_top, uintptr_t top_ids, uintptr_t top_logprobs, uintptr_t bitmask, uintptr_t stream);
 void apply_penalties(uintptr_t logits, int64_t batch, int64_t vocab, uintptr_t prompt_ids, int64_t num_prompt_ids,
                      uintptr_t prompt_offsets, uintptr_t output_ids, int64_t num_output_ids,
                      uintptr_t output_offsets, uintptr_t presence, uintptr_t frequency, uintptr_t repetition,

@@ -1,8 +1,11 @@
 // Token sampling and sampling penalties: the rules of native/cpu/sampling.cpp on the GPU.
 //
-// sample(): logits [B, V] fp32 row-major (read only); temperature/top_p/min_p [B] fp32, top_k [B]
+// sample(): logits [B, V] fp32 row-major; temperature/top_p/min_p [B] fp32, top_k [B]
 //   int32, seeds/steps [B] int64 (all device pointers); writes token_ids [B] int32 and, when the
-//   pointers are non-zero, logprobs [B] and top_ids/top_logprobs [B, num_top].
+//   pointers are non-zero, logprobs [B] and top_ids/top_logprobs [B, num_top]. An optional
+//   bitmask [B, ceil(V/32)] int32 (bit j of word i set: token 32*i + j allowed) first sets the
+//   disallowed logits to -inf in place (bitmask_kernel, one thread per word), as on the CPU;
+//   otherwise the logits are only read.
 //   Launch: grid.x = B, one 1024-thread block per row, no global scratch. Every pass over the row
 //   is float4 loads, four in flight per thread (the row stays in L2). Searches are radix
 //   searches (8 bits per level, four levels, a 256-bin shared histogram filled with atomics) for
@@ -184,6 +187,18 @@ __device__ bool radix_search(Visit&& visit, u64 need, uint32_t& result, SampleSh
   }
   result = prefix;
   return true;
+}
+
+// logits[b, i] = -inf where bit i of row b's mask is clear. grid = (ceil(words/256), B).
+__global__ void bitmask_kernel(float* __restrict__ logits, const int32_t* __restrict__ bitmask, int V, int words) {
+  const int w = blockIdx.x * blockDim.x + threadIdx.x;
+  if (w >= words) return;
+  const int64_t b = blockIdx.y;
+  const uint32_t bits = static_cast<uint32_t>(bitmask[b * words + w]);
+  if (bits == 0xffffffffu) return;
+  float* row = logits + b * V;
+  for (int j = 0; j < 32 && 32 * w + j < V; ++j)
+    if (!((bits >> j) & 1u)) row[32 * w + j] = -INFINITY;
 }
 
 __global__ void __launch_bounds__(kSampleThreads)
@@ -395,13 +410,19 @@ T* ptr(uintptr_t p) {
 
 void sample(uintptr_t logits, int64_t batch, int64_t vocab, uintptr_t temperature, uintptr_t top_k, uintptr_t top_p,
             uintptr_t min_p, uintptr_t seeds, uintptr_t steps, uintptr_t token_ids, uintptr_t logprobs,
-            int64_t num_top, uintptr_t top_ids, uintptr_t top_logprobs, uintptr_t stream) {
+            int64_t num_top, uintptr_t top_ids, uintptr_t top_logprobs, uintptr_t bitmask, uintptr_t stream) {
   const char* op = "sample";
   if (vocab <= 0 || vocab > INT_MAX / 2) throw std::invalid_argument("pyengine._cuda.sample: vocab must be in [1, 2^30]");
   if (num_top > 0 && (logprobs == 0 || top_ids == 0 || top_logprobs == 0))
     throw std::invalid_argument("pyengine._cuda.sample: num_top > 0 needs logprobs, top_ids and top_logprobs");
   if (batch == 0) return;
   DeviceGuard guard(reinterpret_cast<void*>(logits), op);
+  if (bitmask) {
+    const int words = static_cast<int>((vocab + 31) / 32);
+    bitmask_kernel<<<dim3((words + 255) / 256, static_cast<unsigned>(batch)), 256, 0, as_stream(stream)>>>(
+        ptr<float>(logits), ptr<const int32_t>(bitmask), static_cast<int>(vocab), words);
+    check_launch(op);
+  }
   sample_kernel<<<batch, kSampleThreads, 0, as_stream(stream)>>>(
       ptr<const float>(logits), static_cast<int>(vocab), ptr<const float>(temperature), ptr<const int>(top_k),
       ptr<const float>(top_p), ptr<const float>(min_p), ptr<const int64_t>(seeds), ptr<const int64_t>(steps),

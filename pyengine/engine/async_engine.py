@@ -105,6 +105,14 @@ class AsyncLLM:
             if not finished:  # consumer left (disconnect, cancel): free the request's blocks
                 self._command(("abort", request_id))
 
+    async def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError naming what the engine cannot use in params (a token id beyond the
+        vocabulary, an invalid grammar). Grammars compile here, off the event loop, and stay cached."""
+        if params.structured_outputs is None:
+            self.engine.check_params(params)
+        else:
+            await asyncio.to_thread(self.engine.check_params, params)
+
     async def abort(self, request_id: str) -> None:
         self._command(("abort", request_id))
 

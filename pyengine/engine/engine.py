@@ -139,6 +139,7 @@ class Engine:
                                   max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
                                   eos_ids=sorted(self.eos_ids), device=self.device)
         self.metrics = EngineMetrics(self.model_name)
+        self._structured = None  # pyengine.structured.StructuredOutputs, built on first use
         self.groups: dict[str, _Group] = {}
         self._pending_aborts: collections.deque[str] = collections.deque()
         self.num_steps = 0
@@ -167,16 +168,32 @@ class Engine:
             raise ValueError(f"prompt has {n} tokens but the KV cache holds only {capacity} tokens "
                              f"({self.pool.num_blocks} blocks of {self.pool.block_size}); raise kv_cache_memory")
 
+    @property
+    def structured(self):
+        """Grammar compiler and bitmask filler (xgrammar), built on the first structured request."""
+        if self._structured is None:
+            from pyengine.structured import StructuredOutputs
+
+            self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+            self.runner.structured = self._structured
+        return self._structured
+
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids and logprob counts against this vocabulary."""
+        """What SamplingParams cannot check alone: token ids and logprob counts against this vocabulary,
+        and the grammar (compiled here, so a later add_request finds it in the cache)."""
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[0]}")
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias has token id {bad[0]}, outside this model's vocabulary [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {k}")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     priority: int = 0, arrival_time: float | None = None,
@@ -200,6 +217,8 @@ class Engine:
                           arrival_time=arrival, max_model_len=min(self.max_model_len, capacity), seed=seed)
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings,
                                                params.include_stop_str_in_output, params.skip_special_tokens)
+            if params.structured_outputs is not None:
+                req.grammar = self.structured.matcher(params.structured_outputs)
             group.children.append(req)
         self.groups[request_id] = group
         first, *rest = group.children
@@ -332,6 +351,10 @@ class Engine:
                 req.logprobs.append(lp)
                 req.cumulative_logprob += lp.logprob
             stop = check_token_stop(req, tok, eos)
+            if req.grammar is not None and not req.grammar.accept_token(tok) and stop is None:
+                # only when something overrode the mask (min_tokens banning every allowed token)
+                log.warning("request %s: token %d breaks its grammar; stopping it", req.request_id, tok)
+                stop = (RequestStatus.FINISHED_STOPPED, None)
             if stop is None or stop[0] is RequestStatus.FINISHED_LENGTH:
                 hit = req.detok.add(tok)
                 if hit is not None:

@@ -9,6 +9,8 @@ import enum
 import random
 import time
 
+import numpy as np
+
 from pyengine.sampling_params import SamplingParams
 
 
@@ -40,7 +42,7 @@ class Request:
         "arrival_time", "queued_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "max_total_tokens", "logprobs", "cumulative_logprob", "prompt_logprobs", "detok",
         "arrival_seq", "admit_seq",
-        "num_computed_prompt_tokens", "sampling_row",
+        "num_computed_prompt_tokens", "sampling_row", "grammar", "logit_bias",
     )
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -90,6 +92,11 @@ class Request:
         # seed, has_penalties, logprobs (-1 = none).
         self.sampling_row = (params.temperature, params.top_k, params.top_p, params.min_p, self.seed,
                              params.has_penalties, -1 if params.logprobs is None else params.logprobs)
+        self.grammar = None  # an xgrammar GrammarMatcher (pyengine.structured) under structured_outputs
+        # logit_bias as (token ids int64, biases fp32) arrays, built once for the runner
+        self.logit_bias = None if not params.logit_bias else (
+            np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias)),
+            np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias)))
         self.arrival_seq = 0  # set by the scheduler: FCFS order
         self.admit_seq = 0  # set by the scheduler on each admission
 

@@ -6,6 +6,7 @@ prepare_sampling); torch tensors are zero-copy views of them on CPU, one copy ea
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,9 @@ class ModelRunner:
             "seeds": np.zeros(S, np.int64), "steps": np.zeros(S, np.int64),
         }
         self.t = {k: torch.from_numpy(v) for k, v in self.np.items()}
+        self.structured = None  # pyengine.structured.StructuredOutputs, set by the engine when first needed
+        self._bitmask: torch.Tensor | None = None  # [max_num_seqs, ceil(vocab/32)] int32, CPU
+        self.mask_time = 0.0  # seconds spent filling grammar bitmasks (all steps)
 
     def _dev(self, name: str, n: int) -> torch.Tensor:
         t = self.t[name][:n]
@@ -74,11 +78,13 @@ class ModelRunner:
             rows = torch.tensor([r for _, rs, _ in plan for r in rs], dtype=torch.int64, device=self.device)
             indices = torch.cat([indices, rows])
         logits = self.model(self._dev("input_ids", T), self._dev("positions", T), self.kv_caches, meta, indices)
+        reqs = [r for r, s in zip(out.reqs, out.sampling) if s]
+        # On CUDA the forward pass is still running: the grammar masks are filled meanwhile.
+        bitmask = self._fill_bitmask(reqs) if self.structured is not None else None
         prompt = self._prompt_logprobs(logits[nl:], plan) if plan else None
         if nl == 0:
             return StepResult([], prompt_logprobs=prompt) if prompt else None
-        reqs = [r for r, s in zip(out.reqs, out.sampling) if s]
-        result = self.sample(logits[:nl], reqs)
+        result = self.sample(logits[:nl], reqs, bitmask)
         result.prompt_logprobs = prompt
         return result
 
@@ -123,19 +129,35 @@ class ModelRunner:
             result.append((req, entries))
         return result
 
-    def sample(self, logits: torch.Tensor, reqs: list) -> StepResult:
+    def _fill_bitmask(self, reqs: list) -> torch.Tensor | None:
+        """The sampling rows' grammar bitmask on the logits' device, or None when no row has a grammar."""
+        if not reqs:
+            return None
+        t0 = time.perf_counter()
+        if self._bitmask is None:
+            self._bitmask = self.structured.new_bitmask(len(self.np["temperature"]))
+        mask = self.structured.fill_bitmask(reqs, self._bitmask)
+        self.mask_time += time.perf_counter() - t0
+        if mask is None or self.device.type == "cpu":
+            return mask
+        return mask.to(self.device, non_blocking=True)
+
+    def sample(self, logits: torch.Tensor, reqs: list, bitmask: torch.Tensor | None = None) -> StepResult:
+        """Penalties, logit_bias and min_tokens in place on logits, then the native sampler (under the
+        grammar bitmask, when given)."""
         b = self.np
         n = len(reqs)
         all_greedy, any_pen, max_lp = prepare_sampling(
             reqs, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["steps"])
         if any_pen:
             self._apply_penalties(logits, reqs)
+        self._apply_logit_bias(logits, reqs)
         self._mask_min_tokens(logits, reqs)
-        if all_greedy and max_lp < 0:
+        if all_greedy and max_lp < 0 and bitmask is None:
             return StepResult(logits.argmax(dim=-1).tolist())
         res = sample(logits, self._dev("temperature", n), self._dev("top_k", n), self._dev("top_p", n),
                      self._dev("min_p", n), self._dev("seeds", n), self._dev("steps", n),
-                     num_logprobs=max_lp if max_lp >= 0 else None)
+                     num_logprobs=max_lp if max_lp >= 0 else None, bitmask=bitmask)
         result = StepResult(res.token_ids.tolist())
         if max_lp >= 0:
             result.logprobs = res.logprobs.tolist()
@@ -166,6 +188,17 @@ class ModelRunner:
         oi, oo = csr(output_parts)
         f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=self.device)  # noqa: E731
         apply_penalties(logits, pi, po, oi, oo, f32(pres), f32(freq), f32(rep))
+
+    def _apply_logit_bias(self, logits: torch.Tensor, reqs: list) -> None:
+        """logits[row, id] += bias for each request's logit_bias, in one scatter-add."""
+        parts = [(i, r.logit_bias) for i, r in enumerate(reqs) if r.logit_bias is not None]
+        if not parts:
+            return
+        rows = np.concatenate([np.full(len(ids), i, np.int64) for i, (ids, _) in parts])
+        cols = np.concatenate([ids for _, (ids, _) in parts])
+        vals = np.concatenate([v for _, (_, v) in parts])
+        dev = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        logits.index_put_((dev(rows), dev(cols)), dev(vals), accumulate=True)
 
     def _mask_min_tokens(self, logits: torch.Tensor, reqs: list) -> None:
         """Below min_tokens, EOS and stop tokens cannot be sampled (vLLM semantics)."""

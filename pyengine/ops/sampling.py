@@ -25,14 +25,17 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, *,
-           num_logprobs: int | None = None) -> SampleResult:
-    """Sample one token per row of logits [B, V] fp32 (not modified).
+           num_logprobs: int | None = None, bitmask: torch.Tensor | None = None) -> SampleResult:
+    """Sample one token per row of logits [B, V] fp32.
 
     temperature/top_p/min_p [B] fp32, top_k [B] int32 (<= 0: off), seeds/steps [B] int64.
     temperature 0 is exact argmax (ties to the lowest id); top_p in (0, 1] (1: off); min_p in [0, 1]
     (0: off); out-of-range values raise ValueError naming the row (checked natively on CPU).
     num_logprobs: None -> no logprobs; 0 -> the sampled token's; N > 0 -> also the top-N, where
     logprobs are log_softmax of the input logits (before temperature and filters).
+    bitmask: None, or [B, ceil(V/32)] int32 on logits' device (bit j of word i set: token 32*i + j
+    allowed; xgrammar's layout). Disallowed logits are set to -inf in place first, so the draw and
+    the logprobs see the constrained distribution. Without a bitmask the logits are not modified.
     """
     check_tensor("logits", logits, dtypes=(torch.float32,), ndim=2)
     batch, vocab = logits.shape
@@ -46,6 +49,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if num_logprobs is not None and (isinstance(num_logprobs, bool) or not isinstance(num_logprobs, int)
                                      or not 0 <= num_logprobs <= vocab):
         raise ValueError(f"num_logprobs must be None or an int in [0, {vocab}], got {num_logprobs!r}")
+    if bitmask is not None:
+        check_tensor("bitmask", bitmask, dtypes=(torch.int32,), shape=(batch, -(-vocab // 32)), device=dev)
     token_ids = torch.empty(batch, dtype=torch.int32, device=dev)
     logprobs = top_ids = top_logprobs = None
     num_top = 0
@@ -61,7 +66,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
             min_p.data_ptr(), seeds.data_ptr(), steps.data_ptr(), token_ids.data_ptr(),
             0 if logprobs is None else logprobs.data_ptr(), num_top,
             0 if top_ids is None else top_ids.data_ptr(), 0 if top_logprobs is None else top_logprobs.data_ptr(),
-            cuda_stream(dev))
+            0 if bitmask is None else bitmask.data_ptr(), cuda_stream(dev))
     return SampleResult(token_ids, logprobs, top_ids, top_logprobs)
 
 
