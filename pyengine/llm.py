@@ -99,5 +99,6 @@ def _merge(results: dict[str, RequestOutput], delta: RequestOutput) -> None:
     full.outputs.sort(key=lambda c: c.index)
     full.finished = delta.finished
     full.metrics = delta.metrics
+    full.error = delta.error
     if delta.prompt_logprobs is not None:
         full.prompt_logprobs = delta.prompt_logprobs

@@ -1,21 +1,94 @@
-"""Per-request sampling parameters, validated up front (vLLM names and semantics)."""
+"""Per-request sampling parameters, validated up front (vLLM names and semantics).
+
+Every numeric field is checked in the type the native step converts it to (LIMITS below: int32,
+int64 or float32), so a request that passes can never fail inside a shared step. The server's 400s
+(server/protocol.py) read the same LIMITS.
+"""
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass, field
+from typing import Any
 
-_MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+MAX_LOGPROBS = 20  # OpenAI's bound on top logprobs
+MAX_N = 128  # OpenAI's bound on choices per request
+
+
+def _float32(v: float) -> float:
+    """v rounded to float32 (|v| must be within float32's range)."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+@dataclass(frozen=True)
+class Range:
+    """A numeric field's allowed values in the native type the engine hands it to.
+
+    kind "int32"/"int64": an int (not a bool) in [lo, hi]. kind "float32": a finite int or float;
+    it is taken as float32, so a nonzero value that underflows to 0 there *is* 0 (then checked
+    against the range: temperature and min_p accept 0, top_p and repetition_penalty refuse it).
+    """
+
+    kind: str  # "int32" | "int64" | "float32"
+    lo: float
+    hi: float
+    lo_open: bool = False
+
+    def describe(self) -> str:
+        if self.kind == "float32":
+            return f"a number in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+        return f"an integer in [{self.lo}, {self.hi}]"
+
+    def convert(self, value: Any) -> int | float:
+        """The value as the engine keeps it, or ValueError("must be ..., got ...") (no field name)."""
+        types = (int, float) if self.kind == "float32" else int
+        v = value
+        ok = isinstance(value, types) and not isinstance(value, bool) and self.lo <= value <= self.hi  # NaN fails
+        if ok and self.kind == "float32":
+            v = float(value)
+            if abs(v) < 1.0 and _float32(v) == 0.0:  # underflows in float32
+                v = 0.0
+        if not ok or (self.lo_open and v == self.lo):
+            shown = f"{value!r} ({v:g} as float32)" if ok and v != value else repr(value)[:40]
+            raise ValueError(f"must be {self.describe()}, got {shown}")
+        return v
+
+
+# The one definition of every numeric sampling field's range (ranges are OpenAI's where it defines them).
+LIMITS: dict[str, Range] = {
+    "n": Range("int32", 1, MAX_N),
+    "temperature": Range("float32", 0.0, 2.0),
+    "top_p": Range("float32", 0.0, 1.0, lo_open=True),
+    "top_k": Range("int32", -1, INT32_MAX),
+    "min_p": Range("float32", 0.0, 1.0),
+    "seed": Range("int64", 0, INT64_MAX),
+    "max_tokens": Range("int32", 1, INT32_MAX),
+    "min_tokens": Range("int32", 0, INT32_MAX),
+    "presence_penalty": Range("float32", -2.0, 2.0),
+    "frequency_penalty": Range("float32", -2.0, 2.0),
+    "repetition_penalty": Range("float32", 0.0, 2.0, lo_open=True),
+    "logprobs": Range("int32", 0, MAX_LOGPROBS),
+    "prompt_logprobs": Range("int32", 0, MAX_LOGPROBS),
+    "stop_token_ids": Range("int32", 0, INT32_MAX),  # each id; the engine checks it against its vocabulary
+}
+_OPTIONAL = ("seed", "max_tokens", "logprobs", "prompt_logprobs")  # None allowed
+_FLAGS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop.
+    """How to pick tokens and when to stop. Numeric ranges: LIMITS.
 
     temperature 0 means greedy (exact argmax). top_k <= 0 and top_p == 1 and min_p == 0 turn the
-    filters off. seed None draws a random seed when the request is created, so every request has
-    a reproducible stream keyed by (seed, output position) whatever the batch it runs in.
+    filters off. Floats are taken as float32: a positive temperature or min_p too small for float32
+    becomes 0 (greedy; min-p off), a positive top_p or repetition_penalty that small is refused.
+    seed None: the engine draws one when the request is queued (from its own RNG, seeded by
+    EngineConfig.seed), so every request has a reproducible stream keyed by (seed, output position)
+    whatever the batch it runs in.
     logprobs: None = none; 0 = the sampled token's; N = also the top N.
-    prompt_logprobs: the same for each prompt token (given the tokens before it; the first has
-    none). Such a request computes its whole prompt: it takes nothing from the prefix cache.
+    prompt_logprobs: the same for each prompt token (given the tokens before it; the first has none).
     """
 
     n: int = 1
@@ -39,47 +112,30 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self._validate()
-
-    def _validate(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", "in [0, 100]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "an integer >= -1 (0 or -1 = off)")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise bad("seed", "None or an integer in [0, 2**63)")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "None or an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "an integer >= 0")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stops, (list, tuple, type(None))) or any(not isinstance(s, str) or not s for s in stops or ()):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        self.stop_strings = list(stops or [])
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        self.stop_token_ids = [self._convert("stop_token_ids", t) for t in ids or ()]
+        for name in LIMITS.keys() - {"stop_token_ids"}:
+            value = getattr(self, name)
+            if value is not None or name not in _OPTIONAL:
+                setattr(self, name, self._convert(name, value))
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", "in (0, 2]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= _MAX_LOGPROBS):
-            raise bad("logprobs", f"None or an integer in [0, {_MAX_LOGPROBS}]")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS):
-            raise bad("prompt_logprobs", f"None or an integer in [0, {_MAX_LOGPROBS}]")
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise bad("stop", "a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "a list of non-negative token ids")
+
+    @staticmethod
+    def _convert(name: str, value: Any) -> int | float:
+        try:
+            return LIMITS[name].convert(value)
+        except ValueError as e:
+            raise ValueError(f"{name} {e}") from None
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,7 @@ Unknown fields are ignored, as OpenAI's server does.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -13,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-MAX_LOGPROBS = 20
+from pyengine.sampling_params import INT64_MAX, LIMITS
+
 MAX_JSON_DEPTH = 64  # nesting levels of arrays and objects in a request body
 MAX_STOP = 16
-INT64_MAX = 2**63 - 1
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -106,8 +107,7 @@ def get_bool(body: dict, name: str, default: bool | None = None) -> bool | None:
     return v
 
 
-def get_int(body: dict, name: str, default: int | None = None, *, lo: int | None = None,
-            hi: int | None = None) -> int | None:
+def get_int(body: dict, name: str, default: int, *, lo: int, hi: int) -> int:
     v = body.get(name)
     if v is None:
         return default
@@ -115,22 +115,27 @@ def get_int(body: dict, name: str, default: int | None = None, *, lo: int | None
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise invalid(name, f"'{name}' must be an integer, got {_typename(v)}")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise invalid(name, f"'{name}' must be {_range(lo, hi)}, got {v}")
+    if not lo <= v <= hi:
+        raise invalid(name, f"'{name}' must be in [{lo}, {hi}], got {v}")
     return v
 
 
-def get_float(body: dict, name: str, default: float | None = None, *, lo: float | None = None,
-              hi: float | None = None, lo_open: bool = False) -> float | None:
+def get_param(body: dict, name: str, default: Any = None, *, limit: str | None = None,
+              hi: int | None = None) -> Any:
+    """A sampling field, checked against SamplingParams' LIMITS[limit or name] (the engine's own
+    native-type ranges, one definition); `hi` tightens the upper bound (the server's max n)."""
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise invalid(name, f"'{name}' must be a number, got {_typename(v)}")
-    v = float(v)
-    if v != v or (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
-        raise invalid(name, f"'{name}' must be {_range(lo, hi, lo_open)}, got {v:g}")
-    return v
+    rng = LIMITS[limit or name]
+    if hi is not None:
+        rng = dataclasses.replace(rng, hi=min(rng.hi, hi))
+    if rng.kind != "float32" and isinstance(v, float) and v.is_integer():
+        v = int(v)
+    try:
+        return rng.convert(v)
+    except ValueError as e:
+        raise invalid(name, f"'{name}' {e}") from None
 
 
 def get_str(body: dict, name: str, default: str | None = None) -> str | None:
@@ -140,14 +145,6 @@ def get_str(body: dict, name: str, default: str | None = None) -> str | None:
     if not isinstance(v, str):
         raise invalid(name, f"'{name}' must be a string, got {_typename(v)}")
     return v
-
-
-def _range(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
-    if lo is not None and hi is not None:
-        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
-    if lo is not None:
-        return f"{'>' if lo_open else '>='} {lo:g}"
-    return f"<= {hi:g}"
 
 
 # ---------------------------------------------------------------- requests
@@ -181,7 +178,7 @@ class CompletionRequest(GenerationRequest):
 def _common(body: dict, max_n: int) -> dict[str, Any]:
     """Validate the fields both endpoints share; return GenerationRequest kwargs."""
     model = get_str(body, "model")
-    n = get_int(body, "n", 1, lo=1, hi=max_n)
+    n = get_param(body, "n", 1, hi=max_n)
     stream = get_bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = False
@@ -189,20 +186,20 @@ def _common(body: dict, max_n: int) -> dict[str, Any]:
         if not isinstance(opts, dict):
             raise invalid("stream_options", "'stream_options' must be an object")
         include_usage = bool(get_bool(opts, "include_usage", False)) and stream
-    max_tokens = get_int(body, "max_completion_tokens", None, lo=1)
+    max_tokens = get_param(body, "max_completion_tokens", limit="max_tokens")
     if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens", None, lo=1)
+        max_tokens = get_param(body, "max_tokens")
     get_str(body, "user")
     s: dict[str, Any] = {
-        "temperature": get_float(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        "top_p": get_float(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        "top_k": get_int(body, "top_k", 0, lo=-1),
-        "min_p": get_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        "presence_penalty": get_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
-        "frequency_penalty": get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        "repetition_penalty": get_float(body, "repetition_penalty", 1.0, lo=0.0, hi=2.0, lo_open=True),
-        "seed": get_int(body, "seed", None, lo=0, hi=INT64_MAX),
-        "min_tokens": get_int(body, "min_tokens", 0, lo=0),
+        "temperature": get_param(body, "temperature", 1.0),
+        "top_p": get_param(body, "top_p", 1.0),
+        "top_k": get_param(body, "top_k", 0),
+        "min_p": get_param(body, "min_p", 0.0),
+        "presence_penalty": get_param(body, "presence_penalty", 0.0),
+        "frequency_penalty": get_param(body, "frequency_penalty", 0.0),
+        "repetition_penalty": get_param(body, "repetition_penalty", 1.0),
+        "seed": get_param(body, "seed"),
+        "min_tokens": get_param(body, "min_tokens", 0),
         "ignore_eos": get_bool(body, "ignore_eos", False),
         "stop": _stop(body.get("stop")),
         "stop_token_ids": _int_list(body, "stop_token_ids"),
@@ -216,7 +213,7 @@ def _common(body: dict, max_n: int) -> dict[str, Any]:
         raise invalid("min_tokens", f"'min_tokens' ({s['min_tokens']}) must not exceed "
                       f"max_tokens ({max_tokens})")
     return dict(model=model, n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                priority=get_int(body, "priority", 0), sampling=s)
+                priority=get_int(body, "priority", 0, lo=-INT64_MAX - 1, hi=INT64_MAX), sampling=s)
 
 
 def _stop(v: Any) -> list[str] | None:
@@ -236,9 +233,14 @@ def _int_list(body: dict, name: str) -> list[int] | None:
     v = body.get(name)
     if v is None:
         return None
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                          for x in v):
-        raise invalid(name, f"'{name}' must be a list of non-negative integers")
+    rng = LIMITS[name]
+    if not isinstance(v, list):
+        raise invalid(name, f"'{name}' must be a list of token ids")
+    for i, x in enumerate(v):
+        try:
+            rng.convert(x)
+        except ValueError as e:
+            raise invalid(name, f"'{name}[{i}]' {e}") from None
     return v or None
 
 
@@ -250,9 +252,9 @@ def parse_chat(body: dict, max_n: int) -> ChatRequest:
     messages = [_message(m, i) for i, m in enumerate(msgs)]
     num_logprobs = None
     if get_bool(body, "logprobs", False):
-        num_logprobs = get_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+        num_logprobs = get_param(body, "top_logprobs", 0, limit="logprobs")
     elif body.get("top_logprobs") is not None:
-        get_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+        get_param(body, "top_logprobs", limit="logprobs")
         raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
     return ChatRequest(**common, num_logprobs=num_logprobs, messages=messages)
 
@@ -283,7 +285,7 @@ def _message(m: Any, i: int) -> dict[str, str]:
 def parse_completion(body: dict, max_n: int, vocab_size: int) -> CompletionRequest:
     common = _common(body, max_n)
     prompts = _prompts(body.get("prompt"), vocab_size)
-    num_logprobs = get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    num_logprobs = get_param(body, "logprobs")
     echo = bool(get_bool(body, "echo", False))
     return CompletionRequest(**common, num_logprobs=num_logprobs, prompts=prompts, echo=echo)
 

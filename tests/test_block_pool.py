@@ -41,8 +41,8 @@ def test_lru_eviction_order_and_uncached_first():
     got = pool.allocate(1)
     assert got == [seqs[0][1][1]]
     # The evicted block dropped its hash: seq 0 now hits only its first block.
-    assert pool.lookup(seqs[0][0] + [1], [], 9) == [seqs[0][1][0]]
-    assert pool.lookup(seqs[1][0] + [1], [], 9) == seqs[1][1]
+    assert pool.lookup(seqs[0][0] + [1], []) == [seqs[0][1][0]]
+    assert pool.lookup(seqs[1][0] + [1], []) == seqs[1][1]
     # An uncached freed block is reused before any cached one.
     pool.free_blocks(got)
     assert pool.allocate(1) == got
@@ -54,11 +54,10 @@ def test_prefix_hit_capped_and_verified():
     blocks = pool.allocate(2)
     pool.cache_full_blocks(t, [], blocks, 0, 8)
     # Exactly two full blocks: the hit leaves the last token to compute -> only block 0.
-    assert pool.lookup(t, [], 8) == blocks[:1]
-    assert pool.lookup(t + [99], [], 9) == blocks
+    assert pool.lookup(t, []) == blocks[:1]
+    assert pool.lookup(t + [99], []) == blocks
     # Different first block -> chained hash differs -> no hit for the second block either.
-    assert pool.lookup([7] + t[1:] + [99], [], 9) == []
-    assert pool.query_tokens == 8 + 9 + 9 and pool.hit_tokens == 4 + 8
+    assert pool.lookup([7] + t[1:] + [99], []) == []
 
 
 def test_hash_collision_is_verified(monkeypatch):
@@ -69,8 +68,8 @@ def test_hash_collision_is_verified(monkeypatch):
     pool.cache_full_blocks(t, hashes, blocks, 0, 4)
     # A different sequence whose precomputed hash list claims the same hash must not hit.
     other = toks(5, 50)
-    assert pool.lookup(other, list(hashes), 5) == []
-    assert pool.lookup(t, [], 5) == blocks[:1]
+    assert pool.lookup(other, list(hashes)) == []
+    assert pool.lookup(t, []) == blocks[:1]
 
 
 def test_no_caching_mode():
@@ -78,4 +77,4 @@ def test_no_caching_mode():
     t = toks(9)
     b = pool.allocate(2)
     assert pool.cache_full_blocks(t, [], b, 0, 8) == 0
-    assert pool.lookup(t, [], 9) == []
+    assert pool.lookup(t, []) == []

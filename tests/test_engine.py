@@ -57,7 +57,7 @@ def test_fake_prefix_caching_and_chunked_prefill():
     out = llm.generate([b], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference(b, 8)
     assert out.metrics.num_cached_tokens == 496  # 31 full blocks of 16
-    req_computed = engine.pool.hit_tokens
+    req_computed = engine.scheduler.prefix_hit_tokens
     assert req_computed == 496
     assert_all_free(engine)
 
@@ -99,10 +99,10 @@ def test_fake_n_children_share_prompt_blocks():
     engine = fake_engine()
     prompt = prompts_of([100], seed=6)[0]
     llm = LLM.from_engine(engine)
-    hits0 = engine.pool.hit_tokens
-    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=6, seed=1, temperature=5.0), use_tqdm=False)[0]
+    hits0 = engine.scheduler.prefix_hit_tokens
+    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=6, seed=1, temperature=2.0), use_tqdm=False)[0]
     assert len(out.outputs) == 4 and len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct streams
-    assert engine.pool.hit_tokens - hits0 == 3 * 96  # children 1..3 reused the 6 full prompt blocks
+    assert engine.scheduler.prefix_hit_tokens - hits0 == 3 * 96  # children 1..3 reused the 6 full prompt blocks
     engine.add_request("ab", prompt, SamplingParams(n=3, max_tokens=50))
     engine.step()
     engine.abort_request("ab")  # children 1, 2 were still deferred

@@ -26,3 +26,45 @@ def test_defaults_and_normalisation():
     assert SamplingParams(stop=["a", "b"]).stop_strings == ["a", "b"]
     assert SamplingParams(repetition_penalty=1.2).has_penalties
     assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+# ---- native types: every value that passes fits the int32/int64/float32 the step converts it to
+@pytest.mark.parametrize("field,value", [
+    ("top_k", 2**31), ("max_tokens", 2**31), ("min_tokens", 2**31), ("stop_token_ids", [2**31]),
+    ("seed", 2**63), ("n", 129), ("n", True), ("top_k", 1.5), ("logprobs", True),
+    ("temperature", 2.5), ("temperature", float("nan")), ("top_p", float("inf")), ("temperature", 10**400),
+    ("top_p", 1e-50), ("repetition_penalty", 1e-46),  # positive, but 0 in float32
+    ("top_p", "0.5"), ("stop_token_ids", 3), ("ignore_eos", 1), ("stop", 7),
+])
+def test_native_type_bounds_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_float32_underflow_to_zero_is_documented_clamp():
+    """temperature / min_p too small for float32 become 0 (greedy / off), as the native step sees them."""
+    p = SamplingParams(temperature=1e-50, min_p=1e-60, presence_penalty=-1e-50)
+    assert p.temperature == 0.0 and p.greedy and p.min_p == 0.0 and p.presence_penalty == 0.0
+    # a float32 subnormal is still positive: kept as given
+    assert SamplingParams(top_p=1e-40).top_p == 1e-40
+
+
+def test_limits_edges_accepted():
+    p = SamplingParams(top_k=2**31 - 1, seed=2**63 - 1, max_tokens=2**31 - 1, min_tokens=5, n=128,
+                       temperature=2.0, logprobs=20, prompt_logprobs=0, stop_token_ids=[2**31 - 1])
+    assert p.top_k == 2**31 - 1 and p.n == 128
+
+
+def test_server_reads_the_same_limits():
+    """server/protocol.py has no second copy of the ranges: its 400 comes from LIMITS."""
+    from pyengine.sampling_params import LIMITS
+    from server.protocol import APIError, get_param
+
+    for name, rng in LIMITS.items():
+        if name == "stop_token_ids":
+            continue
+        with pytest.raises(APIError) as e:
+            get_param({name: rng.hi + 1}, name)
+        assert e.value.status == 400 and e.value.param == name and rng.describe() in e.value.message
+    with pytest.raises(APIError, match="float32"):
+        get_param({"top_p": 1e-50}, "top_p")

@@ -84,6 +84,7 @@ class AsyncLLM:
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         self.engine.check_prompt(len(ids))
+        self.engine.check_params(params)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         self._command(("add", request_id, text, ids, params, priority))
@@ -118,11 +119,11 @@ class AsyncLLM:
                 self._wakeup.clear()
                 continue
             try:
-                outs = engine.step()
-            except Exception as exc:  # fail the in-flight requests instead of hanging them
-                log.exception("engine step failed; failing %d requests", len(engine.groups))
+                outs = engine.step()  # a failing model run fails only the requests it is blamed on
+            except Exception as exc:  # the engine itself is broken: fail everything, take no more
+                log.exception("engine step failed; failing %d requests and stopping", len(engine.groups))
                 self._fail_all(exc)
-                continue
+                return
             if outs:
                 self._loop.call_soon_threadsafe(self._dispatch, outs)
 
@@ -140,16 +141,15 @@ class AsyncLLM:
                 self.engine.queue_abort(cmd[1])
 
     def _fail_all(self, exc: Exception) -> None:
-        ids = list(self.engine.groups)
-        err = RuntimeError(f"engine step failed: {exc!r}")
+        """The engine is dead: every stream ends with the error (queued commands included)."""
+        self._dead = exc
+        self._stop = True
         try:
-            for rid in ids:
+            for rid in list(self.engine.groups):
                 self.engine.abort_request(rid)
-        except Exception as exc2:  # state is broken: stop taking requests
-            self._dead = exc2
-            self._stop = True
-            ids = None
-        self._loop.call_soon_threadsafe(self._dispatch_error, ids, err)
+        except Exception:  # best effort: nothing runs after this
+            log.exception("aborting after the engine failed")
+        self._loop.call_soon_threadsafe(self._dispatch_error, EngineDeadError(f"the engine stopped after an error: {exc!r}"))
 
     def _dispatch(self, outs: list) -> None:
         for out in outs:
@@ -159,10 +159,9 @@ class AsyncLLM:
                     q.put_nowait(out[1])
                 continue
             q = self._streams.get(out.request_id)
-            if q is not None:
-                q.put_nowait(out)
+            if q is not None:  # an error reaches only the request it was blamed on
+                q.put_nowait(out if out.error is None else RuntimeError(f"engine step failed: {out.error}"))
 
-    def _dispatch_error(self, ids: list[str] | None, err: Exception) -> None:
-        for rid, q in list(self._streams.items()):
-            if ids is None or rid in ids:
-                q.put_nowait(err)
+    def _dispatch_error(self, err: Exception) -> None:
+        for q in self._streams.values():
+            q.put_nowait(err)

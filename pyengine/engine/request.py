@@ -45,7 +45,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, *, priority: int = 0, index: int = 0, parent_id: str | None = None,
-                 arrival_time: float | None = None, max_model_len: int = 1 << 30) -> None:
+                 arrival_time: float | None = None, max_model_len: int = 1 << 30, seed: int | None = None) -> None:
+        """seed: the stream's seed when params.seed is None (the engine draws it); random if both are None."""
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
         self.index = index
@@ -53,8 +54,12 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.priority = priority
-        # Children of one request get distinct streams from one user seed.
-        self.seed = (params.seed + index) % (1 << 63) if params.seed is not None else random.getrandbits(63)
+        # Children of one request get distinct streams from one seed.
+        if params.seed is not None:
+            seed = params.seed
+        elif seed is None:
+            seed = random.getrandbits(63)
+        self.seed = (seed + index) % (1 << 63)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V sit in the cache
@@ -76,8 +81,10 @@ class Request:
         self.max_total_tokens = min(self.num_prompt_tokens + max_tokens, max_model_len)
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0  # sum of the sampled tokens' logprobs (kept when logprobs is asked for)
-        # per prompt token, filled as the prompt is computed; the first token has none
-        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        # per prompt token, filled as the prompt is computed; the first token has none. Only the first
+        # child computes them (the prompt is shared): the others take the prompt from the prefix cache.
+        want = params.prompt_logprobs is not None and index == 0
+        self.prompt_logprobs: list | None = [None] if want else None
         self.detok = None  # the output processor's incremental detokenizer
         # What the batch builder reads every step, in one tuple: temperature, top_k, top_p, min_p,
         # seed, has_penalties, logprobs (-1 = none).

@@ -9,7 +9,9 @@ max_num_seqs and free blocks allow. When a running sequence needs a block and no
 last running sequence — in priority mode the running list is kept sorted, so that is the lowest
 priority, latest admitted — is preempted: its blocks are freed and it goes back to the front of
 the waiting queue to be recomputed later (its full blocks usually come back from the prefix cache).
-A step that preempted admits nobody.
+A step that preempted admits nobody. long_prefill_tokens (> 0) caps the tokens one sequence computes
+in a step, so a long prompt is chunked and cannot hold a step (and the requests waiting behind it)
+for long.
 """
 import heapq
 import time
@@ -56,12 +58,21 @@ cdef class Scheduler:
     cdef readonly dict requests  # request_id -> Request, every unfinished request
     cdef readonly int num_waiting
     cdef readonly long long num_preemptions
+    cdef readonly int long_prefill_tokens  # most tokens one sequence computes per step (0: no cap)
+    cdef readonly long long prefix_query_tokens  # prompt tokens of admissions that looked up the prefix cache
+    cdef readonly long long prefix_hit_tokens  # of which found cached
     cdef long long arrival_counter
     cdef long long admit_counter
 
-    def __init__(self, BlockPool pool, int max_num_seqs, int max_num_batched_tokens, str policy="fcfs"):
+    def __init__(self, BlockPool pool, int max_num_seqs, int max_num_batched_tokens, str policy="fcfs",
+                 int long_prefill_tokens=0):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be fcfs or priority, got {policy!r}")
+        if long_prefill_tokens < 0:
+            raise ValueError(f"long_prefill_tokens must be >= 0, got {long_prefill_tokens}")
+        self.long_prefill_tokens = long_prefill_tokens
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -111,21 +122,16 @@ cdef class Scheduler:
         self.running.insert(i, req)
 
     # ---- public ----------------------------------------------------------------------------
-    def add_request(self, req, sibling=None) -> None:
-        """Queue a validated request (the engine checks lengths against the context and pool).
-        With `sibling` (an earlier child of the same user request) it takes the sibling's place in
-        the queue order instead of the back."""
+    def add_request(self, req) -> None:
+        """Queue a validated request at the back (the engine checks lengths against the context and pool)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        if sibling is None:
-            req.arrival_seq = self.arrival_counter
-            self.arrival_counter += 1
-        else:
-            req.arrival_seq = sibling.arrival_seq
+        req.arrival_seq = self.arrival_counter
+        self.arrival_counter += 1
         req.queued_time = time.perf_counter()
         req.status = WAITING
         self.requests[req.request_id] = req
-        self._push_waiting(req, sibling is not None)
+        self._push_waiting(req, False)
 
     @property
     def num_running(self) -> int:
@@ -134,15 +140,20 @@ cdef class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    cdef inline bint _needs_all_logits(self, req):
+        """A request still owing prompt logprobs computes its whole prompt (no prefix-cache hit)."""
+        return req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
+
+    cdef inline int _cap(self, int budget):
+        """The tokens one sequence may compute this step out of `budget`."""
+        return budget if self.long_prefill_tokens == 0 or budget < self.long_prefill_tokens else self.long_prefill_tokens
+
     cdef tuple _admission(self, req, int budget):
         """(prefix-cache hit blocks, tokens to compute now, new blocks needed) to admit `req`."""
         cdef int bs = self.pool.block_size
-        if req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
-            hit = []  # it needs the logits of every prompt token: compute them all
-        else:
-            hit = self.pool.lookup(req.all_token_ids, req.block_hashes, req.num_prompt_tokens)
+        hit = [] if self._needs_all_logits(req) else self.pool.lookup(req.all_token_ids, req.block_hashes)
         cdef Py_ssize_t num_hit = len(hit) * bs
-        cdef Py_ssize_t n = min(<Py_ssize_t> len(req.all_token_ids) - num_hit, <Py_ssize_t> budget)
+        cdef Py_ssize_t n = min(<Py_ssize_t> len(req.all_token_ids) - num_hit, <Py_ssize_t> self._cap(budget))
         return hit, n, cdiv(num_hit + n, bs) - len(hit)
 
     cdef void _preempt_for_priority(self, list preempted):
@@ -187,8 +198,8 @@ cdef class Scheduler:
             ncomp = req.num_computed_tokens
             ntok = len(req.all_token_ids)
             n = ntok - ncomp
-            if n > budget:
-                n = budget
+            if n > self._cap(budget):
+                n = self._cap(budget)
             need = cdiv(ncomp + n, bs) - len(req.block_ids)
             while need > pool.num_free:
                 victim = running[len(running) - 1]
@@ -215,6 +226,9 @@ cdef class Scheduler:
                 if need > pool.num_free - pool.num_evictable(hit):
                     break  # head-of-line: keep arrival order, wait for blocks
                 self._pop_waiting()
+                if pool.enable_caching and not self._needs_all_logits(req):  # once per admission
+                    self.prefix_query_tokens += req.num_prompt_tokens
+                    self.prefix_hit_tokens += min(num_hit, <Py_ssize_t> req.num_prompt_tokens)
                 pool.touch(hit)
                 req.block_ids = hit + pool.allocate(need) if need > 0 else hit
                 req.num_computed_tokens = num_hit
