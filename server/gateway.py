@@ -38,8 +38,9 @@ def authenticate(header: str | None, keys: list[str]) -> str:
     given = given.strip()
     ok = scheme.lower() == "bearer" and bool(given)
     matched = False
+    given_bytes = given.encode("utf-8", "surrogateescape")  # aiohttp keeps non-UTF-8 header bytes so
     for key in keys:
-        matched |= hmac.compare_digest(given.encode(), key.encode())
+        matched |= hmac.compare_digest(given_bytes, key.encode())
     if not (ok and matched):
         raise APIError(401, "Incorrect or missing API key. Send 'Authorization: Bearer <key>'.",
                        type="authentication_error", code="invalid_api_key")

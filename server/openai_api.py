@@ -367,6 +367,9 @@ class OpenAIServing:
         except web.HTTPRequestEntityTooLarge:
             raise APIError(413, f"The request body is larger than {request.client_max_size} bytes.",
                            code="request_too_large") from None
+        except web.RequestPayloadError as e:  # e.g. a Content-Encoding it is not in
+            raise APIError(400, f"We could not read the body of your request: {e}",
+                           code="invalid_body") from None
         return parse_json(raw)
 
     async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:

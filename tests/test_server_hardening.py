@@ -253,3 +253,17 @@ def test_json_depth_counts_brackets_outside_strings_only():
     deep = MAX_JSON_DEPTH - 1  # plus the body's own object
     assert parse_json(b'{"a": ' + b"[" * deep + b"]" * deep + b"}")
     assert parse_json(b'{"a": "' + b"[{" * 1000 + b'\\"[[[["}') == {"a": "[{" * 1000 + '"[[[['}
+
+
+@pytest.mark.parametrize("head, body, status", [
+    (b"Content-Encoding: gzip\r\n", b"not gzip at all", 400),
+    (b"Content-Encoding: deflate\r\n", b"not deflate either", 400),
+    (b"Authorization: Bearer \xff\xfe\r\n", b'{"prompt": "x", "max_tokens": 2}', 401),  # not UTF-8
+])
+async def test_undecodable_bodies_and_headers_get_4xx(head, body, status):
+    async with Listening(FakeEngine(), api_keys=["k"]) as srv:
+        reader, writer = await srv.connect()
+        auth = b"" if b"Authorization" in head else b"Authorization: Bearer k\r\n"
+        writer.write(POST + head + auth + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got, _, answer = await read_response(reader)
+        assert got == status and set(json.loads(answer)["error"]) == {"message", "type", "param", "code"}
