@@ -132,7 +132,8 @@ class _GuardedConnection(asyncio.Protocol):
 
     def request_finished(self) -> None:
         self.busy = False
-        self._arm(self.guard.limits.keepalive_timeout, self._idle_expired)
+        if not self.transport.is_closing():  # e.g. the client left mid-request
+            self._arm(self.guard.limits.keepalive_timeout, self._idle_expired)
 
     # ---------------------------------------------------------------- timers
     def _arm(self, seconds: float, callback) -> None:
