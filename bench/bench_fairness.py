@@ -3,6 +3,10 @@ while an n=8 echo+logprobs request on a 2,000-token prompt runs (what a completi
 n=8, echo=true, logprobs=5 asks of the engine). Same engine, same run, alternating. Goal: <= 2x idle.
 
     python bench/bench_fairness.py [--prompt-tokens 2000] [--n 8] [--short-tokens 64] [--repeats 3]
+                                   [--long-prefill-tokens N]
+
+The short request waits for the step in flight when it arrives, then runs beside the heavy request's
+next prompt chunk, so its TTFT grows with EngineConfig.long_prefill_tokens (the chunk size).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ async def ttft(llm: AsyncLLM, prompt: list[int], rid: str) -> float:
 
 
 async def main(args) -> None:
-    llm = AsyncLLM(EngineConfig(num_threads=args.threads))
+    llm = AsyncLLM(EngineConfig(num_threads=args.threads, long_prefill_tokens=args.long_prefill_tokens))
     await llm.start()
     vocab = llm.model_config.vocab_size
     big = [(17 + 31 * i) % (vocab - 200) + 100 for i in range(args.prompt_tokens)]
@@ -51,7 +55,7 @@ async def main(args) -> None:
         await task
     await llm.shutdown()
     mi, ml = statistics.median(idle), statistics.median(loaded)
-    print(f"short request ({args.short_tokens} tokens) TTFT, median of {args.repeats}: idle {mi * 1000:.0f} ms, "
+    print(f"long_prefill_tokens={llm.engine.scheduler.long_prefill_tokens}: short request ({args.short_tokens} tokens) TTFT, median of {args.repeats}: idle {mi * 1000:.0f} ms, "
           f"beside n={args.n} echo+logprobs on {args.prompt_tokens} tokens {ml * 1000:.0f} ms -> {ml / mi:.2f}x "
           f"(goal <= 2x); the heavy request took {statistics.median(heavy_s):.1f} s")
     print("idle ms:", [round(x * 1000) for x in idle], "loaded ms:", [round(x * 1000) for x in loaded])
@@ -65,4 +69,5 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--delay", type=float, default=0.2, help="seconds between the heavy and the short request")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--long-prefill-tokens", type=int, default=None, help="default: the engine's")
     asyncio.run(main(ap.parse_args()))

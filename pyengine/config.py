@@ -44,7 +44,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # Most tokens one sequence computes in a step (0: up to max_num_batched_tokens): a long prompt is
     # prefilled in chunks of this size, so requests arriving behind it start within about one chunk.
-    long_prefill_tokens: int = 512
+    # None: 64 on CPU (a step's cost is about linear in its tokens there; bench/bench_fairness.py),
+    # 512 on CUDA (where small steps leave the GPU idle).
+    long_prefill_tokens: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     num_threads: int | None = None  # CPU threads for torch and the native kernels
     seed: int = 0  # seeds the RNG that draws a seed for each request without one
@@ -60,7 +62,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.long_prefill_tokens < 0:
+        if self.long_prefill_tokens is not None and self.long_prefill_tokens < 0:
             raise ValueError(f"long_prefill_tokens must be >= 0, got {self.long_prefill_tokens}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

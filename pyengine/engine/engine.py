@@ -151,8 +151,11 @@ class Engine:
                  "at full context (%d tokens)", num_blocks, bs, tokens, tokens * bpt / _GiB, bpt,
                  str(cache_dtype).removeprefix("torch."), tokens / self.max_model_len, self.max_model_len)
         self.pool = BlockPool(num_blocks, bs, config.enable_prefix_caching)
+        long_prefill = config.long_prefill_tokens
+        if long_prefill is None:
+            long_prefill = 512 if self.device.type == "cuda" else 64
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy, config.long_prefill_tokens)
+                                   config.scheduling_policy, long_prefill)
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, kv_caches, block_size=bs, max_num_seqs=config.max_num_seqs,
