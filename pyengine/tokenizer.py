@@ -72,11 +72,16 @@ class Tokenizer:
             eos += [int(v) for v in (value if isinstance(value, list) else [value] if value is not None else [])]
         return cls(tok, config, eos, path)
 
+    # The *_batch calls release the GIL while they work (encode/decode do not), so a long text
+    # tokenized in a worker thread does not stop the other threads (the server's event loop).
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if len(ids) < 1024:  # the common case, incremental detokenization: the cheaper call
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -12,7 +12,8 @@ from aiohttp import web
 
 from pyengine.config import memory_size
 from pyengine.request_log import RequestLog
-from server.app import SERVING, ServerConfig, create_app
+from server.app import SERVING, ServerConfig, create_app, listen
+from server.connections import ConnectionLimits
 from server.gateway import GatewayConfig
 from server.tools import PARSERS
 
@@ -78,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests per minute per API key (or client address); 0: no limit")
     s.add_argument("--rate-limit-tpm", type=int, default=0,
                    help="prompt + completion tokens per minute per API key; 0: no limit")
+    s.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client gets to send a request's headers (from its first byte), and "
+                        "as long again for its body; slower clients get 408 and are disconnected")
+    s.add_argument("--keepalive-timeout", type=float, default=15.0,
+                   help="seconds an idle connection (no request in progress) stays open")
+    s.add_argument("--max-connections", type=int, default=512,
+                   help="open connections at most; more are answered 503 and closed")
     s.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -113,20 +121,14 @@ def server_config(args: argparse.Namespace, request_log: RequestLog | None = Non
                         gateway=GatewayConfig(
         api_keys=keys, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
         request_timeout=args.request_timeout or None, rate_limit_rpm=args.rate_limit_rpm,
-        rate_limit_tpm=args.rate_limit_tpm))
+        rate_limit_tpm=args.rate_limit_tpm), connections=ConnectionLimits(
+        read_timeout=args.read_timeout, keepalive_timeout=args.keepalive_timeout,
+        max_connections=args.max_connections))
 
 
 async def serve(app: web.Application, host: str, port: int, grace: float, block_size: int) -> None:
     """Run until SIGTERM/SIGINT; then stop accepting, drain up to `grace` seconds, shut down."""
-    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
-                           shutdown_timeout=1.0, access_log=None)
-    await runner.setup()  # starts the engine
-    site = web.TCPSite(runner, host, port)
-    try:
-        await site.start()
-    except OSError:  # e.g. the port is taken: stop the engine before reporting it
-        await runner.cleanup()
-        raise
+    runner = await listen(app, host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -139,7 +141,8 @@ async def serve(app: web.Application, host: str, port: int, grace: float, block_
           f"  KV cache: {blocks} blocks x {block_size} tokens = {blocks * block_size} tokens", flush=True)
     await stop.wait()
     print("shutting down: draining in-flight requests", flush=True)
-    await site.stop()  # no new connections
+    for site in runner.sites:
+        await site.stop()  # no new connections
     await serving.drain(grace)
     await runner.cleanup()  # closes idle connections, stops the engine
     print("stopped", flush=True)
@@ -158,11 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot write the request log: {e}", file=sys.stderr)
             return 2
     try:
+        config = server_config(args, request_log)
         engine = AsyncLLM(engine_config(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, server_config(args, request_log))
+    app = create_app(engine, config)
     try:
         asyncio.run(serve(app, args.host, args.port, args.shutdown_grace, args.block_size))
     except OSError as e:

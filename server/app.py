@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from pyengine.request_log import RequestLog
 from server import gateway
+from server.connections import SERVER_NAME, ConnectionGuard, ConnectionLimits, GuardedSite
 from server.observe import Observer
 from server.openai_api import JOB_KEY, RATE_KEY, OpenAIServing
 from server.protocol import APIError
@@ -28,6 +29,7 @@ log = logging.getLogger("server")
 OPEN_PATHS = {"/health", "/"}  # and the web page's files under /static/ (the page asks for the key)
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 SERVING = web.AppKey("serving", OpenAIServing)
+CONNECTIONS = web.AppKey("connections", ConnectionGuard)
 _SAMPLER = web.AppKey("stats_sampler", asyncio.Task)
 
 
@@ -37,6 +39,7 @@ class ServerConfig:
     max_n: int = 16
     tool_call_parser: str | None = None  # None: chosen by the model's chat template (server/tools.py)
     gateway: gateway.GatewayConfig = field(default_factory=gateway.GatewayConfig)
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     request_log: RequestLog | None = None  # one row per generation request; closed on cleanup
     stats_interval: float = 10.0  # seconds between console stats lines; 0: none
 
@@ -45,7 +48,9 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     config = config or ServerConfig()
     gw = config.gateway
     serving = OpenAIServing(engine, config.served_model_name or engine.model_name, gw, max_n=config.max_n,
-                            tool_call_parser=config.tool_call_parser)
+                            tool_call_parser=config.tool_call_parser,
+                            read_timeout=config.connections.read_timeout)
+    guard = ConnectionGuard(config.connections)
     registry = CollectorRegistry()
     observer = Observer(engine, serving.model, registry, request_log=config.request_log,
                         stats_interval=config.stats_interval)
@@ -59,6 +64,16 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         start = time.perf_counter()
+        with guard.busy(request):
+            try:
+                resp = await respond(request, handler)
+            except (asyncio.CancelledError, ConnectionResetError):  # the client left (nginx's 499)
+                observer.finish(request, 499, start, request.get(JOB_KEY), route_of(request))
+                raise
+        observer.finish(request, resp.status, start, request.get(JOB_KEY), route_of(request))
+        return resp
+
+    async def respond(request: web.Request, handler) -> web.StreamResponse:
         try:
             is_open = request.path in OPEN_PATHS or request.path.startswith("/static/")
             key = "" if is_open else gateway.authenticate(
@@ -67,23 +82,23 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
             if request.content_length is not None and request.content_length > gw.max_body_bytes:
                 raise APIError(413, f"The request body is larger than {gw.max_body_bytes} bytes.",
                                code="request_too_large")
-            resp = await handler(request)
+            return await handler(request)
         except APIError as e:
-            resp = web.json_response(e.body(), status=e.status, headers=e.headers)
+            return web.json_response(e.body(), status=e.status, headers=e.headers)
         except web.HTTPException as e:  # routing: unknown path, wrong method
             if e.status < 400:
                 raise
-            resp = web.json_response(APIError(e.status, e.reason).body(), status=e.status,
+            return web.json_response(APIError(e.status, e.reason).body(), status=e.status,
                                      headers={k: v for k, v in e.headers.items() if k == "Allow"})
-        except (asyncio.CancelledError, ConnectionResetError):  # the client left (nginx's 499)
-            observer.finish(request, 499, start, request.get(JOB_KEY), route_of(request))
+        except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
             log.exception("unhandled error on %s", request.path)
-            resp = web.json_response(APIError(500, "Internal server error.", type="server_error").body(),
+            return web.json_response(APIError(500, "Internal server error.", type="server_error").body(),
                                      status=500)
-        observer.finish(request, resp.status, start, request.get(JOB_KEY), route_of(request))
-        return resp
+
+    async def server_header(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["Server"] = SERVER_NAME
 
     async def echo_request_id(request: web.Request, resp: web.StreamResponse) -> None:
         """X-Request-Id: the client's when it sent one, else the generation request's id."""
@@ -123,6 +138,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
 
     app = web.Application(middlewares=[middleware], client_max_size=gw.max_body_bytes)
     app[SERVING] = serving
+    app[CONNECTIONS] = guard
     app.router.add_post("/v1/chat/completions", serving.chat)
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_get("/v1/models", serving.models)
@@ -134,10 +150,26 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     app.router.add_get("/", index)
     app.router.add_static("/static/", STATIC_DIR)
     app.on_response_prepare.append(echo_request_id)
+    app.on_response_prepare.append(server_header)
     app.on_startup.append(start_engine)
     app.on_shutdown.append(draining)
     app.on_cleanup.append(stop_engine)
     return app
+
+
+async def listen(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Start the app (and so its engine) and listen on host:port, every connection held to the
+    app's ConnectionLimits. Stop with runner.cleanup()."""
+    guard = app[CONNECTIONS]
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, shutdown_timeout=1.0,
+                           access_log=None, keepalive_timeout=guard.limits.handler_keepalive)
+    await runner.setup()
+    try:
+        await GuardedSite(runner, host, port, guard).start()
+    except OSError:  # e.g. the port is taken: stop the engine before reporting it
+        await runner.cleanup()
+        raise
+    return runner
 
 
 def _as_dict(obj: Any) -> dict:

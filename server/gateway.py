@@ -38,8 +38,9 @@ def authenticate(header: str | None, keys: list[str]) -> str:
     given = given.strip()
     ok = scheme.lower() == "bearer" and bool(given)
     matched = False
+    given_bytes = given.encode("utf-8", "surrogateescape")  # aiohttp keeps non-UTF-8 header bytes so
     for key in keys:
-        matched |= hmac.compare_digest(given.encode(), key.encode())
+        matched |= hmac.compare_digest(given_bytes, key.encode())
     if not (ok and matched):
         raise APIError(401, "Incorrect or missing API key. Send 'Authorization: Bearer <key>'.",
                        type="authentication_error", code="invalid_api_key")
@@ -111,9 +112,10 @@ class RateLimiter:
     """Per-key buckets for requests/minute and tokens/minute.
 
     A request is charged its prompt tokens plus its max_tokens up front (so a burst cannot
-    overshoot), and the unused part of max_tokens is given back when it finishes. A request larger
-    than the whole bucket passes when the bucket is full (it could never pass otherwise) and leaves
-    the bucket in debt, so the key's next requests wait.
+    overshoot), and the unused part of max_tokens is given back when it finishes; a refused request
+    (see `refused`) gets its request and all its tokens back. A request larger than the whole
+    bucket passes when the bucket is full (it could never pass otherwise) and leaves the bucket in
+    debt, so the key's next requests wait.
     """
 
     def __init__(self, rpm: int, tpm: int, clock=time.monotonic) -> None:
@@ -142,10 +144,21 @@ class RateLimiter:
                             f"{tokens}.", wait, "tokens")
         b.take(tokens)
 
+    def refund_request(self, key: str) -> None:
+        b = self.requests.find(key) if self.rpm > 0 else None
+        if b is not None:
+            b.give_back(1)
+
     def refund_tokens(self, key: str, tokens: int) -> None:
         b = self.tokens.find(key) if self.tpm > 0 and tokens > 0 else None
         if b is not None:
             b.give_back(tokens)
+
+
+def refused(e: APIError) -> bool:
+    """Whether a request that ended in `e` was refused, and so costs nothing from its key's rate
+    limits: every error but a timeout (504), which comes after the engine worked on the request."""
+    return e.status != 504
 
 
 def _too_many(message: str, wait: float, kind: str) -> APIError:

@@ -1,13 +1,16 @@
 """OpenAI-compatible endpoints over an AsyncLLM-like engine, with SSE streaming.
 
-Request path: auth (middleware) -> request rate limit -> parse + validate -> tokenize (off the
-event loop when long) -> context budget -> SamplingParams -> token rate limit -> admission
-(bounded queue) -> engine.generate(). Every exit before the request finished (client gone,
-timeout, error) aborts it in the engine so its KV blocks return to the pool.
+Request path: auth (middleware) -> request rate limit -> read (408 when too slow) + parse + validate
+-> chat template + tokenize (off the event loop when long) -> context budget -> SamplingParams ->
+token rate limit -> admission (bounded queue) -> engine.generate(). Every exit before the request
+finished (client gone, timeout, error) aborts it in the engine so its KV blocks return to the pool.
+A request refused on the way (an error response other than a timeout) is not charged to the key's
+rate limits.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -19,6 +22,7 @@ from aiohttp import web
 
 from pyengine.sampling_params import SamplingParams
 from server import gateway, tools
+from server.connections import read_timeout_error
 from server.protocol import (APIError, ChatRequest, CompletionRequest, GenerationRequest, get_bool, get_str,
                              parse_chat, parse_completion, parse_detokenize, parse_json)
 
@@ -77,12 +81,14 @@ class _Job:
 
 class OpenAIServing:
     def __init__(self, engine: Any, served_model_name: str, gw: gateway.GatewayConfig, *,
-                 max_n: int, long_prompt_chars: int = 4096, tool_call_parser: str | None = None) -> None:
+                 max_n: int, read_timeout: float = 30.0, long_prompt_chars: int = 4096,
+                 tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model = served_model_name
         self.gw = gw
         self.max_n = max_n
+        self.read_timeout = read_timeout
         self.long_prompt_chars = long_prompt_chars
         self.limiter = gateway.RateLimiter(gw.rate_limit_rpm, gw.rate_limit_tpm)
         self.admission = gateway.AdmissionControl(gw.max_queue)
@@ -108,47 +114,59 @@ class OpenAIServing:
             "root": self.engine.model_name, "max_model_len": self.engine.max_model_len}]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = parse_json(await read_body(request))
-        self._check_model(get_str(body, "model"))
-        if "messages" in body:
-            chat = parse_chat({"messages": body["messages"]}, 1)
-            ids = await self._chat_ids(chat.messages, get_bool(body, "add_generation_prompt", True))
-        else:
-            prompt = get_str(body, "prompt") if "prompt" in body else get_str(body, "content")  # vLLM / llama.cpp
-            if prompt is None:
-                raise APIError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
-            add = get_bool(body, "add_special_tokens", True)
-            ids = await self._off_loop(len(prompt), self.tokenizer.encode, prompt, add)
+        async with self._charged(request):
+            body = await self._json_body(request)
+            self._check_model(get_str(body, "model"))
+            if "messages" in body:
+                chat = parse_chat({"messages": body["messages"]}, 1)
+                ids = await self._chat_ids(chat.messages, get_bool(body, "add_generation_prompt", True))
+            else:
+                prompt = get_str(body, "prompt") if "prompt" in body else get_str(body, "content")  # vLLM / llama.cpp
+                if prompt is None:
+                    raise APIError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
+                add = get_bool(body, "add_special_tokens", True)
+                ids = await self._off_loop(len(prompt), self.tokenizer.encode, prompt, add)
         return web.json_response({"tokens": ids, "count": len(ids),
                                   "max_model_len": self.engine.max_model_len})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = parse_json(await read_body(request))
-        self._check_model(get_str(body, "model"))
-        ids = parse_detokenize(body, self.tokenizer.vocab_size)
-        text = self.tokenizer.decode(ids)
+        async with self._charged(request):
+            body = await self._json_body(request)
+            self._check_model(get_str(body, "model"))
+            ids = parse_detokenize(body, self.tokenizer.vocab_size)
+            text = await self._off_loop(len(ids), self.tokenizer.decode, ids)
         return web.json_response({"prompt": text, "content": text})  # vLLM's and llama.cpp's names
 
     # ------------------------------------------------------------ generation endpoints
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        key = request[RATE_KEY]
-        self.limiter.check_request(key)
-        req = parse_chat(parse_json(await read_body(request)), self.max_n)
-        self._check_model(req.model)
-        ids = await self._chat_ids(req.messages, True, req.tools)
-        return await self._serve(request, key, "chat", req, [ids])
+        async with self._charged(request) as key:
+            req = parse_chat(await self._json_body(request), self.max_n)
+            self._check_model(req.model)
+            ids = await self._chat_ids(req.messages, True, req.tools)
+            return await self._serve(request, key, "chat", req, [ids])
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        async with self._charged(request) as key:
+            req = parse_completion(await self._json_body(request), self.max_n, self.tokenizer.vocab_size)
+            self._check_model(req.model)
+            prompt_ids = []
+            for p in req.prompts:
+                ids = p if isinstance(p, list) else await self._off_loop(len(p), self.tokenizer.encode, p, True)
+                prompt_ids.append(list(ids))
+            return await self._serve(request, key, "completion", req, prompt_ids)
+
+    @contextlib.asynccontextmanager
+    async def _charged(self, request: web.Request) -> AsyncIterator[str]:
+        """Charge the caller's key one request before any work (429 when its bucket is empty);
+        give it back when the request is refused. Yields the key."""
         key = request[RATE_KEY]
         self.limiter.check_request(key)
-        req = parse_completion(parse_json(await read_body(request)), self.max_n,
-                               self.tokenizer.vocab_size)
-        self._check_model(req.model)
-        prompt_ids = []
-        for p in req.prompts:
-            ids = p if isinstance(p, list) else await self._off_loop(len(p), self.tokenizer.encode, p, True)
-            prompt_ids.append(list(ids))
-        return await self._serve(request, key, "completion", req, prompt_ids)
+        try:
+            yield key
+        except APIError as e:
+            if gateway.refused(e):
+                self.limiter.refund_request(key)
+            raise
 
     async def _serve(self, request: web.Request, key: str, kind: str, req: GenerationRequest,
                      prompt_ids: list[list[int]]) -> web.StreamResponse:
@@ -174,18 +192,24 @@ class OpenAIServing:
                 raise APIError(400, str(e), param=param, code="invalid_value") from None
             cost += len(ids) + max_tokens * req.n
         self.limiter.check_tokens(key, cost)
-        self.admission.admit()
-        task = asyncio.current_task()
-        self.tasks.add(task)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         job = _Job(f"{prefix}-{uuid.uuid4().hex}", kind, req, prompt_ids, params)
         request[JOB_KEY] = job
+        refused = False
         try:
-            return await self._respond(request, job)
-        finally:
-            self.tasks.discard(task)
-            self.admission.finished()
-            spent = sum(len(x) for x in prompt_ids) + job.usage["completion_tokens"]
+            self.admission.admit()
+            task = asyncio.current_task()
+            self.tasks.add(task)
+            try:
+                return await self._respond(request, job)
+            finally:
+                self.tasks.discard(task)
+                self.admission.finished()
+        except APIError as e:
+            refused = gateway.refused(e)
+            raise
+        finally:  # tokens not spent go back: the unused part of max_tokens, or all of a refused request
+            spent = 0 if refused else job.usage["prompt_tokens"] + job.usage["completion_tokens"]
             self.limiter.refund_tokens(key, cost - spent)
 
     async def _respond(self, request: web.Request, job: _Job) -> web.StreamResponse:
@@ -377,11 +401,26 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist. This server serves "
                            f"`{self.model}`.", param="model", code="model_not_found")
 
+    async def _json_body(self, request: web.Request) -> dict:
+        """The request's JSON body: 413 when it is too large, 408 when it arrives too slowly."""
+        try:
+            async with asyncio.timeout(self.read_timeout):
+                raw = await request.read()
+        except TimeoutError:
+            raise read_timeout_error(self.read_timeout) from None
+        except web.HTTPRequestEntityTooLarge:
+            raise APIError(413, f"The request body is larger than {request.client_max_size} bytes.",
+                           code="request_too_large") from None
+        except web.RequestPayloadError as e:  # e.g. a Content-Encoding it is not in
+            raise APIError(400, f"We could not read the body of your request: {e}",
+                           code="invalid_body") from None
+        return parse_json(raw)
+
     async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool,
                         spec: tools.ToolSpec | None = None) -> list[int]:
-        """Render with the model's template: tools go in as `tools` when the template takes them, else in
-        the default format (server/tools.py), which also rewrites tool calls and tool results."""
-        n = sum(len(m["content"]) for m in messages)
+        """Render with the model's template and encode, in a thread for large inputs. Tools go in as
+        `tools` when the template takes them, else in the default format (server/tools.py), which also
+        rewrites tool calls and tool results."""
         functions = spec.functions if spec is not None and spec.choice != "none" else None
         template = getattr(self.tokenizer, "chat_template", None)
         kwargs = {}
@@ -390,14 +429,20 @@ class OpenAIServing:
                 kwargs["tools"] = spec.tools
         elif functions or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             messages = tools.render_default(messages, functions)
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        except Exception as e:  # a template may reject a role order, e.g. two system messages
-            raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
-        return await self._off_loop(n, self.tokenizer.encode, text, False)
+
+        def render_and_encode() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                          **kwargs)
+            except Exception as e:  # a template may reject a role order, e.g. two system messages
+                raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
+            return self.tokenizer.encode(text, False)
+
+        return await self._off_loop(sum(len(m["content"] or "") for m in messages), render_and_encode)
 
     async def _off_loop(self, size: int, fn, *args):
-        """Tokenize long inputs in a thread so the event loop keeps streaming other requests."""
+        """Run the chat template / tokenizer on long inputs in a thread, so that the event loop keeps
+        streaming other requests (the tokenizer releases the GIL while it works)."""
         if size <= self.long_prompt_chars:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
@@ -475,10 +520,3 @@ def _completion_logprobs(lps: list[dict], pos: int = 0) -> dict:
 def _sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
-
-async def read_body(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise APIError(413, f"The request body is larger than {request.client_max_size} bytes.",
-                       code="request_too_large") from None

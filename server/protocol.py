@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from pyengine.sampling_params import INT64_MAX, LIMITS, StructuredOutputsParams
 from server.tools import ToolSpec, parse_tools
 
+MAX_JSON_DEPTH = 64  # nesting levels of arrays and objects in a request body
 MAX_STOP = 16
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -47,15 +51,48 @@ def invalid(param: str, message: str) -> APIError:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """Decode a request body; anything but a JSON object is a 400."""
+    """Decode a request body; anything but a JSON object of valid Unicode is a 400.
+
+    Refused before they reach code that would fail on them: nesting deeper than MAX_JSON_DEPTH
+    (the decoder recurses), lone UTF-16 surrogates (they are not Unicode: the tokenizer cannot
+    encode them), NaN/Infinity (not JSON) and integers longer than Python converts.
+    """
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = raw.decode(json.detect_encoding(raw))  # strict: no surrogates encoded as UTF-8
+        if _json_depth(text) > MAX_JSON_DEPTH:
+            raise ValueError(f"it is nested deeper than {MAX_JSON_DEPTH} levels")
+        body = json.loads(text, parse_constant=_no_constant)
+        if _SURROGATE_ESCAPE.search(text):  # then a string may hold one alone: try to encode them all
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"The JSON body of your request holds a lone UTF-16 surrogate "
+                       f"({e.object[e.start:e.end]!r}), which is not valid Unicode.",
+                       code="invalid_json") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise APIError(400, f"We could not parse the JSON body of your request: {e}",
                        code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
     return body
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as int8
+
+
+def _json_depth(text: str) -> int:
+    """Deepest nesting of arrays/objects in JSON text, without parsing it: brackets outside strings,
+    summed. A body with few brackets cannot be deep, so most bodies skip the scan."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return 0
+    steps = _JSON_STRING.sub("", text).encode("ascii", "ignore").translate(_BRACKET_STEP, _NOT_BRACKET)
+    return int(np.frombuffer(steps, np.int8).cumsum(dtype=np.int64).max(initial=0))
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON value")
 
 
 # ---------------------------------------------------------------- typed field getters

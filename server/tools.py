@@ -26,7 +26,6 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 PARSERS = ("hermes", "llama3_json")
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
