@@ -7,7 +7,6 @@ int64 or float32), so a request that passes can never fail inside a shared step.
 from __future__ import annotations
 
 import json
-import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any
