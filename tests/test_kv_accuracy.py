@@ -4,9 +4,14 @@ and through the server. Each position's argmax (prompt_logprobs / echo+logprobs 
 agreement is what greedy decoding would see, position by position, without drifting apart.
 
 Thresholds sit a little below what was measured on this text (2,047 positions, AVX512-BF16 CPU):
-bf16 vs fp32 98.9% (transformers' own bf16 gets 97.1% on a similar text), fp8 96.0%, int8 98.2%.
+bf16 vs fp32 98.9%, fp8 96.0%, int8 98.2%. They depend on the text: on a code-heavy one our bf16
+got 98.6% where transformers' own bf16 forward got 97.1% (both against fp32), so bf16 itself,
+not our kernels, sets this ceiling.
 """
 from __future__ import annotations
+
+import json
+import urllib.request
 
 import pytest
 import torch
@@ -35,7 +40,9 @@ def top1(engine, text: list[int]) -> list[int]:
 
 def agreement(a: list, b: list) -> float:
     assert len(a) == len(b) == N - 1
-    return sum(x == y for x, y in zip(a, b)) / len(a)
+    rate = sum(x == y for x, y in zip(a, b)) / len(a)
+    print(f"top-1 agreement {rate:.4f} over {len(a)} positions")  # shown with -s or on failure
+    return rate
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +89,11 @@ def test_quantized_kv_through_the_server(kv, quantized_servers, real_parts, text
     server = quantized_servers[kv]
     per_block = 16 * kv_bytes_per_token(real_parts[0], CACHE_DTYPES[kv])
     assert f"KV cache: {(64 << 20) // per_block} blocks" in "".join(server.lines)  # the flag took effect
-    r = server.post("/v1/completions", json_body={"prompt": text, "max_tokens": 1, "temperature": 0,
-                                                  "echo": True, "logprobs": 1})
-    assert r.status_code == 200, r.text
-    tops = r.json()["choices"][0]["logprobs"]["top_logprobs"][1:N]
+    body = {"prompt": text, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {server.key}"})
+    with urllib.request.urlopen(req, timeout=600) as r:  # a 2,048-token prefill on a slow CI machine
+        tops = json.loads(r.read())["choices"][0]["logprobs"]["top_logprobs"][1:N]
     got = [max(t, key=t.get) for t in tops]
     tok = real_parts[2]
     want = [tok.decode([i]) for i in bf16_top1]
