@@ -148,6 +148,54 @@ class SequenceRunner:
         return out, first
 
 
+def real_engine(parts, kv_tokens: int = 4096, **config):
+    """An Engine on already-loaded parts (the `real_parts` fixture) with a KV pool of `kv_tokens`."""
+    from pyengine.config import EngineConfig
+    from pyengine.engine.engine import Engine
+    from pyengine.model.metadata import kv_bytes_per_token
+
+    config.setdefault("dtype", "float32")
+    config["kv_cache_memory"] = kv_tokens * kv_bytes_per_token(parts[0], parts[1].dtype)
+    return Engine(EngineConfig(**config), parts=parts)
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset()):
+    """transformers' greedy continuation (ids) and its first-step logits, one token per step."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    first = logits = out.logits[0, -1]
+    past, tokens = out.cache, []
+    for _ in range(max_new_tokens):
+        tok = int(torch.argmax(logits))
+        tokens.append(tok)
+        if tok in stop_ids or len(tokens) == max_new_tokens:
+            break
+        out = model(torch.tensor([[tok]]), cache=past, use_cache=True)
+        past, logits = out.cache, out.logits[0, -1]
+    return tokens, first
+
+
+@torch.inference_mode()
+def hf_log_softmax(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] fp32: transformers' next-token log-probabilities after each prefix of `ids`."""
+    return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+# Prose topics of the Python reference manual, shipped with every CPython (pydoc_data): a long,
+# natural text that needs no download, for teacher-forced agreement tests.
+_PROSE_TOPICS = ("naming", "execmodel", "exceptions", "truth", "types")
+
+
+def natural_text_ids(tokenizer, n: int) -> list[int]:
+    """The first n token ids (no BOS) of a fixed natural English text."""
+    import pydoc_data.topics
+
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in _PROSE_TOPICS)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) >= n, f"the text has only {len(ids)} tokens"
+    return ids[:n]
+
+
 def gguf_folder_and_name(path: str | None = None) -> tuple[str, str]:
     path = path or default_model_path()
     return os.path.dirname(path), os.path.basename(path)

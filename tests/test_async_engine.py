@@ -7,6 +7,7 @@ from pyengine.engine.async_engine import AsyncLLM
 from pyengine.sampling_params import SamplingParams
 
 from engine_fakes import fake_engine, reference
+from model_helpers import hf_greedy, real_engine
 
 GREEDY = dict(temperature=0.0)
 
@@ -100,22 +101,27 @@ async def test_metrics_registry(llm):
     assert 'pyengine:request_success_total{finished_reason="length",model_name="paged-echo"} 1.0' in text
 
 
-async def test_real_model_streaming_matches_offline():
-    from pyengine.config import EngineConfig
-    from pyengine.engine.engine import Engine
-    from pyengine.llm import LLM
-
-    engine = Engine(EngineConfig(dtype="float32", kv_cache_memory=64 << 20))
-    params = SamplingParams(max_tokens=16, temperature=0.0)
-    want = LLM.from_engine(engine).generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
+async def test_real_model_streaming_matches_transformers(real_parts, hf_model):
+    """Streamed deltas of the real model against transformers' greedy continuation on the same
+    weights, with a stop string that spans several tokens (held back, then cut)."""
+    tok = real_parts[2]
+    prompt = "1, 2, 3, 4,"
+    want_ids, _ = hf_greedy(hf_model, tok.encode(prompt), 20, set(tok.eos_token_ids))
+    want = tok.decode(want_ids, skip_special_tokens=True)
+    stop = "9, 1"  # " 9", ",", " ", "1": split across tokens
+    assert stop in want
+    engine = real_engine(real_parts)
     a = AsyncLLM(engine=engine)
     await a.start()
     try:
-        deltas = await collect(a, "The capital of France is", params, "p")
-        assert "".join(d.outputs[0].text for d in deltas) == want.text
-        assert [t for d in deltas for t in d.outputs[0].token_ids] == want.token_ids
-        assert deltas[-1].outputs[0].finish_reason == want.finish_reason
+        deltas = await collect(a, prompt, SamplingParams(max_tokens=20, temperature=0.0), "p")
+        assert [t for d in deltas for t in d.outputs[0].token_ids] == want_ids
+        assert "".join(d.outputs[0].text for d in deltas) == want
+        assert deltas[-1].outputs[0].finish_reason == "length"
         assert deltas[-1].metrics.ttft is not None and deltas[-1].metrics.e2e >= deltas[-1].metrics.ttft
+        deltas = await collect(a, prompt, SamplingParams(max_tokens=20, temperature=0.0, stop=stop), "s")
+        assert "".join(d.outputs[0].text for d in deltas) == want[: want.index(stop)]
+        assert deltas[-1].outputs[0].finish_reason == "stop" and deltas[-1].outputs[0].stop_reason == stop
     finally:
         await a.shutdown()
     assert engine.pool.num_free == engine.pool.num_blocks

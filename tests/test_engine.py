@@ -9,6 +9,7 @@ from pyengine.llm import LLM
 from pyengine.sampling_params import SamplingParams
 
 from engine_fakes import fake_engine, reference
+from model_helpers import hf_greedy, hf_log_softmax, real_engine
 
 GREEDY = dict(temperature=0.0)
 
@@ -151,27 +152,8 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "Books became cheaper, literacy spread across Europe, and ideas travelled faster than ever. ")
 
 
-@pytest.fixture(scope="module")
-def real_parts():
-    import torch
-
-    from pyengine.model.loader import load_model, resolve_model_path
-    from pyengine.tokenizer import Tokenizer
-
-    path = resolve_model_path(None)
-    cfg, model = load_model(path, torch.float32, torch.device("cpu"))
-    return cfg, model, Tokenizer.from_model_path(path), "smollm2-135m"
-
-
 def real_llm(parts, kv_tokens=4096, **config):
-    from pyengine.config import EngineConfig
-    from pyengine.engine.engine import Engine
-    from pyengine.model.metadata import kv_bytes_per_token
-    import torch
-
-    config.setdefault("dtype", "float32")
-    config["kv_cache_memory"] = kv_tokens * kv_bytes_per_token(parts[0], torch.float32)
-    return LLM.from_engine(Engine(EngineConfig(**config), parts=parts))
+    return LLM.from_engine(real_engine(parts, kv_tokens, **config))
 
 
 def text_ids(tok, n, offset=0):
@@ -281,21 +263,100 @@ def test_real_seeded_sampling_alone_equals_batch(real_parts):
     assert together == alone
 
 
-def test_real_llm_text_api(real_parts):
+def hf_text(hf_model, tok, prompt: str, max_tokens: int) -> tuple[list[int], str]:
+    """transformers' greedy continuation of `prompt` (stopping at EOS): the expected ids and text."""
+    ids, _ = hf_greedy(hf_model, tok.encode(prompt), max_tokens, set(tok.eos_token_ids))
+    return ids, tok.decode(ids, skip_special_tokens=True)
+
+
+def tokens_spanned(tok, ids: list[int], start: int, end: int) -> int:
+    """How many of `ids` the characters [start, end) of their decoded text come from."""
+    ends = [len(tok.decode(ids[: i + 1], skip_special_tokens=True)) for i in range(len(ids))]
+    first = next(i for i, e in enumerate(ends) if e > start)
+    last = next(i for i, e in enumerate(ends) if e >= end)
+    return last - first + 1
+
+
+def test_real_llm_text_api(real_parts, hf_model):
     llm = real_llm(real_parts)
-    outs = llm.generate(["The capital of France is", "1, 2, 3, 4,"],
-                        SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
-    assert [o.prompt for o in outs] == ["The capital of France is", "1, 2, 3, 4,"]
+    tok = llm.tokenizer
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    for prompt, o in zip(prompts, outs):
+        want_ids, want_text = hf_text(hf_model, tok, prompt, 12)
+        assert o.outputs[0].token_ids == want_ids and o.outputs[0].text == want_text
     assert "Paris" in outs[0].outputs[0].text
-    text = outs[1].outputs[0].text
-    stop = text.strip().split()[1]
-    o = llm.generate(["1, 2, 3, 4,"], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]), use_tqdm=False)[0]
-    c = o.outputs[0]
-    assert c.finish_reason == "stop" and c.stop_reason == stop and stop not in c.text and text.startswith(c.text)
     chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                     SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0]
     assert "Paris" in chat.outputs[0].text
     assert_all_free(llm.engine)
+
+
+def test_real_stop_strings_across_tokens_and_stop_ids(real_parts, hf_model):
+    """Stops against transformers' greedy text: a stop string that spans several tokens is cut
+    exactly (and kept when asked), a stop token id ends the output on that token."""
+    llm = real_llm(real_parts)
+    tok = llm.tokenizer
+    prompt = "1, 2, 3, 4,"
+    want_ids, want = hf_text(hf_model, tok, prompt, 16)
+    assert want.startswith(" 5, 6, 7, 8, 9,")  # what any sane model says: the reference is not garbage
+    for stop in ("7, 8", ", 6"):
+        at = want.index(stop)
+        assert tokens_spanned(tok, want_ids, at, at + len(stop)) >= 2
+        for keep in (False, True):
+            params = SamplingParams(max_tokens=16, temperature=0.0, stop=["no such text", stop],
+                                    include_stop_str_in_output=keep)
+            c = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            assert c.text == want[: at + (len(stop) if keep else 0)]
+            assert c.finish_reason == "stop" and c.stop_reason == stop
+    k = next(i for i in range(3, len(want_ids)) if want_ids[i] not in want_ids[:i])  # first occurrence
+    params = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[want_ids[k]])
+    c = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == want_ids[: k + 1] and c.finish_reason == "stop" and c.stop_reason == want_ids[k]
+    assert_all_free(llm.engine)
+
+
+def test_real_sampled_logprobs_match_transformers(real_parts, hf_model):
+    """logprobs of sampled tokens (temperature 0.8, top-3) against transformers' log_softmax of the
+    same sequence: the sampled token's value, every reported top entry, and their cumulative sum."""
+    tok = real_parts[2]
+    prompts = [tok.encode("The capital of France is"), text_ids(tok, 20, offset=11)]
+    llm = real_llm(real_parts)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.8, seed=5, logprobs=3,
+                                                ignore_eos=True), use_tqdm=False)
+    for prompt, o in zip(prompts, outs):
+        c = o.outputs[0]
+        want = hf_log_softmax(hf_model, prompt + c.token_ids)[len(prompt) - 1 : -1]  # row i: before output i
+        assert len(c.logprobs) == len(c.token_ids) == 10
+        for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert lp.token_id == t and lp.logprob == pytest.approx(float(want[i, t]), abs=2e-3)
+            assert len(lp.top) == 3 and [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+            third = float(want[i].topk(3).values[-1])
+            for tid, v in lp.top:  # each reported entry is the model's value, and among its top 3
+                assert v == pytest.approx(float(want[i, tid]), abs=2e-3) and v >= third - 2e-3
+        assert c.cumulative_logprob == pytest.approx(sum(float(want[i, t]) for i, t in enumerate(c.token_ids)),
+                                                     abs=1e-2)
+    assert_all_free(llm.engine)
+
+
+def test_real_prefix_cache_on_off_same_greedy_across_preemption(real_parts):
+    """A KV pool far too small for the batch: requests are preempted and recomputed, and with the
+    prefix cache on they re-enter through cache hits (their own blocks and the shared prefix)."""
+    tok = real_parts[2]
+    shared = text_ids(tok, 64)
+    prompts = [shared + text_ids(tok, 6 + 3 * i, offset=70 + 9 * i) for i in range(6)]
+    runs = {}
+    for caching in (True, False):
+        llm = real_llm(real_parts, kv_tokens=256, max_num_seqs=8, enable_prefix_caching=caching)
+        runs[caching] = llm, greedy_tokens(llm, prompts, 16)
+        stats = llm.engine.stats()
+        assert stats.num_preemptions > 0
+        assert (stats.prefix_cache_hits > 0) == caching
+        assert_all_free(llm.engine)
+    (_, got), (off, want) = runs[True], runs[False]
+    assert_same_or_tie(off, prompts, got, want)
+    assert sum(g == w for g, w in zip(got, want)) >= 5
 
 
 def test_real_prompt_logprobs_match_the_model_and_skip_the_prefix_cache(real_parts):

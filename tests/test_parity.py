@@ -6,8 +6,8 @@ import torch
 from pyengine.config import ModelConfig
 from pyengine.model.loader import load_model
 from pyengine.tokenizer import Tokenizer
-from tests.model_helpers import TINY_ARCHS, SequenceRunner, default_model_path, gguf_folder_and_name, \
-    write_tiny_checkpoint, write_tiny_gguf
+from tests.model_helpers import TINY_ARCHS, SequenceRunner, default_model_path, \
+    hf_greedy, write_tiny_checkpoint, write_tiny_gguf
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -20,16 +20,8 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    folder, name = gguf_folder_and_name()
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def ours():
-    return load_model(default_model_path(), torch.float32, "cpu")
+def ours(real_parts):
+    return real_parts[:2]
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +29,6 @@ def prompts():
     tok = Tokenizer.from_model_path(default_model_path())
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
             for p in PROMPTS], set(tok.eos_token_ids)
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids: set[int]):
-    out = model(torch.tensor([prompt]), use_cache=True)
-    first = logits = out.logits[0, -1]
-    past, tokens = out.cache, []
-    for _ in range(max_new_tokens):
-        tok = int(torch.argmax(logits))
-        tokens.append(tok)
-        if tok in stop_ids or len(tokens) == max_new_tokens:
-            break
-        out = model(torch.tensor([[tok]]), cache=past, use_cache=True)
-        past, logits = out.cache, out.logits[0, -1]
-    return tokens, first
 
 
 def test_default_model_greedy_parity(hf_model, ours, prompts):

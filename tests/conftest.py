@@ -1,0 +1,29 @@
+"""Fixtures shared by several test modules: the default model loaded once per session, both as our
+fp32 model and as the independent transformers reference on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model_helpers import gguf_folder_and_name
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' Llama on the default GGUF's weights (dequantized to fp32): the reference."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = gguf_folder_and_name()
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def real_parts():
+    """(model config, our fp32 model, tokenizer, name): Engine(parts=...) builds engines on it without
+    loading the weights again."""
+    from pyengine.model.loader import load_model, resolve_model_path
+    from pyengine.tokenizer import Tokenizer
+
+    path = resolve_model_path(None)
+    cfg, model = load_model(path, torch.float32, torch.device("cpu"))
+    return cfg, model, Tokenizer.from_model_path(path), "smollm2-135m"
