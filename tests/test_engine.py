@@ -159,7 +159,7 @@ def real_parts():
     from pyengine.tokenizer import Tokenizer
 
     path = resolve_model_path(None)
-    cfg, model = load_model(path, torch.float32, torch.device("cpu"))
+    cfg, model = load_model(path, torch.float32, torch.device("cpu"), weights="dequantize")
     return cfg, model, Tokenizer.from_model_path(path), "smollm2-135m"
 
 

@@ -46,7 +46,7 @@ def reference(x, w, bias):
 def test_matches_reference(path, type_name, n, k):
     blocks, w = quantized_weight(type_name, n, k, seed=n * k)
     bias = torch.randn(n) * 0.1 if n % 2 else None
-    lin = QuantLinear(blocks, type_name, k, bias)
+    lin = QuantLinear(blocks, type_name, bias)
     for m in (1, 2, 3, 5, 8, 9, 17, 70):
         x = torch.randn(m, k, dtype=torch.bfloat16)
         x[0, :32] = 0  # an all-zero block: scale 0
@@ -63,7 +63,7 @@ def test_prefill_sized_batch(type_name):
     """M large enough for the row panels (and the threaded activation quantization)."""
     blocks, w = quantized_weight(type_name, 70, 256, seed=3)
     x = torch.randn(300, 256, dtype=torch.bfloat16)
-    got = QuantLinear(blocks, type_name, 256)(x, out_dtype=torch.float32).double()
+    got = QuantLinear(blocks, type_name)(x, out_dtype=torch.float32).double()
     want = reference(x, w, None)
     scale = round_activations(x).abs().double() @ w.abs().double().T
     assert ((got - want).abs() / scale).max() < 1e-5
@@ -72,7 +72,7 @@ def test_prefill_sized_batch(type_name):
 @pytest.mark.parametrize("type_name", list(QUANT_TYPES))
 def test_embedding_rows_are_the_dequantized_rows(type_name):
     blocks, w = quantized_weight(type_name, 37, 64, seed=5)
-    lin = QuantLinear(blocks, type_name, 64)
+    lin = QuantLinear(blocks, type_name)
     ids = torch.tensor([0, 36, 17, 17, 5])
     torch.testing.assert_close(lin.embedding(ids, torch.float32), w[ids], rtol=1e-6, atol=1e-7)
     assert torch.equal(lin.embedding(ids, torch.bfloat16), w[ids].to(torch.bfloat16))
@@ -82,15 +82,15 @@ def test_embedding_rows_are_the_dequantized_rows(type_name):
 
 def test_resident_bytes_are_the_file_bytes():
     blocks, _ = quantized_weight("Q4_1", 64, 576, seed=1)
-    assert QuantLinear(blocks, "Q4_1", 576).nbytes == blocks.nbytes  # 16-row tiles: no padding here
+    assert QuantLinear(blocks, "Q4_1").nbytes == blocks.nbytes  # 16-row tiles: no padding here
 
 
 def test_bad_input_is_named():
     blocks, _ = quantized_weight("Q8_0", 16, 64, seed=2)
     with pytest.raises(ValueError, match="no native kernel for GGML type Q4_K"):
-        QuantLinear(blocks, "Q4_K", 64)
-    with pytest.raises(ValueError, match="blocks must have shape"):
-        QuantLinear(blocks, "Q8_0", 96)
-    lin = QuantLinear(blocks, "Q8_0", 64)
+        QuantLinear(blocks, "Q4_K")
+    with pytest.raises(ValueError, match="multiple of 20 bytes"):
+        QuantLinear(blocks, "Q4_1")  # Q8_0 rows: 68 bytes
+    lin = QuantLinear(blocks, "Q8_0")
     with pytest.raises(ValueError, match="x must have shape"):
         lin(torch.zeros(2, 32, dtype=torch.bfloat16))

@@ -288,8 +288,12 @@ class GGUFFile:
         """HF name -> GGUF name for every tensor the model uses."""
         return {h: name for name in self.tensors if (h := hf_name(name)) is not None}
 
-    def tensor(self, gguf_name: str, cfg: ModelConfig) -> torch.Tensor:
-        """One tensor, dequantized (fp32 for quantized types), Q/K rows un-permuted where needed."""
+    def type_name(self, gguf_name: str) -> str:
+        t = self.tensors[gguf_name]
+        return _TYPE_NAMES.get(t.type_id) or _ggml_type_name(t.type_id)
+
+    def _raw(self, gguf_name: str) -> tuple[str, np.ndarray]:
+        """(type name, the tensor's bytes as a read-only view of the file)."""
         t = self.tensors[gguf_name]
         type_name = _TYPE_NAMES.get(t.type_id)
         if type_name is None:
@@ -301,14 +305,30 @@ class GGUFFile:
         nbytes = math.prod(t.shape) // per_block * block_bytes
         if t.offset + nbytes > len(self._mmap):
             raise ValueError(f"{self.path}: tensor {gguf_name!r} runs past the end of the file (truncated?)")
-        raw = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=t.offset)
-        w = dequantize(raw, type_name, t.shape)
+        return type_name, np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=t.offset)
+
+    def _unpermute_rows(self, w: torch.Tensor, gguf_name: str, cfg: ModelConfig) -> torch.Tensor:
         if GGUF_ARCHITECTURES[self.arch][1]:
             if ".attn_q." in gguf_name:
-                w = _unpermute(w, cfg.num_attention_heads)
-            elif ".attn_k." in gguf_name:
-                w = _unpermute(w, cfg.num_key_value_heads)
+                return _unpermute(w, cfg.num_attention_heads)
+            if ".attn_k." in gguf_name:
+                return _unpermute(w, cfg.num_key_value_heads)
         return w
+
+    def tensor(self, gguf_name: str, cfg: ModelConfig) -> torch.Tensor:
+        """One tensor, dequantized (fp32 for quantized types), Q/K rows un-permuted where needed."""
+        type_name, raw = self._raw(gguf_name)
+        return self._unpermute_rows(dequantize(raw, type_name, self.tensors[gguf_name].shape), gguf_name, cfg)
+
+    def blocks(self, gguf_name: str, cfg: ModelConfig) -> tuple[str, torch.Tensor]:
+        """(type name, uint8 [rows, row bytes]): a 2-D tensor's quantized blocks as stored (a view of the
+        read-only file where no rows move: never write to it), Q/K rows un-permuted where needed."""
+        type_name, raw = self._raw(gguf_name)
+        rows = self.tensors[gguf_name].shape[0]
+        with warnings.catch_warnings():  # read-only map: torch warns, and the copy below never writes it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(raw).view(rows, -1)
+        return type_name, self._unpermute_rows(data, gguf_name, cfg)
 
 
 @functools.lru_cache(maxsize=4)

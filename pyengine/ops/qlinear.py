@@ -33,17 +33,17 @@ class QuantLinear:
     blocks: uint8 [N, K / 32 * block_bytes] (row n's blocks, as in the file); bias [N] or None.
     """
 
-    def __init__(self, blocks: np.ndarray | torch.Tensor, type_name: str, in_features: int,
-                 bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, blocks: np.ndarray | torch.Tensor, type_name: str, bias: torch.Tensor | None = None, *,
+                 out_dtype: torch.dtype = torch.bfloat16) -> None:
         if type_name not in QUANT_TYPES:
             raise ValueError(f"no native kernel for GGML type {type_name}; supported: {', '.join(QUANT_TYPES)}")
-        if in_features <= 0 or in_features % BLOCK:
-            raise ValueError(f"in_features must be a positive multiple of {BLOCK}, got {in_features}")
         blocks = torch.as_tensor(np.ascontiguousarray(blocks)) if isinstance(blocks, np.ndarray) else blocks
-        row_bytes = in_features // BLOCK * BLOCK_BYTES[type_name]
-        check_tensor("blocks", blocks, dtypes=(torch.uint8,), shape=(None, row_bytes), device=torch.device("cpu"))
-        if blocks.shape[0] == 0:
-            raise ValueError("weight must have at least one row")
+        check_tensor("blocks", blocks, dtypes=(torch.uint8,), ndim=2, device=torch.device("cpu"))
+        row_bytes = blocks.shape[1]
+        if blocks.shape[0] == 0 or row_bytes == 0 or row_bytes % BLOCK_BYTES[type_name]:
+            raise ValueError(f"blocks must be [rows > 0, a multiple of {BLOCK_BYTES[type_name]} bytes] for "
+                             f"{type_name}, got {list(blocks.shape)}")
+        in_features = row_bytes // BLOCK_BYTES[type_name] * BLOCK
         self.type_name, self.type_id = type_name, QUANT_TYPES[type_name]
         self.out_features, self.in_features = blocks.shape[0], in_features
         self.out_dtype = out_dtype
