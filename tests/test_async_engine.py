@@ -105,7 +105,7 @@ async def test_real_model_streaming_matches_offline():
     from pyengine.engine.engine import Engine
     from pyengine.llm import LLM
 
-    engine = Engine(EngineConfig(dtype="float32", kv_cache_memory=64 << 20))
+    engine = Engine(EngineConfig(dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024))
     params = SamplingParams(max_tokens=16, temperature=0.0)
     want = LLM.from_engine(engine).generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
     a = AsyncLLM(engine=engine)

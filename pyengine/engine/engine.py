@@ -169,12 +169,15 @@ class Engine:
                 budget = int(free * mem)
             else:
                 budget = int(free * 0.9)
-                if self.device.type == "cpu":
-                    budget = min(budget, _CPU_DEFAULT_KV_BYTES)
+                if self.device.type == "cpu":  # what the configuration can use, at most the default space
+                    usable = c.max_num_seqs * self.max_model_len * bytes_per_token
+                    budget = min(budget, _CPU_DEFAULT_KV_BYTES, usable + c.block_size * bytes_per_token)
         num_blocks = budget // (bytes_per_token * c.block_size)
-        if num_blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes is below one block "
-                             f"({bytes_per_token * c.block_size} bytes); raise kv_cache_memory")
+        if num_blocks * c.block_size < self.max_model_len:  # vLLM refuses too: never advertise what cannot fit
+            need = -(-self.max_model_len // c.block_size) * c.block_size * bytes_per_token
+            raise ValueError(f"the KV cache ({budget} bytes: {num_blocks * c.block_size} tokens of {bytes_per_token} "
+                             f"bytes) cannot hold one sequence of max_model_len {self.max_model_len} tokens "
+                             f"({need} bytes); raise kv_cache_memory or lower max_model_len")
         return num_blocks
 
     # ---- requests ------------------------------------------------------------------------------
