@@ -3,7 +3,8 @@
 Per layer: add_rms_norm -> fused QKV GEMM (+bias) -> RoPE -> cache write -> paged attention ->
 O GEMM -> add_rms_norm -> fused gate/up GEMM -> silu_and_mul -> down GEMM. The residual stream is
 carried separately and updated in place by add_rms_norm. Everything derivable is built at load:
-fused weights, the fp32 cos/sin cache, the split sizes, the attention scale.
+fused weights, the fp32 cos/sin cache, the split sizes, the attention scale. GGUF projections, embedding
+and lm_head in a type with a native kernel stay quantized (QuantLinear) when the loader asks for it.
 """
 from __future__ import annotations
 
