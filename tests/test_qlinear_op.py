@@ -29,11 +29,16 @@ def quantized_weight(type_name: str, n: int, k: int, seed: int) -> tuple[np.ndar
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> the values the kernel multiplies: per 32-block, round(x / d) * d with d = amax / 127."""
-    blocks = x.float().view(x.shape[0], -1, 32)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return (torch.round(blocks * inv) * d).view(x.shape)
+    """x [M, K] -> the values the kernel multiplies: per 32-block, d1 q1 + d2 q2 with q = round(v / d),
+    d = amax(v) / 127, for v = x and then v = its residual x - d1 q1."""
+    v = x.float().view(x.shape[0], -1, 32)
+    total = torch.zeros_like(v)
+    for _ in range(2):
+        d = v.abs().amax(dim=-1, keepdim=True) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        level = torch.round(v * inv) * d
+        total, v = total + level, v - level
+    return total.view(x.shape)
 
 
 def reference(x, w, bias):
