@@ -67,6 +67,9 @@ class EngineConfig:
 
     model: str | None = None  # HF folder or .gguf file; None = the bundled default model
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    # "auto": GGUF Q8_0/Q4_0/Q4_1 tensors stay quantized on the CPU (native int8 kernels), other types
+    # are dequantized to dtype; "dequantize": every tensor is dequantized to dtype at load
+    weights: str = "auto"
     device: str = "cpu"  # "cpu" | "cuda"
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     block_size: int = 16
@@ -88,6 +91,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.weights not in ("auto", "dequantize"):
+            raise ValueError(f"weights must be auto or dequantize, got {self.weights!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
             raise ValueError(f"kv_cache_dtype must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -97,7 +97,9 @@ def _mib(n: int) -> str:
 def plan_memory(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
                 weight_bytes: int, available_after_weights: Callable[[], int]) -> MemoryPlan:
     """Size the KV cache. config.kv_cache_memory: bytes (> 1) as given; a fraction of what is left
-    after weights and activation reserve; or None: 90% of that (on CPU at most 4 GiB).
+    after weights and activation reserve; or None: 90% of that (on CPU at most 4 GiB, and at most
+    what max_num_seqs sequences of max_model_len tokens can use). Raises ValueError when the cache
+    cannot hold one sequence of max_model_len tokens.
     available_after_weights is only called when the budget depends on it."""
     cache_dtype = cache_dtype_of(config, dtype)
     bpt = kv_bytes_per_token(cfg, cache_dtype)
@@ -113,12 +115,15 @@ def plan_memory(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype, max_
             budget = int(free * mem)
         else:
             budget = int(free * KV_FRACTION_DEFAULT)
-            if config.device == "cpu":
-                budget = min(budget, CPU_DEFAULT_KV_BYTES)
+            if config.device == "cpu":  # what the configuration can use, at most the default space
+                usable = (config.max_num_seqs * max_model_len + config.block_size) * bpt
+                budget = min(budget, CPU_DEFAULT_KV_BYTES, usable)
     num_blocks = budget // (bpt * config.block_size)
-    if num_blocks < 1:
-        raise ValueError(f"KV cache budget of {budget} bytes is below one block "
-                         f"({bpt * config.block_size} bytes); raise kv_cache_memory")
+    if num_blocks * config.block_size < max_model_len:  # vLLM refuses too: never advertise what cannot fit
+        need = -(-max_model_len // config.block_size) * config.block_size * bpt
+        raise ValueError(f"the KV cache ({budget} bytes: {num_blocks * config.block_size} tokens of {bpt} "
+                         f"bytes) cannot hold one sequence of max_model_len {max_model_len} tokens "
+                         f"({need} bytes); raise kv_cache_memory or lower max_model_len")
     name = str(cache_dtype).removeprefix("torch.")
     if cache_dtype in QUANTIZED_CACHE_DTYPES:
         name += " + fp32 scales"

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and activation dtype")
+    m.add_argument("--weights", default="auto", choices=["auto", "dequantize"],
+                   help="GGUF weights: auto keeps Q8_0/Q4_0/Q4_1 quantized on the CPU (int8 kernels) and "
+                        "dequantizes other types to --dtype; dequantize expands every tensor at load")
     m.add_argument("--max-model-len", type=int, default=None,
                    help="context window in tokens (prompt + completion); default: the model's")
     m.add_argument("--kv-cache-memory", type=memory_size, default=None,
@@ -103,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace):
     from pyengine import EngineConfig
 
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+    return EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights, device=args.device,
                         max_model_len=args.max_model_len, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
                         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,

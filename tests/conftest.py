@@ -19,11 +19,11 @@ def hf_model():
 
 @pytest.fixture(scope="session")
 def real_parts():
-    """(model config, our fp32 model, tokenizer, name): Engine(parts=...) builds engines on it without
-    loading the weights again."""
+    """(model config, our fp32 model with its weights dequantized, tokenizer, name): Engine(parts=...)
+    builds engines on it without loading the weights again."""
     from pyengine.model.loader import load_model, resolve_model_path
     from pyengine.tokenizer import Tokenizer
 
     path = resolve_model_path(None)
-    cfg, model = load_model(path, torch.float32, torch.device("cpu"))
+    cfg, model = load_model(path, torch.float32, torch.device("cpu"), weights="dequantize")
     return cfg, model, Tokenizer.from_model_path(path), "smollm2-135m"

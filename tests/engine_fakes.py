@@ -78,5 +78,6 @@ def fake_engine(kv_tokens: int = 4096, **config) -> Engine:
                       max_position_embeddings=8192, eos_token_ids=[EOS])
     block_size = config.get("block_size", 16)
     config.setdefault("kv_cache_memory", kv_tokens * 16 + block_size * 16 - 1)  # 16 bytes per token
+    config.setdefault("max_model_len", min(kv_tokens, cfg.max_position_embeddings))
     config.setdefault("dtype", "float32")
     return Engine(EngineConfig(**config), parts=(cfg, PagedEchoModel(), FakeTokenizer(), "paged-echo"))

@@ -155,6 +155,7 @@ def real_engine(parts, kv_tokens: int = 4096, **config):
     from pyengine.model.metadata import kv_bytes_per_token
 
     config.setdefault("dtype", "float32")
+    config.setdefault("max_model_len", kv_tokens)  # the engine refuses a pool smaller than one full sequence
     config["kv_cache_memory"] = kv_tokens * kv_bytes_per_token(parts[0], parts[1].dtype)
     return Engine(EngineConfig(**config), parts=parts)
 

@@ -135,11 +135,9 @@ def test_fake_logprobs_and_cumulative_logprob():
 
 
 def test_prompt_rejected_with_numbers():
-    engine = fake_engine(kv_tokens=64, max_model_len=100)
+    engine = fake_engine(kv_tokens=112, max_model_len=100)
     with pytest.raises(ValueError, match="100 tokens; this model's maximum context length is 100"):
         engine.add_request("x", [5] * 100, SamplingParams())
-    with pytest.raises(ValueError, match="KV cache holds only 64 tokens"):
-        engine.add_request("y", [5] * 80, SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("z", [], SamplingParams())
     assert not engine.has_unfinished()
@@ -382,3 +380,11 @@ def test_real_prompt_logprobs_match_the_model_and_skip_the_prefix_cache(real_par
         assert_all_free(llm.engine)
     plain = chunked.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)[0]
     assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0  # the others still use the cache
+
+
+def test_cpu_kv_cache_defaults_to_what_the_configuration_can_use():
+    """No kv_cache_memory: max_num_seqs x max_model_len tokens (+ one block), not the whole default space."""
+    engine = fake_engine(kv_cache_memory=None, max_num_seqs=3, max_model_len=100)
+    assert engine.pool.num_blocks == (3 * 100 + 16) // 16
+    explicit = fake_engine(kv_cache_memory=1000 * 16, max_num_seqs=3, max_model_len=100)  # still overrides
+    assert explicit.pool.num_blocks == 1000 // 16

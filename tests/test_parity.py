@@ -55,7 +55,7 @@ def test_chunked_prefill_matches_whole_prompt(ours, prompts):
 
 def test_default_model_bf16(ours, prompts):
     cfg, model32 = ours
-    _, model = load_model(default_model_path(), torch.bfloat16, "cpu")
+    _, model = load_model(default_model_path(), torch.bfloat16, "cpu", weights="dequantize")
     qkv = model.linears[0].qkv
     assert (qkv.packed if qkv.packed is not None else model.layers[0].qkv).dtype == torch.bfloat16
     prompt = prompts[0][2]

@@ -91,7 +91,7 @@ async def test_prompt_beyond_kv_pool_is_400():
     try:
         r = await client.post("/v1/completions", json={"prompt": "x" * 100, "max_tokens": 1})
         err = (await r.json())["error"]
-        assert r.status == 400 and "KV cache holds only" in err["message"]
+        assert r.status == 400 and "maximum context length is 64 tokens" in err["message"]  # = the pool
         r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status == 200
     finally:
@@ -101,7 +101,7 @@ async def test_prompt_beyond_kv_pool_is_400():
 async def test_timeout_aborts_in_engine():
     client, llm = await start(request_timeout=0.3)
     try:
-        # No max_tokens: the rest of the 8192-token window, far beyond 0.3 s.
+        # No max_tokens: the rest of the 4096-token window, far beyond 0.3 s.
         r = await client.post("/v1/completions", json={"prompt": "x", "ignore_eos": True})
         assert r.status == 504 and (await r.json())["error"]["code"] == "request_timeout"
         await wait_idle(client)

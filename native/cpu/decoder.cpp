@@ -2,8 +2,9 @@
 // call. The same kernels in the same order as LlamaForCausalLM.forward's op-by-op path
 // (pyengine/model/llama.py), on the same buffers, so the result is bit-identical; what goes away is
 // the Python between ~300 kernel calls per step (about 3 ms of a 12 ms batch-1 decode step of the
-// default model). Used for every step of a bf16 model on the CPU (PackedLinear projections) whose
-// layers are Llama-shaped (one attention window for all layers, or none: Mistral, Phi-3).
+// default model). Used for every step of a bf16 model on the CPU (PackedLinear or QuantLinear
+// projections) whose layers are Llama-shaped (one attention window for all layers, or none: Mistral,
+// Phi-3).
 //
 // Per layer l (x, residual [T, hidden] bf16; both updated in place):
 //   x = rms_norm(residual) (l = 0)  |  residual += x; x = rms_norm(residual) (l > 0)   input_norm
@@ -14,7 +15,8 @@
 //   x = silu_and_mul(x Wgu^T) Wdown^T                [T, 2 I] -> [T, I] -> [T, hidden]
 // Scratch: qkv [T, (H + 2 KVH) D], attn [T, H D], gate_up [T, 2 I], act [T, I], all bf16.
 // Layer table: int64 [num_layers, kLayerFields], one row of addresses per layer (fields below;
-// 0 for an absent bias or scales). Packed weights are PackedLinear's layout (linear.cpp).
+// 0 for an absent bias or scales). A projection's weight is PackedLinear's bf16 layout (linear.cpp)
+// where its type field is 0, else the GGML type of a QuantLinear's tiled weight (qlinear.cpp).
 #include <cstdint>
 
 #include "pyengine/cpu_ops.h"
@@ -23,8 +25,19 @@ namespace pyengine::cpu {
 
 enum LayerField : int64_t {
   kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kDown, kKCache, kVCache, kKScales, kVScales,
-  kLayerFields
+  kQkvType, kOType, kGateUpType, kDownType, kLayerFields
 };
+
+namespace {
+
+// out[M, N] = x[M, K] W^T (+ bias), bf16 in and out; `type` 0: packed bf16, else a GGML type.
+void project(uintptr_t x, uintptr_t w, int64_t type, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K) {
+  const int bf16 = static_cast<int>(DType::kBFloat16);
+  if (type == 0) linear_bf16(x, w, bias, out, M, N, K, bf16);
+  else qlinear(x, bf16, w, static_cast<int>(type), bias, out, M, N, K, bf16);
+}
+
+}  // namespace
 
 void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t attn, uintptr_t gate_up, uintptr_t act,
                     const int64_t* layers, int64_t num_layers, uintptr_t positions, uintptr_t cos_sin_cache,
@@ -41,7 +54,7 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
     auto at = [&](LayerField f) { return static_cast<uintptr_t>(w[f]); };
     if (l == 0) rms_norm(residual, at(kInputNorm), x, T, hidden, eps, bf16, norm_dtype);
     else add_rms_norm(x, residual, at(kInputNorm), T, hidden, eps, bf16, norm_dtype);
-    linear_bf16(x, at(kQkv), at(kQkvBias), qkv, T, nqkv, hidden, bf16);
+    project(x, at(kQkv), w[kQkvType], at(kQkvBias), qkv, T, nqkv, hidden);
     rotary_embedding(positions, q, k, cos_sin_cache, T, H, KVH, D, nqkv, nqkv, max_position, bf16);
     reshape_and_cache_cpu(reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
                           reinterpret_cast<void*>(at(kKCache)), reinterpret_cast<void*>(at(kVCache)),
@@ -55,11 +68,11 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
                         reinterpret_cast<const int32_t*>(query_start_loc), T, H, KVH, D, nqkv, num_blocks,
                         block_size, num_seqs, max_blocks, max_seq_len, static_cast<float>(scale), DType::kBFloat16,
                         static_cast<DType>(cache_dtype), window);
-    linear_bf16(attn, at(kO), at(kOBias), x, T, hidden, H * D, bf16);
+    project(attn, at(kO), w[kOType], at(kOBias), x, T, hidden, H * D);
     add_rms_norm(x, residual, at(kPostNorm), T, hidden, eps, bf16, norm_dtype);
-    linear_bf16(x, at(kGateUp), 0, gate_up, T, 2 * inter, hidden, bf16);
+    project(x, at(kGateUp), w[kGateUpType], 0, gate_up, T, 2 * inter, hidden);
     silu_and_mul(gate_up, act, T, inter, bf16);
-    linear_bf16(act, at(kDown), 0, x, T, hidden, inter, bf16);
+    project(act, at(kDown), w[kDownType], 0, x, T, hidden, inter);
   }
 }
 

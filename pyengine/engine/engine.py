@@ -111,7 +111,7 @@ class Engine:
 
             path = resolve_model_path(config.model)
             self.model_name = config.model or os.path.splitext(os.path.basename(path))[0]
-            self.model_config, self.model = load_model(path, self.dtype, self.device)
+            self.model_config, self.model = load_model(path, self.dtype, self.device, config.weights)
             self.tokenizer = Tokenizer.from_model_path(path)
         else:
             self.model_config, self.model, self.tokenizer, self.model_name = parts

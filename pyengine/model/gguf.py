@@ -14,6 +14,8 @@ Dequantization is vectorised over whole tensors with torch (block layouts from g
         before the nibbles
   Q6_K: 210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (sub-blocks
         of 16), fp16 d                                                        -> d * sc * (q - 32)
+`GGUFFile.blocks` hands the raw blocks of Q8_0/Q4_0/Q4_1 tensors to QuantLinear (pyengine/ops/qlinear.py),
+which keeps them quantized; `requantize` rewrites a file in another type (benchmarks, accuracy tests).
 llama.cpp's converter permutes the Q/K projection rows of `llama` checkpoints (interleaved RoPE
 pairs); `_unpermute` undoes it so the neox-style rotary kernel matches the original model.
 """
@@ -340,8 +342,12 @@ class GGUFFile:
         """HF name -> GGUF name for every tensor the model uses."""
         return {h: name for name in self.tensors if (h := hf_name(name, self.arch)) is not None}
 
-    def tensor(self, gguf_name: str, cfg: ModelConfig | None) -> torch.Tensor:
-        """One tensor, dequantized (fp32 for quantized types), Q/K rows un-permuted where needed."""
+    def type_name(self, gguf_name: str) -> str:
+        t = self.tensors[gguf_name]
+        return _TYPE_NAMES.get(t.type_id) or _ggml_type_name(t.type_id)
+
+    def _raw(self, gguf_name: str) -> tuple[str, np.ndarray]:
+        """(type name, the tensor's bytes as a read-only view of the file)."""
         t = self.tensors[gguf_name]
         type_name = _TYPE_NAMES.get(t.type_id)
         if type_name is None:
@@ -353,14 +359,30 @@ class GGUFFile:
         nbytes = math.prod(t.shape) // per_block * block_bytes
         if t.offset + nbytes > len(self._mmap):
             raise ValueError(f"{self.path}: tensor {gguf_name!r} runs past the end of the file (truncated?)")
-        raw = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=t.offset)
-        w = dequantize(raw, type_name, t.shape)
+        return type_name, np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=t.offset)
+
+    def _unpermute_rows(self, w: torch.Tensor, gguf_name: str, cfg: ModelConfig | None) -> torch.Tensor:
         if GGUF_ARCHITECTURES[self.arch][1]:
             if ".attn_q." in gguf_name:
-                w = _unpermute(w, cfg.num_attention_heads)
-            elif ".attn_k." in gguf_name:
-                w = _unpermute(w, cfg.num_key_value_heads)
+                return _unpermute(w, cfg.num_attention_heads)
+            if ".attn_k." in gguf_name:
+                return _unpermute(w, cfg.num_key_value_heads)
         return w
+
+    def tensor(self, gguf_name: str, cfg: ModelConfig | None) -> torch.Tensor:
+        """One tensor, dequantized (fp32 for quantized types), Q/K rows un-permuted where needed."""
+        type_name, raw = self._raw(gguf_name)
+        return self._unpermute_rows(dequantize(raw, type_name, self.tensors[gguf_name].shape), gguf_name, cfg)
+
+    def blocks(self, gguf_name: str, cfg: ModelConfig) -> tuple[str, torch.Tensor]:
+        """(type name, uint8 [rows, row bytes]): a 2-D tensor's quantized blocks as stored (a view of the
+        read-only file where no rows move: never write to it), Q/K rows un-permuted where needed."""
+        type_name, raw = self._raw(gguf_name)
+        rows = self.tensors[gguf_name].shape[0]
+        with warnings.catch_warnings():  # read-only map: torch warns, and the copy below never writes it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(raw).view(rows, -1)
+        return type_name, self._unpermute_rows(data, gguf_name, cfg)
 
 
 @functools.lru_cache(maxsize=4)
@@ -375,3 +397,34 @@ def open_gguf(path: str) -> GGUFFile:
     except OSError as exc:
         raise FileNotFoundError(f"{path}: cannot open GGUF file ({exc})") from exc
     return _open_cached(os.path.abspath(path), mtime)
+
+
+def requantize(src: str, dst: str, type_name: str) -> str:
+    """Write `src` to `dst` with every quantized tensor requantized to `type_name` (e.g. "Q8_0"), through
+    the `gguf` package's reference quantizer; float tensors and the metadata are copied as they are.
+    For benchmarks and accuracy tests on one model in several types."""
+    import gguf
+
+    target = gguf.GGMLQuantizationType[type_name]
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, arch=None)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.alignment":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    for t in reader.tensors:
+        shape = [int(x) for x in reversed(t.shape)]  # torch order
+        if t.tensor_type in float_types:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_shape=list(np.asarray(t.data).shape),
+                              raw_dtype=t.tensor_type)
+            continue
+        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+        blocks = gguf.quants.quantize(values.astype(np.float32), target)
+        writer.add_tensor(t.name, blocks, raw_shape=list(blocks.shape), raw_dtype=target)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

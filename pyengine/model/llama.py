@@ -3,7 +3,9 @@
 Per layer: add_rms_norm -> fused QKV GEMM (+bias) -> RoPE -> cache write -> paged attention ->
 O GEMM -> add_rms_norm -> fused gate/up GEMM -> silu_and_mul -> down GEMM. The residual stream is
 carried separately and updated in place by add_rms_norm. Everything derivable is built at load:
-fused weights, the fp32 cos/sin caches, the split sizes, the attention scale.
+fused weights, the fp32 cos/sin caches, the split sizes, the attention scale. GGUF projections,
+embedding and lm_head in a type with a native kernel stay quantized (QuantLinear) when the loader asks
+for it.
 
 The other families are this model with a few switches (ModelConfig's family fields): Qwen3 and
 Gemma 3 RMS-norm each q/k head before RoPE; Gemma norms the attention and MLP outputs before the
@@ -28,8 +30,11 @@ from pyengine.ops.attention import check_kv_cache, paged_attention
 from pyengine.ops.cache import reshape_and_cache
 from pyengine.ops.layers import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 from pyengine.ops.linear import PackedLinear
+from pyengine.ops.qlinear import QuantLinear
 
 WeightGetter = Callable[[str], "torch.Tensor | None"]  # HF tensor name -> tensor (None if absent)
+# HF tensor names -> (GGML type, uint8 blocks of the row-concatenated tensors) or None (loader.QuantizedGetter)
+QuantizedGetter = Callable[[list[str]], "tuple[str, torch.Tensor] | None"]
 
 
 class LayerWeights(NamedTuple):
@@ -146,8 +151,9 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torc
 
 
 def _holds_weights(linear: Linear) -> bool:
-    """A PackedLinear with a packed copy of its weight (on the CPU): the original need not be kept."""
-    return isinstance(linear, PackedLinear) and linear.packed is not None
+    """A QuantLinear, or a PackedLinear with a packed copy of its weight (on the CPU): the original
+    need not be kept."""
+    return isinstance(linear, QuantLinear) or (isinstance(linear, PackedLinear) and linear.packed is not None)
 
 
 class LayerLinears(NamedTuple):
@@ -158,7 +164,10 @@ class LayerLinears(NamedTuple):
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: ModelConfig, get: WeightGetter, dtype: torch.dtype, device: torch.device | str,
+                 quantized: QuantizedGetter | None = None):
+        """quantized: where given, projections, embedding and lm_head whose tensors it returns are kept
+        quantized (QuantLinear, CPU, bf16/fp32 activations); the rest is dequantized through `get`."""
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
@@ -188,10 +197,6 @@ class LlamaForCausalLM(torch.nn.Module):
                 return w(name, required)
             return (t.float() + cfg.norm_weight_offset).to(device).contiguous()
 
-        def fused(fused_name: str, names: list[str]) -> torch.Tensor:
-            """A fused projection as stored (Phi-3's qkv_proj, gate_up_proj), or the parts concatenated."""
-            return w(fused_name) if get(fused_name) is not None else cat(names)
-
         def cat(names: list[str], required: bool = True) -> torch.Tensor | None:
             parts = [get(n) for n in names]
             if any(p is None for p in parts):
@@ -201,45 +206,72 @@ class LlamaForCausalLM(torch.nn.Module):
                 return None
             return torch.cat([p.to(dtype=dtype) for p in parts], dim=0).to(device).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")
+        def quant(names: list[str], bias: torch.Tensor | None, out_dtype: torch.dtype | None = None):
+            """A QuantLinear over the row-concatenated tensors `names`, where they stay quantized."""
+            blocks = quantized(names) if quantized is not None else None
+            return None if blocks is None else QuantLinear(blocks[1], blocks[0], bias, out_dtype=out_dtype or dtype)
+
+        def linear(names: list[str], bias: torch.Tensor | None,
+                   fused_name: str | None = None) -> tuple[Linear, torch.Tensor | None]:
+            """(the projection over the row-concatenated tensors `names`, its weight where the projection
+            does not hold its own copy). fused_name: a fused projection as stored (Phi-3's qkv_proj,
+            gate_up_proj), used instead of the parts where the checkpoint has it."""
+            if fused_name is not None and get(fused_name) is not None:
+                names = [fused_name]
+            lin = quant(names, bias)
+            if lin is not None:
+                return lin, None
+            weight = cat(names)
+            lin = make_linear(weight, bias)
+            return lin, None if _holds_weights(lin) else weight
+
+        embed_q = quant(["model.embed_tokens.weight"], None, torch.float32)
+        self.embed_q = embed_q  # the quantized embedding, whose rows are dequantized per lookup
+        self.embed = None if embed_q is not None else w("model.embed_tokens.weight")
         self.layers: list[LayerWeights] = []
         self.linears: list[LayerLinears] = []
         for i in tqdm(range(cfg.num_hidden_layers), desc="Loading weights", unit="layer", leave=False):
             p = f"model.layers.{i}."
             attn = [p + f"self_attn.{x}_proj" for x in "qkv"]
             post = cfg.post_norms  # Gemma: post_attention_layernorm norms the attention output
-            layer = LayerWeights(
+            qkv_bias = cat([n + ".bias" for n in attn], required=False)
+            o_bias = w(p + "self_attn.o_proj.bias", required=False)
+            qkv, qkv_w = linear([n + ".weight" for n in attn], qkv_bias, p + "self_attn.qkv_proj.weight")
+            o, o_w = linear([p + "self_attn.o_proj.weight"], o_bias)
+            gate_up, gate_up_w = linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], None,
+                                        p + "mlp.gate_up_proj.weight")
+            down, down_w = linear([p + "mlp.down_proj.weight"], None)
+            held = _holds_weights(qkv)  # packed copies replace the projections (and biases): one copy in memory
+            self.layers.append(LayerWeights(
                 input_norm=norm(p + "input_layernorm.weight"),
-                qkv=fused(p + "self_attn.qkv_proj.weight", [n + ".weight" for n in attn]),
-                qkv_bias=cat([n + ".bias" for n in attn], required=False),
-                o=w(p + "self_attn.o_proj.weight"),
-                o_bias=w(p + "self_attn.o_proj.bias", required=False),
+                qkv=qkv_w, qkv_bias=None if held else qkv_bias, o=o_w, o_bias=None if held else o_bias,
                 post_norm=norm(p + ("pre_feedforward_layernorm" if post else "post_attention_layernorm") + ".weight"),
-                gate_up=fused(p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=gate_up_w, down=down_w,
                 q_norm=norm(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
                 k_norm=norm(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
                 attn_out_norm=norm(p + "post_attention_layernorm.weight") if post else None,
                 mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if post else None,
-            )
-            lin = LayerLinears(make_linear(layer.qkv, layer.qkv_bias), make_linear(layer.o, layer.o_bias),
-                               make_linear(layer.gate_up, None), make_linear(layer.down, None))
-            if _holds_weights(lin.qkv):  # packed copies replace the projections: one copy in memory
-                layer = layer._replace(qkv=None, qkv_bias=None, o=None, o_bias=None, gate_up=None, down=None)
-            self.layers.append(layer)
-            self.linears.append(lin)
+            ))
+            self.linears.append(LayerLinears(qkv, o, gate_up, down))
         self.norm = norm("model.norm.weight")
-        lm_head = None if cfg.tie_word_embeddings else w("lm_head.weight", required=False)
-        self.lm_head_linear = make_linear(self.embed if lm_head is None else lm_head, None, out_dtype=torch.float32)
-        # an untied lm_head is kept only if its linear does not hold a copy of its own
-        self.lm_head = self.embed if lm_head is None else None if _holds_weights(self.lm_head_linear) else lm_head
+        head_q = embed_q if cfg.tie_word_embeddings else quant(["lm_head.weight"], None, torch.float32)
+        if head_q is not None:
+            self.lm_head_linear, self.lm_head = head_q, None  # fp32 logits (its out dtype)
+        else:
+            lm_head = None if cfg.tie_word_embeddings else w("lm_head.weight", required=False)
+            if lm_head is None:  # tied (or absent): the embedding, dequantized here if it is held quantized
+                lm_head = self.embed if self.embed is not None else w("model.embed_tokens.weight")
+            self.lm_head_linear = make_linear(lm_head, None, out_dtype=torch.float32)
+            # an untied lm_head is kept only if its linear does not hold a copy of its own
+            self.lm_head = lm_head if lm_head is self.embed or not _holds_weights(self.lm_head_linear) else None
         self.cos_sin_cache = rope_cache(cfg).to(device)
         local_cache = (self.cos_sin_cache if cfg.rope_local_theta is None
                        else rope_cache(cfg, cfg.rope_local_theta).to(device))
         self.attention = [LayerAttention(win, local_cache if win else self.cos_sin_cache) for win in windows]
         # Steps run all layers in one native call (decoder_layers) on the CPU with bf16 weights, every
-        # projection a PackedLinear with its native kernel (tests set this lower to compare with the
-        # op-by-op path), for Llama-shaped models (the family features run op by op). 0: always op by op.
+        # projection a PackedLinear or QuantLinear with its native kernel (tests set this lower to compare
+        # with the op-by-op path), for Llama-shaped models (the family features run op by op). 0: always op
+        # by op.
         lins = [x for l in self.linears for x in l]
         llama_shaped = not (cfg.qk_norm or cfg.post_norms or cfg.hidden_act != "silu" or cfg.embed_scale
                             or cfg.attn_logit_softcap or cfg.final_logit_softcap or len(set(windows)) > 1)
@@ -251,9 +283,9 @@ class LlamaForCausalLM(torch.nn.Module):
     def weight_bytes(self) -> int:
         tensors = {id(t): t for t in [self.embed, self.norm, self.lm_head, *(x for l in self.layers for x in l)]
                    if t is not None}
-        held = [x for l in self.linears for x in l] + [self.lm_head_linear]
-        return sum(t.numel() * t.element_size() for t in tensors.values()) + sum(
-            x.nbytes for x in held if _holds_weights(x))
+        held = {id(x): x for x in [*(x for l in self.linears for x in l), self.lm_head_linear, self.embed_q]
+                if x is not None and _holds_weights(x)}
+        return sum(t.numel() * t.element_size() for t in tensors.values()) + sum(x.nbytes for x in held.values())
 
     @torch.inference_mode()
     def forward(
@@ -268,7 +300,10 @@ class LlamaForCausalLM(torch.nn.Module):
         t = input_ids.shape[0]
         cfg, eps, scale, sizes, d = self.cfg, self.eps, self.scale, self.qkv_sizes, self.cfg.head_dim
         q_shape, kv_shape = (t, *self.q_shape), (t, *self.kv_shape)
-        residual = F.embedding(input_ids, self.embed)
+        if self.embed_q is not None:
+            residual = self.embed_q.embedding(input_ids, self.dtype)
+        else:
+            residual = F.embedding(input_ids, self.embed)
         if cfg.embed_scale:  # rounded to the activation dtype first, as transformers does
             residual = residual * torch.tensor(cfg.embed_scale, dtype=residual.dtype)
         if t <= self.native_layer_rows:
@@ -351,7 +386,8 @@ class LlamaForCausalLM(torch.nn.Module):
                                self.cfg.num_key_value_heads, self.cfg.head_dim)
                 rows.append([ptr(layer.input_norm), *lin.qkv.native_pointers(), *lin.o.native_pointers(),
                              ptr(layer.post_norm), lin.gate_up.native_pointers()[0], lin.down.native_pointers()[0],
-                             ptr(c.k), ptr(c.v), ptr(c.k_scales), ptr(c.v_scales)])
+                             ptr(c.k), ptr(c.v), ptr(c.k_scales), ptr(c.v_scales),
+                             *(x.type_id if isinstance(x, QuantLinear) else 0 for x in lin)])
             self._layer_table = torch.tensor(rows, dtype=torch.int64)
             self._layer_table_caches = kv_caches
         return self._layer_table

@@ -7,7 +7,8 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from collections import Counter
+from typing import Any, Callable
 
 import torch
 
@@ -148,37 +149,86 @@ def _safetensors_getter(folder: str):
     return get
 
 
-def _gguf_getter(path: str):
+WEIGHT_MODES = ("auto", "dequantize")
+# HF tensor names -> (GGML type name, uint8 blocks [rows, row bytes] of the row-concatenated tensors),
+# or None where they are not all of one type with a native kernel
+QuantizedGetter = Callable[[list[str]], "tuple[str, torch.Tensor] | None"]
+
+
+def _gguf_getter(path: str, weights: str, formats: Counter):
+    """(config, dequantizing getter, quantized getter or None); `formats` counts (GGUF type, how held)."""
     from pyengine.model.gguf import open_gguf
+    from pyengine.ops.qlinear import QUANT_TYPES
 
     gf = open_gguf(path)
     cfg = gf.config()
     names = gf.hf_names()
 
     def get(key: str) -> torch.Tensor | None:
-        return gf.tensor(names[key], cfg) if key in names else None
+        if key not in names:
+            return None
+        formats[gf.type_name(names[key]), "dequantized"] += 1
+        return gf.tensor(names[key], cfg)
 
-    return cfg, get
+    def quantized(keys: list[str]) -> tuple[str, torch.Tensor] | None:
+        types = {gf.type_name(names[k]) for k in keys if k in names}
+        if len(types) != 1 or any(k not in names for k in keys) or next(iter(types)) not in QUANT_TYPES:
+            return None
+        type_name = types.pop()
+        parts = [gf.blocks(names[k], cfg)[1] for k in keys]
+        formats[type_name, "native"] += len(keys)
+        return type_name, parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    return cfg, get, (quantized if weights == "auto" else None)
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device | str):
-    """(ModelConfig, LlamaForCausalLM) from a .gguf file or a HF folder, weights in `dtype` on `device`."""
+def _log_formats(formats: Counter, dtype: torch.dtype) -> None:
+    """One line per GGUF tensor type: held quantized (native kernels) or dequantized to `dtype`."""
+    from pyengine.ops.qlinear import QUANT_TYPES
+
+    dt = str(dtype).removeprefix("torch.")
+    for (type_name, how), n in sorted(formats.items()):
+        if how == "native":
+            logger.info("weights: %d %s tensors kept quantized (native int8 kernels)", n, type_name)
+        elif type_name in ("F32", "F16", "BF16"):
+            logger.info("weights: %d %s tensors as %s", n, type_name, dt)
+        elif type_name in QUANT_TYPES:
+            logger.info("weights: %d %s tensors dequantized to %s (weights='dequantize')", n, type_name, dt)
+        else:
+            logger.warning("weights: %d %s tensors dequantized to %s (no native kernel for %s)", n, type_name, dt,
+                           type_name)
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device | str, weights: str = "auto"):
+    """(ModelConfig, LlamaForCausalLM) from a .gguf file or a HF folder, weights in `dtype` on `device`.
+
+    weights: "auto" keeps GGUF tensors quantized where a native kernel exists (Q8_0, Q4_0, Q4_1, on the
+    CPU with bf16 or fp32 activations) and dequantizes the rest to `dtype`; "dequantize" dequantizes all.
+    """
     from pyengine.model.llama import LlamaForCausalLM
 
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
+    device = torch.device(device)
+    if device.type != "cpu" or dtype == torch.float16:
+        weights = "dequantize"  # the quantized kernels are CPU kernels on bf16/fp32 activations
     start = time.perf_counter()
+    formats: Counter = Counter()
+    quantized = None
     if os.path.isfile(path):
-        cfg, get = _gguf_getter(path)
+        cfg, get, quantized = _gguf_getter(path, weights, formats)
     elif os.path.isdir(path):
         cfg = config_from_hf(path)
         get = _safetensors_getter(path)
     else:
         raise FileNotFoundError(f"model path {path!r} does not exist")
     try:
-        model = LlamaForCausalLM(cfg, get, dtype, torch.device(device))
+        model = LlamaForCausalLM(cfg, get, dtype, device, quantized=quantized)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
+    _log_formats(formats, dtype)
     logger.info(
         "loaded %s (%s, %d layers) in %.1fs: weights %.1f MiB in %s",
         path, cfg.architecture, cfg.num_hidden_layers, time.perf_counter() - start,

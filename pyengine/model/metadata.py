@@ -1,6 +1,8 @@
 """Attention metadata of one forward step, and the paged KV cache it indexes (layouts: DESIGN.md)."""
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,15 @@ class KVCache:
     v_scales: torch.Tensor | None = None
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros; on the CPU an anonymous memory map, whose pages the OS commits on first write: a pool
+    sized for the whole configuration costs resident memory only for the blocks sequences use."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+
+
 def allocate_kv_caches(
     cfg: ModelConfig, num_blocks: int, block_size: int, cache_dtype: torch.dtype, device: torch.device | str
 ) -> list[KVCache]:
@@ -39,11 +50,11 @@ def allocate_kv_caches(
     quantized = cache_dtype in QUANTIZED_CACHE_DTYPES
     caches = []
     for _ in range(cfg.num_hidden_layers):
-        k = torch.zeros(k_shape, dtype=cache_dtype, device=device)
-        v = torch.zeros(v_shape, dtype=cache_dtype, device=device)
+        k = _zeros(k_shape, cache_dtype, device)
+        v = _zeros(v_shape, cache_dtype, device)
         if quantized:
-            ks = torch.zeros(scales_shape, dtype=torch.float32, device=device)
-            vs = torch.zeros(scales_shape, dtype=torch.float32, device=device)
+            ks = _zeros(scales_shape, torch.float32, device)
+            vs = _zeros(scales_shape, torch.float32, device)
             caches.append(KVCache(k, v, ks, vs))
         else:
             caches.append(KVCache(k, v))

@@ -31,6 +31,15 @@ void rotary_embedding(uintptr_t positions, uintptr_t q, uintptr_t k, uintptr_t c
 void silu_and_mul(uintptr_t x, uintptr_t out, int64_t rows, int64_t inter, int dtype);
 void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K,
                  int out_dtype);
+// Quantized weights (qlinear.cpp; types and layout in ggml_blocks.h).
+int64_t qpacked_bytes(int type, int64_t N, int64_t K);
+void qpack(int type, uintptr_t src, int64_t N, int64_t K, uintptr_t dst);
+void qlinear(uintptr_t x, int x_dtype, uintptr_t packed, int type, uintptr_t bias, uintptr_t out, int64_t M,
+             int64_t N, int64_t K, int out_dtype);
+void qembedding(uintptr_t ids, int64_t T, uintptr_t packed, int type, int64_t N, int64_t K, uintptr_t out,
+                int out_dtype);
+void set_qlinear_portable(bool portable);
+const char* qlinear_isa();
 void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t attn, uintptr_t gate_up, uintptr_t act,
                     const int64_t* layers, int64_t num_layers, uintptr_t positions, uintptr_t cos_sin_cache,
                     int64_t max_position, uintptr_t slot_mapping, uintptr_t block_tables, uintptr_t seq_lens,

@@ -1,0 +1,116 @@
+"""Quantized weights (weights="auto") vs the bf16 path (weights="dequantize"), same run, same threads.
+
+The default model's Q4_1 file and a Q8_0 requantization of it (written here with the `gguf` package's
+reference quantizer, cached next to the temp dir). Per (file, weights): batch-1 decode tok/s (128-token
+prompt, 128 generated), a 64 x 128 generate (64 requests of 128 greedy tokens; output tok/s), and the
+process RSS before and after loading (each configuration runs in a fresh subprocess, alternating A/B,
+`--repeats` times; figures are min..max over repeats).
+
+    python bench/bench_quant.py [--threads 2] [--repeats 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from engine_common import ROOT, default_gguf
+
+PROMPT, GEN, STREAMS = 128, 128, 64
+KV_BYTES = 256 << 20
+
+
+def one(path: str, weights: str, threads: int) -> dict:
+    """Runs in the subprocess: load, measure, return figures."""
+    import random
+
+    import pyengine  # noqa: F401  (before torch)
+    import psutil
+
+    from pyengine import LLM, SamplingParams
+
+    proc = psutil.Process()
+    rss0 = proc.memory_info().rss
+    llm = LLM(path, dtype="bfloat16", weights=weights, num_threads=threads, kv_cache_memory=KV_BYTES,
+              max_num_seqs=STREAMS, max_model_len=2048)
+    rss1 = proc.memory_info().rss
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, 40000) for _ in range(PROMPT)]
+    llm.generate([prompt[:16]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
+    out = llm.generate([prompt], SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    m = out.metrics
+    decode = (len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time)
+    prompts = [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(STREAMS)]
+    import time
+
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    gen = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+    return {"decode": decode, "gen64": gen, "rss_before": rss0, "rss_after_load": rss1,
+            "weights_mib": llm.engine.model.weight_bytes() / 2**20}
+
+
+def q8_file(src: str) -> str:
+    from pyengine.model.gguf import requantize
+
+    dst = os.path.join(tempfile.gettempdir(), "pyengine-bench-" + os.path.basename(src).replace("Q4_1", "Q8_0"))
+    if not os.path.exists(dst):
+        print(f"writing {dst} (Q8_0 requantization of {os.path.basename(src)})", flush=True)
+        requantize(src, dst + ".part", "Q8_0")
+        os.replace(dst + ".part", dst)
+    return dst
+
+
+def tensor_bytes(path: str) -> int:
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--one", nargs=2, metavar=("PATH", "WEIGHTS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(one(args.one[0], args.one[1], args.threads)))
+        return
+    folder, name = default_gguf()
+    q4 = os.path.join(folder, name)
+    files = {"Q4_1": q4, "Q8_0": q8_file(q4)}
+    results: dict[tuple[str, str], list[dict]] = {}
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    for _ in range(args.repeats):
+        for kind, path in files.items():
+            for weights in ("dequantize", "auto"):  # A/B back to back
+                run = subprocess.run([sys.executable, __file__, "--threads", str(args.threads), "--one", path, weights],
+                                     capture_output=True, text=True, cwd=ROOT, env=env)
+                line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if line is None:
+                    sys.exit(f"{kind} {weights} failed:\n{run.stderr[-3000:]}")
+                results.setdefault((kind, weights), []).append(json.loads(line[7:]))
+    span = lambda xs, f="{:.1f}": f"{f.format(min(xs))}..{f.format(max(xs))}"  # noqa: E731
+    print(f"\n{args.threads} threads, {args.repeats} repeats; decode: batch 1, prompt {PROMPT}, {GEN} tokens; "
+          f"gen64: {STREAMS} x {GEN} tokens (output tok/s); KV cache {KV_BYTES >> 20} MiB")
+    print(f"{'file':5s} {'weights':10s} {'decode tok/s':>14s} {'gen64 tok/s':>14s} {'weights MiB':>11s} "
+          f"{'RSS load MiB':>13s} {'RSS MiB':>9s}")
+    for (kind, weights), rs in results.items():
+        print(f"{kind:5s} {weights:10s} {span([r['decode'] for r in rs]):>14s} {span([r['gen64'] for r in rs]):>14s} "
+              f"{rs[0]['weights_mib']:11.1f} "
+              f"{span([(r['rss_after_load'] - r['rss_before']) / 2**20 for r in rs], '{:.0f}'):>13s} "
+              f"{span([r['rss_after_load'] / 2**20 for r in rs], '{:.0f}'):>9s}")
+    for kind, path in files.items():
+        a, b = results[kind, "auto"], results[kind, "dequantize"]
+        ratio = lambda k: [x[k] / y[k] for x, y in zip(a, b)]  # noqa: E731 (pairs from the same repeat)
+        limit = (1.1 * tensor_bytes(path) + KV_BYTES) / 2**20 + 150
+        print(f"{kind}: auto / bf16  decode {span(ratio('decode'), '{:.2f}')}x  gen64 {span(ratio('gen64'), '{:.2f}')}x;"
+              f"  RSS growth at load {max((r['rss_after_load'] - r['rss_before']) / 2**20 for r in a):.0f} MiB "
+              f"(1.1 x file tensors + KV + 150 MiB = {limit:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+// pybind11 binding of the CPU kernels on GGUF-quantized weights (native/cpu/qlinear.cpp).
+// Pointers are tensor.data_ptr() values; dtype codes follow pyengine/ops/_common.py DTYPE_CODES; `type`
+// is the GGML type id (ggml_blocks.h); the trailing `stream` is ignored on the CPU.
+#include <cstdint>
+
+#include "pyengine/cpu_ops.h"
+#include "registry.h"
+
+namespace py = pybind11;
+
+namespace {
+
+void register_qlinear_ops(py::module_& m) {
+  namespace c = pyengine::cpu;
+  m.def("qpacked_bytes", &c::qpacked_bytes, py::arg("type"), py::arg("N"), py::arg("K"),
+        "Bytes of the tiled copy of an [N, K] weight of GGML type `type`.");
+  m.def("qpack", &c::qpack, py::arg("type"), py::arg("src"), py::arg("N"), py::arg("K"), py::arg("dst"),
+        py::call_guard<py::gil_scoped_release>(),
+        "GGUF blocks [N, K/32 blocks] -> the tiled layout (ggml_blocks.h) at dst (qpacked_bytes bytes).");
+  m.def(
+      "qlinear",
+      [](uintptr_t x, int x_dtype, uintptr_t packed, int type, uintptr_t bias, uintptr_t out, int64_t M, int64_t N,
+         int64_t K, int out_dtype, uintptr_t) { c::qlinear(x, x_dtype, packed, type, bias, out, M, N, K, out_dtype); },
+      py::arg("x"), py::arg("x_dtype"), py::arg("packed"), py::arg("type"), py::arg("bias"), py::arg("out"),
+      py::arg("M"), py::arg("N"), py::arg("K"), py::arg("out_dtype"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>(),
+      "out[M, N] = x[M, K] @ W^T + bias; x bf16/fp32, W tiled quantized, bias fp32 [N] or 0, out bf16/fp32.");
+  m.def(
+      "qembedding",
+      [](uintptr_t ids, int64_t T, uintptr_t packed, int type, int64_t N, int64_t K, uintptr_t out, int out_dtype,
+         uintptr_t) { c::qembedding(ids, T, packed, type, N, K, out, out_dtype); },
+      py::arg("ids"), py::arg("T"), py::arg("packed"), py::arg("type"), py::arg("N"), py::arg("K"), py::arg("out"),
+      py::arg("out_dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+      "out[T, K] = rows ids (int64) of a tiled quantized [N, K] weight, dequantized to bf16/fp32.");
+  m.def("set_qlinear_portable", &c::set_qlinear_portable, py::arg("portable"),
+        "Run the quantized kernels on their portable (scalar) path, for tests of that path.");
+  m.def("qlinear_isa", &c::qlinear_isa, "The SIMD path of the quantized kernels: avx512_vnni or scalar.");
+}
+
+}  // namespace
+
+PYENGINE_REGISTER_OPS(register_qlinear_ops);
