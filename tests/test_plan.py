@@ -12,7 +12,7 @@ from pyengine.engine import engine as engine_mod
 from pyengine.model.loader import load_model, resolve_model_path
 from pyengine.tokenizer import Tokenizer
 
-MAX_LEN = 2048
+MAX_LEN = 1024  # 24 MiB of bf16 KV (1088 tokens) holds one sequence of it
 
 
 @pytest.fixture(scope="module")
