@@ -5,7 +5,7 @@ EOS ignored):
   generate 64       generated tokens/s over 64 concurrent prompts, prefill included (vLLM-CPU: ~832)
   prefill 64        prompt tokens/s for 64 prompts at once, max_tokens=1 (vLLM-CPU: ~2,900)
 
-    python bench/bar.py [--threads 2] [--dtype auto] [--gen 128]
+    python bench/bar.py [--threads 2] [--dtype auto] [--weights auto|dequantize] [--gen 128]
 """
 from __future__ import annotations
 
@@ -24,9 +24,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--gen", type=int, default=128, help="tokens generated per request")
+    ap.add_argument("--weights", default="auto", choices=["auto", "dequantize"],
+                    help="GGUF weights: quantized kernels where they exist, or dequantized to --dtype")
     args = ap.parse_args()
     llm = LLM(dtype=args.dtype, num_threads=args.threads, kv_cache_memory=2 << 30, max_num_seqs=256,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, weights=args.weights)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(PROMPT)] for _ in range(64)]
     greedy = dict(temperature=0.0, ignore_eos=True)
@@ -44,7 +46,7 @@ def main() -> None:
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.gen, **greedy), use_tqdm=False)
     generate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
 
-    print(f"default model, {llm.engine.dtype}, {args.threads} threads, {PROMPT}-token prompts")
+    print(f"default model, {llm.engine.dtype}, weights {args.weights}, {args.threads} threads, {PROMPT}-token prompts")
     print(f"{'row':18s} {'pyengine':>10s} {'bar':>8s}")
     for name, value, bar in [("decode 1 stream", decode, 141), (f"generate 64 x {args.gen}", generate, 832),
                              ("prefill 64", prefill, 2900)]:

@@ -33,6 +33,7 @@ def engine_with(tokenizer, kv_tokens: int = 4096, **config) -> Engine:
                       num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=2,
                       max_position_embeddings=8192, eos_token_ids=[EOS])
     config.setdefault("kv_cache_memory", kv_tokens * 16 + config.get("block_size", 16) * 16 - 1)
+    config.setdefault("max_model_len", kv_tokens)  # the engine refuses a pool smaller than one full sequence
     return Engine(EngineConfig(dtype="float32", **config), parts=(cfg, PagedEchoModel(), tokenizer, "echo"))
 
 
