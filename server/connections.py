@@ -88,6 +88,7 @@ class _GuardedConnection(asyncio.Protocol):
         self.accepted = False
         self.busy = False  # a request's headers were parsed and its handler has not returned yet
         self.reading = False  # bytes of a new request arrived; its headers are not parsed yet
+        self.lingering = False  # answered without a handler: input is discarded until the close
         self.timer: asyncio.TimerHandle | None = None
 
     # ---------------------------------------------------------------- asyncio callbacks
@@ -105,12 +106,16 @@ class _GuardedConnection(asyncio.Protocol):
         self._arm(limits.keepalive_timeout, self._idle_expired)
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
         if not self.busy and not self.reading and data:
             self.reading = True
             self._arm(self.guard.limits.read_timeout, self._read_expired)
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
+        if self.lingering:
+            return None  # the client has finished sending too: close now
         return self.inner.eof_received()
 
     def pause_writing(self) -> None:
@@ -168,10 +173,17 @@ class _GuardedConnection(asyncio.Protocol):
         head = (f"HTTP/1.1 {err.status} {_REASONS[err.status]}\r\nServer: {SERVER_NAME}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
         self.transport.write(head.encode() + body)
-        self.transport.close()
+        # A lingering close, as nginx does: FIN after the answer, then what the client still sends is
+        # read and dropped for a moment. Closing with unread input makes the kernel answer with RST,
+        # which can destroy the answer before the client has read it.
+        self.lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._arm(LINGER_SECONDS, self.transport.close)
 
 
 _REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
+LINGER_SECONDS = 2.0  # how long a connection answered without a handler keeps draining input
 
 
 class GuardedSite(web.BaseSite):
