@@ -24,15 +24,14 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pyengine.report import percentiles as report_percentiles  # noqa: E402
 from pyengine.request_log import read_records  # noqa: E402
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week "
@@ -103,12 +102,8 @@ async def one_request(session: aiohttp.ClientSession, args: argparse.Namespace, 
 
 
 def percentiles(xs: list[float]) -> dict[str, float | None]:
-    if not xs:
-        return {"mean": None, "p50": None, "p90": None, "p95": None, "p99": None}
-    def p(q: float) -> float:  # linear interpolation, as pyengine.report computes them
-        return float(np.percentile(xs, q))
-
-    return {"mean": statistics.fmean(xs), "p50": p(50), "p90": p(90), "p95": p(95), "p99": p(99)}
+    """mean and p50/p90/p95/p99 as pyengine.report computes them; all None without samples."""
+    return report_percentiles(xs, (50, 90, 95, 99)) or dict.fromkeys(("mean", "p50", "p90", "p95", "p99"))
 
 
 def sample_lengths(rng: random.Random, args: argparse.Namespace, n: int) -> list[tuple[int, int]]:

@@ -54,16 +54,17 @@ def summarize(rows: list[dict]) -> dict:
     res["output_tps"] = sum(r["output_tokens"] for r in ok) / span if span > 0 else None
     res["input_tps"] = sum(r["input_tokens"] for r in ok) / span if span > 0 else None
     res["cached_token_fraction"] = sum(r["cached_tokens"] or 0 for r in ok) / max(1, sum(r["input_tokens"] for r in ok))
-    res["latency"] = {k: _percentiles(v) for k, v in latencies(rows).items()}
-    res["stages"] = {k: _percentiles([r[k] for r in ok if r.get(k) is not None]) for k in STAGES}
+    res["latency"] = {k: percentiles(v) for k, v in latencies(rows).items()}
+    res["stages"] = {k: percentiles([r[k] for r in ok if r.get(k) is not None]) for k in STAGES}
     return res
 
 
-def _percentiles(values: list[float]) -> dict[str, float] | None:
+def percentiles(values: list[float], qs: tuple[int, ...] = PERCENTILES) -> dict[str, float] | None:
+    """mean, p<q> for each q (linear interpolation) and n; None without values."""
     if not values:
         return None
     a = np.asarray(values, dtype=np.float64)
-    return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}, "n": len(values)}
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in qs}, "n": len(values)}
 
 
 def format_report(s: dict) -> str:

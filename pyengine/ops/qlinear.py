@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from pyengine.ops._common import DTYPE_CODES, check_tensor, native
+from pyengine.ops.linear import _check_out_dtype
 
 # GGML type name -> id, for the types with a native kernel
 QUANT_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
@@ -46,7 +47,7 @@ class QuantLinear:
         in_features = row_bytes // BLOCK_BYTES[type_name] * BLOCK
         self.type_name, self.type_id = type_name, QUANT_TYPES[type_name]
         self.out_features, self.in_features = blocks.shape[0], in_features
-        self.out_dtype = out_dtype
+        self.out_dtype = _check_out_dtype(out_dtype)
         self.device = torch.device("cpu")
         c = native(self.device)
         self.packed = _aligned_empty(c.qpacked_bytes(self.type_id, self.out_features, in_features))
@@ -71,9 +72,7 @@ class QuantLinear:
                 and x.shape[1] == self.in_features and x.device == self.device and x.is_contiguous()):
             check_tensor("x", x, dtypes=(torch.bfloat16, torch.float32), shape=(None, self.in_features),
                          device=self.device)
-        out_dtype = out_dtype or self.out_dtype
-        if out_dtype not in (torch.bfloat16, torch.float32):
-            raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype!r}")
+        out_dtype = self.out_dtype if out_dtype is None else _check_out_dtype(out_dtype)
         m = x.shape[0]
         out = torch.empty(m, self.out_features, dtype=out_dtype)
         self._kernel(x.data_ptr(), DTYPE_CODES[x.dtype], self._packed_ptr, self.type_id, self._bias_ptr,
