@@ -86,7 +86,7 @@ class AsyncLLM:
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
         self.engine.check_prompt(len(ids))
-        self.engine.check_params(params)
+        await self.check_params(params)  # a grammar compiles off the event loop
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         # Arrival is now, not when the step thread picks the request up after its current step.
