@@ -12,9 +12,13 @@ from aiohttp import web
 
 from pyengine.config import memory_size
 from pyengine.request_log import RequestLog
-from server.app import SERVING, ServerConfig, create_app, listen
+from server import config_file
+from server.app import MODELS, ServerConfig, create_app, listen
+from server.config_file import ModelSpec, ServeFile
 from server.connections import ConnectionLimits
 from server.gateway import GatewayConfig
+from server.models import ConfigError, ModelEntry, check_config
+from server.routing import RoutingConfig
 from server.tools import PARSERS
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -32,8 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming).",
         formatter_class=_HelpFormatter)
     m = p.add_argument_group("model and engine")
-    m.add_argument("--model", default=None,
-                   help="HF model folder or .gguf file; omitted: the bundled default model")
+    m.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH",
+                   help="HF model folder or .gguf file; omitted: the bundled default model. Repeat to serve "
+                        "several models, each with its own engine and KV budget (named NAME, or the file's "
+                        "name); model \"auto\" then means the first one")
+    m.add_argument("--config", default=None, metavar="TOML",
+                   help="serve the models, API key tiers and routing rules of a TOML file instead of --model "
+                        "(engine flags below are the defaults of its models); see README")
     m.add_argument("--served-model-name", default=None,
                    help="model name clients send and see in responses; default: the model's name")
     m.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
@@ -103,23 +112,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def engine_config(args: argparse.Namespace):
+def engine_config(args: argparse.Namespace, model: str | None = None, **overrides):
     from pyengine import EngineConfig
 
-    return EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights, device=args.device,
+    return EngineConfig(model=model, dtype=args.dtype, weights=args.weights, device=args.device,
                         max_model_len=args.max_model_len, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
                         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
-                        seed=args.seed)
+                        seed=args.seed, **overrides)
 
 
-def server_config(args: argparse.Namespace, request_log: RequestLog | None = None) -> ServerConfig:
+def model_specs(args: argparse.Namespace, serve_file: ServeFile | None) -> list[ModelSpec] | None:
+    """The models of the --config file or of several --model flags; None for one model."""
+    if serve_file is not None:
+        if args.model or args.served_model_name:
+            raise ConfigError("--config names the models: leave out --model and --served-model-name")
+        return serve_file.models
+    if not args.model or len(args.model) == 1 and "=" not in args.model[0]:
+        return None
+    if args.served_model_name:
+        raise ConfigError("--served-model-name names one model; name several with --model NAME=PATH")
+    specs = []
+    for value in args.model:
+        name, sep, path = value.partition("=")
+        if not sep or os.sep in name or os.path.exists(value):  # a path that happens to hold "="
+            name, path = os.path.splitext(os.path.basename(value.rstrip(os.sep)))[0], value
+        specs.append(ModelSpec(name, path or None))
+    check_config([(m.name, m.aliases, m.tier) for m in specs], RoutingConfig(), {})
+    return specs
+
+
+def server_config(args: argparse.Namespace, request_log: RequestLog | None = None,
+                  serve_file: ServeFile | None = None) -> ServerConfig:
     keys = list(args.api_key or [])
     if not keys and os.environ.get("PYENGINE_API_KEY"):
         keys = [os.environ["PYENGINE_API_KEY"]]
+    routing, key_tiers = (serve_file.routing, serve_file.key_tiers) if serve_file else (RoutingConfig(), {})
     return ServerConfig(served_model_name=args.served_model_name, max_n=args.max_n, request_log=request_log,
+                        routing=routing, key_tiers=key_tiers,
                         stats_interval=args.stats_interval, tool_call_parser=args.tool_call_parser,
                         gateway=GatewayConfig(
         api_keys=keys, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
@@ -129,25 +161,31 @@ def server_config(args: argparse.Namespace, request_log: RequestLog | None = Non
         max_connections=args.max_connections))
 
 
-async def serve(app: web.Application, host: str, port: int, grace: float, block_size: int) -> None:
+async def serve(app: web.Application, host: str, port: int, grace: float) -> None:
     """Run until SIGTERM/SIGINT; then stop accepting, drain up to `grace` seconds, shut down."""
     runner = await listen(app, host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    serving = app[SERVING]
+    models = app[MODELS]
     bound = runner.addresses[0]
-    blocks = serving.engine.stats().num_total_blocks
-    print(f"pyengine server listening on http://{bound[0]}:{bound[1]}\n"
-          f"  model: {serving.model} (context {serving.engine.max_model_len} tokens)\n"
-          f"  KV cache: {blocks} blocks x {block_size} tokens = {blocks * block_size} tokens", flush=True)
+    lines = [f"pyengine server listening on http://{bound[0]}:{bound[1]}"]
+    for m in models:
+        lines.append(f"  model: {m.name} (context {m.engine.max_model_len} tokens)")
+        plan = getattr(m.engine, "plan", None)  # a stand-in engine may have none
+        if plan is not None:
+            lines.append(f"  KV cache: {plan.num_blocks} blocks x {plan.block_size} tokens = {plan.kv_tokens} tokens")
+    if len(models.models) > 1:
+        lines.append(f"  router: {models.router.name} (default {models.router.default}, "
+                     f"{len(models.router.rules)} rules)")
+    print("\n".join(lines), flush=True)
     await stop.wait()
     print("shutting down: draining in-flight requests", flush=True)
     for site in runner.sites:
         await site.stop()  # no new connections
-    await serving.drain(grace)
-    await runner.cleanup()  # closes idle connections, stops the engine
+    await asyncio.gather(*(m.serving.drain(grace) for m in models))
+    await runner.cleanup()  # closes idle connections, stops the engines
     print("stopped", flush=True)
 
 
@@ -164,14 +202,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot write the request log: {e}", file=sys.stderr)
             return 2
     try:
-        config = server_config(args, request_log)
-        engine = AsyncLLM(engine_config(args))
-    except (ValueError, FileNotFoundError) as e:
+        serve_file = config_file.load(args.config) if args.config else None
+        config = server_config(args, request_log, serve_file)
+        specs = model_specs(args, serve_file)
+        if specs is None:
+            engines = AsyncLLM(engine_config(args, args.model[0] if args.model else None))
+        else:
+            engines = [ModelEntry(AsyncLLM(engine_config(args, m.path, **m.engine)), m.name, m.aliases, m.tier)
+                       for m in specs]
+    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(engine, config)
+    app = create_app(engines, config)
     try:
-        asyncio.run(serve(app, args.host, args.port, args.shutdown_grace, args.block_size))
+        asyncio.run(serve(app, args.host, args.port, args.shutdown_grace))
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1

@@ -1,8 +1,8 @@
 """aiohttp application factory: routes, the gateway middleware, health, metrics.
 
-The engine is passed in (any object with the AsyncLLM interface), so tests can run the whole HTTP
-layer over a small fake. The app starts the engine on start-up and shuts it down on cleanup, i.e.
-after in-flight requests have drained.
+The engines are passed in (any object with the AsyncLLM interface), so tests can run the whole HTTP
+layer over a small fake. The app starts them on start-up and shuts them down on cleanup, i.e. after
+in-flight requests have drained.
 """
 from __future__ import annotations
 
@@ -15,51 +15,73 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pyengine.request_log import RequestLog
 from server import gateway
 from server.connections import SERVER_NAME, ConnectionGuard, ConnectionLimits, GuardedSite
+from server.models import ModelEntry, ModelRegistry, ServedModel
 from server.observe import Observer
-from server.openai_api import JOB_KEY, RATE_KEY, OpenAIServing
+from server.openai_api import JOB_KEY, RATE_KEY, OpenAIServing, read_json
 from server.protocol import APIError
+from server.routing import RoutingConfig
 
 log = logging.getLogger("server")
 OPEN_PATHS = {"/health", "/"}  # and the web page's files under /static/ (the page asks for the key)
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
-SERVING = web.AppKey("serving", OpenAIServing)
+MODELS = web.AppKey("models", ModelRegistry)
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
-_SAMPLER = web.AppKey("stats_sampler", asyncio.Task)
+_SAMPLERS = web.AppKey("stats_samplers", list)
+MODEL_KEY = web.RequestKey("model", str)  # the served model's name, once the request chose one
+RULE_KEY = web.RequestKey("route_rule", str)  # the routing rule that chose it (routed requests only)
 
 
 @dataclass
 class ServerConfig:
-    served_model_name: str | None = None  # None: the engine's model name
+    served_model_name: str | None = None  # one engine: the name it is served as; None: the engine's model name
     max_n: int = 16
     tool_call_parser: str | None = None  # None: chosen by the model's chat template (server/tools.py)
     gateway: gateway.GatewayConfig = field(default_factory=gateway.GatewayConfig)
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     request_log: RequestLog | None = None  # one row per generation request; closed on cleanup
     stats_interval: float = 10.0  # seconds between console stats lines; 0: none
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    key_tiers: dict[str, str] = field(default_factory=dict)  # API key -> tier; these keys are valid too
 
 
-def create_app(engine: Any, config: ServerConfig | None = None) -> web.Application:
+def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = None) -> web.Application:
+    """An app serving one engine (named config.served_model_name or its model name), or several
+    models, each a ModelEntry with its own engine; config.routing routes requests for the router."""
     config = config or ServerConfig()
     gw = config.gateway
-    serving = OpenAIServing(engine, config.served_model_name or engine.model_name, gw, max_n=config.max_n,
-                            tool_call_parser=config.tool_call_parser,
-                            read_timeout=config.connections.read_timeout)
+    api_keys = gw.api_keys + [k for k in config.key_tiers if k not in gw.api_keys]
+    entries = engine if isinstance(engine, list) else [ModelEntry(engine, config.served_model_name)]
+    limiter = gateway.RateLimiter(gw.rate_limit_rpm, gw.rate_limit_tpm)
+    models = ModelRegistry([ServedModel(e.name or e.engine.model_name, list(e.aliases), e.tier, OpenAIServing(
+        e.engine, e.name or e.engine.model_name, gw, max_n=config.max_n, tool_call_parser=config.tool_call_parser,
+        read_timeout=config.connections.read_timeout, limiter=limiter)) for e in entries],
+        config.routing, config.key_tiers)
     guard = ConnectionGuard(config.connections)
-    registry = CollectorRegistry()
-    observer = Observer(engine, serving.model, registry, request_log=config.request_log,
-                        stats_interval=config.stats_interval)
-    registry.register(_PoolCollector(engine, serving))
-    plan = engine.plan.as_dict() if getattr(engine, "plan", None) is not None else None
+    registry = CollectorRegistry()  # what /metrics shows: every model's series, merged by name
+    routed = Counter("pyengine_server:routed_requests", "Requests the router sent to a model, by rule",
+                     ["model_name", "rule"], registry=registry)
+    observers: dict[str, Observer] = {}
+    sources = []
+    for m in models:
+        own = CollectorRegistry()
+        observers[m.name] = Observer(m.engine, m.name, own, request_log=config.request_log,
+                                     stats_interval=config.stats_interval)
+        own.register(_PoolCollector(m.serving))
+        sources += [(m.engine.metrics.registry, m.name), (own, m.name)]
+    registry.register(_MergedMetrics(sources))
 
     def route_of(request: web.Request) -> str:
         route = request.match_info.route.resource
         return route.canonical if route else "unmatched"
+
+    def observer_of(request: web.Request) -> Observer:
+        return observers[request.get(MODEL_KEY, models.default.name)]
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
@@ -68,16 +90,15 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
             try:
                 resp = await respond(request, handler)
             except (asyncio.CancelledError, ConnectionResetError):  # the client left (nginx's 499)
-                observer.finish(request, 499, start, request.get(JOB_KEY), route_of(request))
+                observer_of(request).finish(request, 499, start, request.get(JOB_KEY), route_of(request))
                 raise
-        observer.finish(request, resp.status, start, request.get(JOB_KEY), route_of(request))
+        observer_of(request).finish(request, resp.status, start, request.get(JOB_KEY), route_of(request))
         return resp
 
     async def respond(request: web.Request, handler) -> web.StreamResponse:
         try:
             is_open = request.path in OPEN_PATHS or request.path.startswith("/static/")
-            key = "" if is_open else gateway.authenticate(
-                request.headers.get("Authorization"), gw.api_keys)
+            key = "" if is_open else gateway.authenticate(request.headers.get("Authorization"), api_keys)
             request[RATE_KEY] = key or (request.remote or "")
             if request.content_length is not None and request.content_length > gw.max_body_bytes:
                 raise APIError(413, f"The request body is larger than {gw.max_body_bytes} bytes.",
@@ -97,63 +118,96 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
             return web.json_response(APIError(500, "Internal server error.", type="server_error").body(),
                                      status=500)
 
-    async def server_header(request: web.Request, response: web.StreamResponse) -> None:
-        response.headers["Server"] = SERVER_NAME
+    def on_model(method: str):
+        """A handler that reads the body, charges the key, picks the model (by name or by the router)
+        and hands over to that model's OpenAIServing method."""
 
-    async def echo_request_id(request: web.Request, resp: web.StreamResponse) -> None:
-        """X-Request-Id: the client's when it sent one, else the generation request's id."""
+        async def handler(request: web.Request) -> web.StreamResponse:
+            key = request[RATE_KEY]
+            with limiter.charged(key):
+                body = await read_json(request, config.connections.read_timeout)
+                serving, rule = await models.resolve(body, key)
+                request[MODEL_KEY] = serving.model
+                if rule is not None:
+                    request[RULE_KEY] = rule
+                    routed.labels(serving.model, rule).inc()
+                return await getattr(serving, method)(request, key, body)
+
+        return handler
+
+    async def response_headers(request: web.Request, resp: web.StreamResponse) -> None:
+        """Server; X-Request-Id: the client's when it sent one, else the generation request's id;
+        X-Route-Rule: the routing rule that chose the model."""
+        resp.headers["Server"] = SERVER_NAME
         job = request.get(JOB_KEY)
         rid = request.headers.get("X-Request-Id") or (job.request_id if job is not None else None)
         if rid:
             resp.headers["X-Request-Id"] = rid
+        if RULE_KEY in request:
+            resp.headers["X-Route-Rule"] = request[RULE_KEY]
+
+    async def list_models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": models.listing(request[RATE_KEY])})
+
+    async def get_model(request: web.Request) -> web.Response:
+        return web.json_response(models.card(request.match_info["id"], request[RATE_KEY]))
 
     async def health(request: web.Request) -> web.Response:
-        ok = engine.is_healthy() and not serving.admission.draining
+        ok = all(m.engine.is_healthy() and not m.serving.admission.draining for m in models)
         return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
 
     async def metrics(request: web.Request) -> web.Response:
-        text = generate_latest(engine.metrics.registry) + generate_latest(registry)
-        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stats(request: web.Request) -> web.Response:
-        return web.json_response({"engine": _as_dict(engine.stats()),
-                                  "gateway": {"waiting": serving.admission.waiting,
-                                              "in_flight": serving.admission.in_flight},
-                                  "live": observer.snapshot(), "plan": plan})
+        """One model's numbers (?model=NAME; default: the default model)."""
+        name = request.query.get("model", models.default.name)
+        m = models.get(name, request[RATE_KEY])
+        plan = m.engine.plan.as_dict() if getattr(m.engine, "plan", None) is not None else None
+        return web.json_response({"model": m.name, "models": list(models.models),
+                                  "engine": _as_dict(m.engine.stats()),
+                                  "gateway": {"waiting": m.serving.admission.waiting,
+                                              "in_flight": m.serving.admission.in_flight},
+                                  "live": observers[m.name].snapshot(), "plan": plan})
 
     async def index(request: web.Request) -> web.FileResponse:
         return web.FileResponse(os.path.join(STATIC_DIR, "index.html"))
 
-    async def start_engine(app: web.Application) -> None:
-        await engine.start()
-        app[_SAMPLER] = asyncio.create_task(observer.run())
+    async def start_engines(app: web.Application) -> None:
+        app[_SAMPLERS] = []
+        for m in models:
+            await m.engine.start()
+            app[_SAMPLERS].append(asyncio.create_task(observers[m.name].run()))
 
-    async def stop_engine(app: web.Application) -> None:
-        app[_SAMPLER].cancel()
-        await engine.shutdown()
-        observer.close()
+    async def stop_engines(app: web.Application) -> None:
+        for task in app[_SAMPLERS]:
+            task.cancel()
+        for m in models:
+            await m.engine.shutdown()
+            observers[m.name].close()
 
     async def draining(app: web.Application) -> None:
-        serving.admission.draining = True
+        for m in models:
+            m.serving.admission.draining = True
 
     app = web.Application(middlewares=[middleware], client_max_size=gw.max_body_bytes)
-    app[SERVING] = serving
+    app[MODELS] = models
     app[CONNECTIONS] = guard
-    app.router.add_post("/v1/chat/completions", serving.chat)
-    app.router.add_post("/v1/completions", serving.completions)
-    app.router.add_get("/v1/models", serving.models)
-    app.router.add_post("/tokenize", serving.tokenize)
-    app.router.add_post("/detokenize", serving.detokenize)
+    app.router.add_post("/v1/chat/completions", on_model("chat"))
+    app.router.add_post("/v1/completions", on_model("completions"))
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{id:.+}", get_model)
+    app.router.add_post("/tokenize", on_model("tokenize"))
+    app.router.add_post("/detokenize", on_model("detokenize"))
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
     app.router.add_get("/", index)
     app.router.add_static("/static/", STATIC_DIR)
-    app.on_response_prepare.append(echo_request_id)
-    app.on_response_prepare.append(server_header)
-    app.on_startup.append(start_engine)
+    app.on_response_prepare.append(response_headers)
+    app.on_startup.append(start_engines)
     app.on_shutdown.append(draining)
-    app.on_cleanup.append(stop_engine)
+    app.on_cleanup.append(stop_engines)
     return app
 
 
@@ -179,14 +233,13 @@ def _as_dict(obj: Any) -> dict:
 
 
 class _PoolCollector:
-    """Gateway and KV-pool gauges, read at scrape time (cheap: no state kept in between)."""
+    """Gateway and KV-pool gauges of one model, read at scrape time (cheap: no state kept in between)."""
 
-    def __init__(self, engine: Any, serving: OpenAIServing) -> None:
-        self.engine, self.serving = engine, serving
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
 
     def collect(self):
-        s = self.engine.stats()
-        model = self.serving.model
+        s = self.serving.engine.stats()
         for name, doc, value in [
             ("pyengine_server:requests_waiting", "Admitted requests without a first token yet",
              self.serving.admission.waiting),
@@ -198,5 +251,26 @@ class _PoolCollector:
             ("pyengine_server:kv_total_blocks", "KV-cache blocks in the pool", s.num_total_blocks),
         ]:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([model], value)
+            g.add_metric([self.serving.model], value)
             yield g
+
+
+class _MergedMetrics:
+    """The series of several registries, one family per metric name (the text format allows each
+    name once), every sample labelled model_name with its model's served name (an engine labels
+    its own series with its model's name, which two configurations of one model share)."""
+
+    def __init__(self, sources: list[tuple[CollectorRegistry, str]]) -> None:
+        self.sources = sources
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for registry, model in self.sources:
+            for metric in registry.collect():
+                family = families.get(metric.name)
+                if family is None:
+                    family = families[metric.name] = Metric(metric.name, metric.documentation, metric.type,
+                                                            metric.unit)
+                for s in metric.samples:
+                    family.add_sample(s.name, {**s.labels, "model_name": model}, s.value, s.timestamp, s.exemplar)
+        yield from families.values()

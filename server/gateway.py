@@ -7,10 +7,12 @@ first token (-> 503 at once instead of an ever-growing queue).
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from server.protocol import APIError
 
@@ -132,6 +134,18 @@ class RateLimiter:
         if wait > 0:
             raise _too_many(f"Rate limit reached: {self.rpm} requests per minute.", wait, "requests")
         b.take(1)
+
+    @contextlib.contextmanager
+    def charged(self, key: str) -> Iterator[None]:
+        """Charge `key` one request before any work (429 when its bucket is empty); give it back
+        when the request is refused."""
+        self.check_request(key)
+        try:
+            yield
+        except APIError as e:
+            if refused(e):
+                self.refund_request(key)
+            raise
 
     def check_tokens(self, key: str, tokens: int) -> None:
         """Charge `tokens`; 429 if they are not available yet."""

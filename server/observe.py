@@ -140,9 +140,9 @@ class Observer:
                 r = self.rates(self._last_line, now)
                 if r["prompt_tps"] or r["generation_tps"] or r["running"] or r["waiting"]:
                     hit = "-" if r["prefix_hit_rate"] is None else f"{100 * r['prefix_hit_rate']:.1f}%"
-                    stats_log.info("prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d requests, "
-                                   "KV cache %.1f%%, prefix hit rate %s", r["prompt_tps"], r["generation_tps"],
-                                   r["running"], r["waiting"], 100 * r["kv_usage"], hit)
+                    stats_log.info("%s: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d "
+                                   "requests, KV cache %.1f%%, prefix hit rate %s", self.model, r["prompt_tps"],
+                                   r["generation_tps"], r["running"], r["waiting"], 100 * r["kv_usage"], hit)
                 self._last_line = now
 
     def snapshot(self) -> dict:

@@ -10,7 +10,6 @@ rate limits.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -82,7 +81,7 @@ class _Job:
 class OpenAIServing:
     def __init__(self, engine: Any, served_model_name: str, gw: gateway.GatewayConfig, *,
                  max_n: int, read_timeout: float = 30.0, long_prompt_chars: int = 4096,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, limiter: gateway.RateLimiter | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model = served_model_name
@@ -90,7 +89,8 @@ class OpenAIServing:
         self.max_n = max_n
         self.read_timeout = read_timeout
         self.long_prompt_chars = long_prompt_chars
-        self.limiter = gateway.RateLimiter(gw.rate_limit_rpm, gw.rate_limit_tpm)
+        # one limiter for all models: a key's limits hold across them
+        self.limiter = limiter or gateway.RateLimiter(gw.rate_limit_rpm, gw.rate_limit_tpm)
         self.admission = gateway.AdmissionControl(gw.max_queue)
         self.created = int(time.time())
         self.tasks: set[asyncio.Task] = set()  # handlers of admitted generation requests
@@ -107,66 +107,58 @@ class OpenAIServing:
         while self.tasks and time.monotonic() < deadline + 5:
             await asyncio.sleep(0.01)
 
-    # ------------------------------------------------------------ simple endpoints
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": self.created, "owned_by": "pyengine",
-            "root": self.engine.model_name, "max_model_len": self.engine.max_model_len}]})
+    # ------------------------------------------------------------ endpoints
+    # Each takes the caller's key and the request's JSON body: the app reads it, charges the key and
+    # picks the model (server/models.py) first.
+    def model_card(self) -> dict:
+        """This model's /v1/models entry."""
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "pyengine",
+                "root": self.engine.model_name, "max_model_len": self.engine.max_model_len}
 
-    async def tokenize(self, request: web.Request) -> web.Response:
-        async with self._charged(request):
-            body = await self._json_body(request)
-            self._check_model(get_str(body, "model"))
-            if "messages" in body:
-                chat = parse_chat({"messages": body["messages"]}, 1)
-                ids = await self._chat_ids(chat.messages, get_bool(body, "add_generation_prompt", True))
-            else:
-                prompt = get_str(body, "prompt") if "prompt" in body else get_str(body, "content")  # vLLM / llama.cpp
-                if prompt is None:
-                    raise APIError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
-                add = get_bool(body, "add_special_tokens", True)
-                ids = await self._off_loop(len(prompt), self.tokenizer.encode, prompt, add)
+    async def tokenize(self, request: web.Request, key: str, body: dict) -> web.Response:
+        if "messages" in body:
+            chat = parse_chat({"messages": body["messages"]}, 1)
+            ids = await self._chat_ids(chat.messages, get_bool(body, "add_generation_prompt", True))
+        else:
+            prompt = get_str(body, "prompt") if "prompt" in body else get_str(body, "content")  # vLLM / llama.cpp
+            if prompt is None:
+                raise APIError(400, "'prompt' (a string) or 'messages' is required", param="prompt")
+            add = get_bool(body, "add_special_tokens", True)
+            ids = await self._off_loop(len(prompt), self.tokenizer.encode, prompt, add)
         return web.json_response({"tokens": ids, "count": len(ids),
                                   "max_model_len": self.engine.max_model_len})
 
-    async def detokenize(self, request: web.Request) -> web.Response:
-        async with self._charged(request):
-            body = await self._json_body(request)
-            self._check_model(get_str(body, "model"))
-            ids = parse_detokenize(body, self.tokenizer.vocab_size)
-            text = await self._off_loop(len(ids), self.tokenizer.decode, ids)
+    async def detokenize(self, request: web.Request, key: str, body: dict) -> web.Response:
+        ids = parse_detokenize(body, self.tokenizer.vocab_size)
+        text = await self._off_loop(len(ids), self.tokenizer.decode, ids)
         return web.json_response({"prompt": text, "content": text})  # vLLM's and llama.cpp's names
 
-    # ------------------------------------------------------------ generation endpoints
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        async with self._charged(request) as key:
-            req = parse_chat(await self._json_body(request), self.max_n)
-            self._check_model(req.model)
-            ids = await self._chat_ids(req.messages, True, req.tools)
-            return await self._serve(request, key, "chat", req, [ids])
+    async def chat(self, request: web.Request, key: str, body: dict) -> web.StreamResponse:
+        req = parse_chat(body, self.max_n)
+        ids = await self._chat_ids(req.messages, True, req.tools)
+        return await self._serve(request, key, "chat", req, [ids])
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        async with self._charged(request) as key:
-            req = parse_completion(await self._json_body(request), self.max_n, self.tokenizer.vocab_size)
-            self._check_model(req.model)
-            prompt_ids = []
-            for p in req.prompts:
-                ids = p if isinstance(p, list) else await self._off_loop(len(p), self.tokenizer.encode, p, True)
-                prompt_ids.append(list(ids))
-            return await self._serve(request, key, "completion", req, prompt_ids)
+    async def completions(self, request: web.Request, key: str, body: dict) -> web.StreamResponse:
+        req = parse_completion(body, self.max_n, self.tokenizer.vocab_size)
+        return await self._serve(request, key, "completion", req, await self._prompt_ids(req))
 
-    @contextlib.asynccontextmanager
-    async def _charged(self, request: web.Request) -> AsyncIterator[str]:
-        """Charge the caller's key one request before any work (429 when its bucket is empty);
-        give it back when the request is refused. Yields the key."""
-        key = request[RATE_KEY]
-        self.limiter.check_request(key)
-        try:
-            yield key
-        except APIError as e:
-            if gateway.refused(e):
-                self.limiter.refund_request(key)
-            raise
+    async def prompt_tokens(self, body: dict) -> int:
+        """Tokens of a request's prompt under this model (the longest, for several prompts): what
+        routing thresholds compare. Chat `messages`, completion `prompt`, or Responses `input` text."""
+        if "messages" in body:
+            req = parse_chat(body, self.max_n)
+            return len(await self._chat_ids(req.messages, True, req.tools))
+        if "prompt" in body:
+            return max(map(len, await self._prompt_ids(parse_completion(body, self.max_n, self.tokenizer.vocab_size))))
+        text = _input_text(body.get("input"))
+        return len(await self._off_loop(len(text), self.tokenizer.encode, text, True))
+
+    async def _prompt_ids(self, req: CompletionRequest) -> list[list[int]]:
+        prompt_ids = []
+        for p in req.prompts:
+            ids = p if isinstance(p, list) else await self._off_loop(len(p), self.tokenizer.encode, p, True)
+            prompt_ids.append(list(ids))
+        return prompt_ids
 
     async def _serve(self, request: web.Request, key: str, kind: str, req: GenerationRequest,
                      prompt_ids: list[list[int]]) -> web.StreamResponse:
@@ -396,26 +388,6 @@ class OpenAIServing:
         return res
 
     # ------------------------------------------------------------ helpers
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves "
-                           f"`{self.model}`.", param="model", code="model_not_found")
-
-    async def _json_body(self, request: web.Request) -> dict:
-        """The request's JSON body: 413 when it is too large, 408 when it arrives too slowly."""
-        try:
-            async with asyncio.timeout(self.read_timeout):
-                raw = await request.read()
-        except TimeoutError:
-            raise read_timeout_error(self.read_timeout) from None
-        except web.HTTPRequestEntityTooLarge:
-            raise APIError(413, f"The request body is larger than {request.client_max_size} bytes.",
-                           code="request_too_large") from None
-        except web.RequestPayloadError as e:  # e.g. a Content-Encoding it is not in
-            raise APIError(400, f"We could not read the body of your request: {e}",
-                           code="invalid_body") from None
-        return parse_json(raw)
-
     async def _chat_ids(self, messages: list[dict], add_generation_prompt: bool,
                         spec: tools.ToolSpec | None = None) -> list[int]:
         """Render with the model's template and encode, in a thread for large inputs. Tools go in as
@@ -446,6 +418,37 @@ class OpenAIServing:
         if size <= self.long_prompt_chars:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def read_json(request: web.Request, read_timeout: float) -> dict:
+    """The request's JSON body: 413 when it is too large, 408 when it arrives too slowly."""
+    try:
+        async with asyncio.timeout(read_timeout):
+            raw = await request.read()
+    except TimeoutError:
+        raise read_timeout_error(read_timeout) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"The request body is larger than {request.client_max_size} bytes.",
+                       code="request_too_large") from None
+    except web.RequestPayloadError as e:  # e.g. a Content-Encoding it is not in
+        raise APIError(400, f"We could not read the body of your request: {e}",
+                       code="invalid_body") from None
+    return parse_json(raw)
+
+
+def _input_text(value: Any) -> str:
+    """The text of a Responses API `input`: a string, or items whose content is a string or parts
+    with `text`."""
+    if isinstance(value, str) or value is None:
+        return value or ""
+    parts = []
+    for item in value if isinstance(value, list) else []:
+        content = item.get("content") if isinstance(item, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return "\n".join(parts)
 
 
 async def _merged(engine: Any, job: _Job) -> AsyncIterator[tuple[int, Any]]:

@@ -505,7 +505,7 @@ async def test_disconnect_aborts_and_frees_blocks(engine):
         assert engine.stats().num_free_blocks == engine.num_blocks
         assert len(engine.aborted) == 3
         text = await (await client.get("/metrics")).text()
-        assert "pyengine:num_requests_running 0.0" in text
+        assert 'pyengine:num_requests_running{model_name="fake-model"} 0.0' in text
         assert f'pyengine_server:kv_free_blocks{{model_name="fake-model"}} {float(engine.num_blocks)}' in text
         assert 'pyengine_server:requests_in_flight{model_name="fake-model"} 0.0' in text
     finally:
@@ -570,7 +570,7 @@ from test_server_api import FakeEngine, make_config
 from server.__main__ import serve
 from server.app import create_app
 app = create_app(FakeEngine(step_delay=0.05), make_config())
-asyncio.run(serve(app, "127.0.0.1", 0, {grace}, 16))
+asyncio.run(serve(app, "127.0.0.1", 0, {grace}))
 """
 
 
