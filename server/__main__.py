@@ -113,15 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace, model: str | None = None, **overrides):
+    """The engine flags, with `overrides` (a config file's per-model settings) on top."""
     from pyengine import EngineConfig
 
-    return EngineConfig(model=model, dtype=args.dtype, weights=args.weights, device=args.device,
-                        max_model_len=args.max_model_len, block_size=args.block_size,
-                        kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-                        enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
-                        seed=args.seed, **overrides)
+    flags = dict(dtype=args.dtype, weights=args.weights, device=args.device, max_model_len=args.max_model_len,
+                 block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                 kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 scheduling_policy=args.scheduling_policy, num_threads=args.num_threads, seed=args.seed)
+    return EngineConfig(model=model, **(flags | overrides))
 
 
 def model_specs(args: argparse.Namespace, serve_file: ServeFile | None) -> list[ModelSpec] | None:
