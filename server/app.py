@@ -58,10 +58,12 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
     api_keys = gw.api_keys + [k for k in config.key_tiers if k not in gw.api_keys]
     entries = engine if isinstance(engine, list) else [ModelEntry(engine, config.served_model_name)]
     limiter = gateway.RateLimiter(gw.rate_limit_rpm, gw.rate_limit_tpm)
-    models = ModelRegistry([ServedModel(e.name or e.engine.model_name, list(e.aliases), e.tier, OpenAIServing(
-        e.engine, e.name or e.engine.model_name, gw, max_n=config.max_n, tool_call_parser=config.tool_call_parser,
-        read_timeout=config.connections.read_timeout, limiter=limiter)) for e in entries],
-        config.routing, config.key_tiers)
+    served = []
+    for e in entries:
+        name = e.name or e.engine.model_name
+        served.append(ServedModel(name, list(e.aliases), e.tier, OpenAIServing(
+            e.engine, name, gw, max_n=config.max_n, tool_call_parser=config.tool_call_parser, limiter=limiter)))
+    models = ModelRegistry(served, config.routing, config.key_tiers)
     guard = ConnectionGuard(config.connections)
     registry = CollectorRegistry()  # what /metrics shows: every model's series, merged by name
     routed = Counter("pyengine_server:routed_requests", "Requests the router sent to a model, by rule",

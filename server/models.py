@@ -46,6 +46,8 @@ def check_config(models: list[tuple[str, list[str], str | None]], routing: Routi
                  key_tiers: dict[str, str]) -> None:
     """Raise ConfigError for names two models claim, rules or splits naming unknown models, and
     tiers no key has. `models`: (name, aliases, tier) in order."""
+    if not models:
+        raise ConfigError("no models to serve")
     owner: dict[str, int] = {}
     for i, (name, aliases, _) in enumerate(models):
         for field_name, n in [("name", name)] + [("aliases", a) for a in aliases]:

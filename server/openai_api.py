@@ -1,7 +1,7 @@
 """OpenAI-compatible endpoints over an AsyncLLM-like engine, with SSE streaming.
 
-Request path: auth (middleware) -> request rate limit -> read (408 when too slow) + parse + validate
--> chat template + tokenize (off the event loop when long) -> context budget -> SamplingParams ->
+Request path: auth (middleware) -> request rate limit -> read (408 when too slow) -> the model (by
+name, or routed: server/models.py) -> parse + validate -> chat template + tokenize (off the event loop when long) -> context budget -> SamplingParams ->
 token rate limit -> admission (bounded queue) -> engine.generate(). Every exit before the request
 finished (client gone, timeout, error) aborts it in the engine so its KV blocks return to the pool.
 A request refused on the way (an error response other than a timeout) is not charged to the key's
@@ -80,17 +80,15 @@ class _Job:
 
 class OpenAIServing:
     def __init__(self, engine: Any, served_model_name: str, gw: gateway.GatewayConfig, *,
-                 max_n: int, read_timeout: float = 30.0, long_prompt_chars: int = 4096,
-                 tool_call_parser: str | None = None, limiter: gateway.RateLimiter | None = None) -> None:
+                 limiter: gateway.RateLimiter, max_n: int, long_prompt_chars: int = 4096,
+                 tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model = served_model_name
         self.gw = gw
         self.max_n = max_n
-        self.read_timeout = read_timeout
         self.long_prompt_chars = long_prompt_chars
-        # one limiter for all models: a key's limits hold across them
-        self.limiter = limiter or gateway.RateLimiter(gw.rate_limit_rpm, gw.rate_limit_tpm)
+        self.limiter = limiter  # the app's, shared by all models: a key's limits hold across them
         self.admission = gateway.AdmissionControl(gw.max_queue)
         self.created = int(time.time())
         self.tasks: set[asyncio.Task] = set()  # handlers of admitted generation requests
@@ -149,7 +147,8 @@ class OpenAIServing:
             req = parse_chat(body, self.max_n)
             return len(await self._chat_ids(req.messages, True, req.tools))
         if "prompt" in body:
-            return max(map(len, await self._prompt_ids(parse_completion(body, self.max_n, self.tokenizer.vocab_size))))
+            req = parse_completion(body, self.max_n, self.tokenizer.vocab_size)
+            return max(map(len, await self._prompt_ids(req)))
         text = _input_text(body.get("input"))
         return len(await self._off_loop(len(text), self.tokenizer.encode, text, True))
 

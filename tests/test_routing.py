@@ -96,7 +96,8 @@ async def test_short_prompt_small_long_prompt_large():
         text = await (await client.get("/metrics")).text()
         assert 'pyengine_server:routed_requests_total{model_name="small",rule="default"} 1.0' in text
         assert 'pyengine_server:routed_requests_total{model_name="large",rule="long-prompts"} 1.0' in text
-        assert 'pyengine_server:responses_total{model_name="large",path="/v1/chat/completions",status="200"} 2.0' in text
+        assert ('pyengine_server:responses_total{model_name="large",path="/v1/chat/completions",status="200"} 2.0'
+                in text)
         for name in engines:  # each engine's series, under its served name (all three call themselves fake-model)
             assert f'pyengine_server:kv_total_blocks{{model_name="{name}"}} 64.0' in text
         assert len(re.findall(r"^# TYPE pyengine_server:kv_total_blocks gauge$", text, re.M)) == 1
