@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from pyengine.request_log import RequestLog
 from server import gateway
 from server.connections import SERVER_NAME, ConnectionGuard, ConnectionLimits, GuardedSite
-from server.models import ModelEntry, ModelRegistry, ServedModel
+from server.models import MODEL_KEY, RULE_KEY, ModelEntry, ModelRegistry, ServedModel
 from server.observe import Observer
 from server.openai_api import JOB_KEY, RATE_KEY, OpenAIServing, read_json
 from server.protocol import APIError
@@ -33,8 +33,6 @@ STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 MODELS = web.AppKey("models", ModelRegistry)
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
 _SAMPLERS = web.AppKey("stats_samplers", list)
-MODEL_KEY = web.RequestKey("model", str)  # the served model's name, once the request chose one
-RULE_KEY = web.RequestKey("route_rule", str)  # the routing rule that chose it (routed requests only)
 
 
 @dataclass
@@ -63,11 +61,9 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
         name = e.name or e.engine.model_name
         served.append(ServedModel(name, list(e.aliases), e.tier, OpenAIServing(
             e.engine, name, gw, max_n=config.max_n, tool_call_parser=config.tool_call_parser, limiter=limiter)))
-    models = ModelRegistry(served, config.routing, config.key_tiers)
+    registry = CollectorRegistry()  # what /metrics shows: the app's series and every model's, merged by name
+    models = ModelRegistry(served, config.routing, config.key_tiers, registry)
     guard = ConnectionGuard(config.connections)
-    registry = CollectorRegistry()  # what /metrics shows: every model's series, merged by name
-    routed = Counter("pyengine_server:routed_requests", "Requests the router sent to a model, by rule",
-                     ["model_name", "rule"], registry=registry)
     observers: dict[str, Observer] = {}
     sources = []
     for m in models:
@@ -128,11 +124,7 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
             key = request[RATE_KEY]
             with limiter.charged(key):
                 body = await read_json(request, config.connections.read_timeout)
-                serving, rule = await models.resolve(body, key)
-                request[MODEL_KEY] = serving.model
-                if rule is not None:
-                    request[RULE_KEY] = rule
-                    routed.labels(serving.model, rule).inc()
+                serving = await models.choose(request, body, key)
                 return await getattr(serving, method)(request, key, body)
 
         return handler

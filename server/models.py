@@ -7,9 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter
+
 from server.openai_api import OpenAIServing
 from server.protocol import APIError, get_str
 from server.routing import Router, RoutingConfig, route_request
+
+MODEL_KEY = web.RequestKey("model", str)  # the served model's name, once the request chose one
+RULE_KEY = web.RequestKey("route_rule", str)  # the routing rule that chose it (routed requests only)
 
 
 class ConfigError(ValueError):
@@ -88,8 +94,14 @@ def check_config(models: list[tuple[str, list[str], str | None]], routing: Routi
 
 
 class ModelRegistry:
-    def __init__(self, models: list[ServedModel], routing: RoutingConfig, key_tiers: dict[str, str]) -> None:
+    """The served models by name and alias, the key tiers and the router. Handlers get a request's
+    model with `choose` (or `resolve` outside HTTP); the app holds it as app[server.app.MODELS]."""
+
+    def __init__(self, models: list[ServedModel], routing: RoutingConfig, key_tiers: dict[str, str],
+                 metrics: CollectorRegistry) -> None:
         check_config([(m.name, m.aliases, m.tier) for m in models], routing, key_tiers)
+        self.routed = Counter("pyengine_server:routed_requests", "Requests the router sent to a model, by rule",
+                              ["model_name", "rule"], registry=metrics)
         self.models = {m.name: m for m in models}
         self._by_name = {n: m for m in models for n in [m.name, *m.aliases]}
         self.key_tiers = key_tiers
@@ -123,6 +135,17 @@ class ModelRegistry:
         req = route_request(body, key, self.key_tiers.get(key), prompt_tokens)
         model, rule = self.router.route(req, lambda m: self.allowed(self.models[m], key))
         return self.models[model].serving, rule
+
+    async def choose(self, request: web.Request, body: dict[str, Any], key: str,
+                     prompt_tokens: int | None = None) -> OpenAIServing:
+        """resolve() for an HTTP request: notes the model on the request (access log, per-model
+        metrics) and the rule (the X-Route-Rule header, the routed-requests counter)."""
+        serving, rule = await self.resolve(body, key, prompt_tokens)
+        request[MODEL_KEY] = serving.model
+        if rule is not None:
+            request[RULE_KEY] = rule
+            self.routed.labels(serving.model, rule).inc()
+        return serving
 
     def listing(self, key: str) -> list[dict]:
         """/v1/models entries: the models `key` may use, then the router when there is a choice."""
