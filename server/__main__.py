@@ -208,8 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         if specs is None:
             engines = AsyncLLM(engine_config(args, args.model[0] if args.model else None))
         else:
-            engines = [ModelEntry(AsyncLLM(engine_config(args, m.path, **m.engine)), m.name, m.aliases, m.tier)
-                       for m in specs]
+            engines = []
+            for m in specs:
+                try:
+                    engines.append(ModelEntry(AsyncLLM(engine_config(args, m.path, **m.engine)), m.name,
+                                              m.aliases, m.tier))
+                except (ValueError, FileNotFoundError) as e:  # e.g. a KV budget too small for the context
+                    raise ConfigError(f"model {m.name!r}: {e}") from None
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -120,6 +120,17 @@ def test_cli_refuses_before_loading(tmp_path, capsys):
     assert "leave out --model" in capsys.readouterr().err
 
 
+def test_engine_error_names_the_model(tmp_path, capsys):
+    path = write(tmp_path, """\
+        [[models]]
+        name = "tiny-kv"
+        max_model_len = 2048
+        kv_cache_memory = "1MiB"
+        """)
+    assert main(["--config", path, "--num-threads", "1"]) == 2
+    assert "error: model 'tiny-kv': the KV cache (1048576 bytes" in capsys.readouterr().err
+
+
 def test_several_model_flags(tmp_path):
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"")
