@@ -36,7 +36,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyengine.config import memory_size
+from pyengine.config import EngineConfig, memory_size
 from server.models import ConfigError, check_config
 from server.routing import CanarySplit, RoutingConfig, Rule
 
@@ -104,6 +104,8 @@ def _parse(doc: dict, base: str) -> ServeFile:
         tiers = t.get("tier")
         if isinstance(tiers, str):
             tiers = [tiers]
+        if tiers is not None and not all(isinstance(v, str) for v in tiers):
+            raise ConfigError("tier must be a string or a list of strings", (*where, "tier"))
         metadata = t.get("metadata")
         if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
             raise ConfigError("metadata values must be strings", (*where, "metadata"))
@@ -141,6 +143,11 @@ def _model(t: dict, i: int, base: str) -> ModelSpec:
             engine["kv_cache_memory"] = memory_size(engine["kv_cache_memory"])
         except argparse.ArgumentTypeError as e:
             raise ConfigError(str(e), (*where, "kv_cache_memory")) from None
+    try:  # the values' ranges, checked now rather than after the models before it have loaded
+        EngineConfig(**engine)
+    except ValueError as e:  # EngineConfig's messages start with the field's name
+        field_name = str(e).split(" ", 1)[0]
+        raise ConfigError(str(e), (*where, field_name) if field_name in engine else where) from None
     return ModelSpec(t["name"], path, list(t.get("aliases", [])), t.get("tier"), engine)
 
 

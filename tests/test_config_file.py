@@ -93,6 +93,10 @@ def line_of(text: str, needle: str) -> int:
      r"models\[1\].tier: no API key has the tier 'pro'"),
     (('max_model_len = 256', 'max_model_len = "256"'), 'max_model_len = "256"',
      r"models\[0\].max_model_len: max_model_len = '256' has the wrong type"),
+    (('max_num_seqs = 4\ntier', 'max_num_seqs = 0\ntier'), "max_num_seqs = 0",
+     r"models\[1\].max_num_seqs: max_num_seqs must be >= 1, got 0"),
+    (('tier = "pro"\nmodel', 'tier = ["pro", 1]\nmodel'), 'tier = ["pro", 1]',
+     r"routing.rules\[1\].tier: tier must be a string or a list of strings"),
 ])
 def test_mistakes_name_the_line(tmp_path, change, needle, message):
     text = GOOD.replace(*change)
