@@ -3,10 +3,15 @@ while an n=8 echo+logprobs request on a 2,000-token prompt runs (what a completi
 n=8, echo=true, logprobs=5 asks of the engine). Same engine, same run, alternating. Goal: <= 2x idle.
 
     python bench/bench_fairness.py [--prompt-tokens 2000] [--n 8] [--short-tokens 64] [--repeats 3]
-                                   [--long-prefill-tokens N]
+                                   [--long-prefill-tokens N] [--cpu-steps]
 
-The short request waits for the step in flight when it arrives, then runs beside the heavy request's
-next prompt chunk, so its TTFT grows with EngineConfig.long_prefill_tokens (the chunk size).
+The short request waits for the step in flight when it arrives, then goes first: the heavy request's
+next prompt chunk makes room for its first chunk. So its TTFT is about what is left of the step in
+flight plus one chunk's step, and grows with EngineConfig.long_prefill_tokens (the chunk size).
+
+--cpu-steps: the same on the synchronous engine with one thread, timed in CPU seconds of the steps
+(steady on a loaded machine, where wall-clock TTFTs are noise): the short request arrives at a
+step boundary of the heavy request's prompt; "worst" adds a whole heavy step in flight on arrival.
 """
 from __future__ import annotations
 
@@ -61,6 +66,43 @@ async def main(args) -> None:
     print("idle ms:", [round(x * 1000) for x in idle], "loaded ms:", [round(x * 1000) for x in loaded])
 
 
+def cpu_steps(args) -> None:
+    from pyengine.engine.engine import Engine
+
+    engine = Engine(EngineConfig(num_threads=1, long_prefill_tokens=args.long_prefill_tokens))
+    vocab = engine.model_config.vocab_size
+
+    def timed_step() -> tuple[float, list]:
+        t0 = time.process_time()
+        outs = engine.step()
+        return time.process_time() - t0, outs
+
+    def first_token(prompt: list[int], rid: str) -> float:
+        """CPU seconds of the steps from adding `rid` to its first token."""
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        total = 0.0
+        while True:
+            seconds, outs = timed_step()
+            total += seconds
+            if any(o.request_id == rid for o in outs):
+                return total
+
+    heavy = SamplingParams(n=args.n, max_tokens=16, temperature=0.8, seed=0, logprobs=5, prompt_logprobs=5)
+    first_token([5, 6, 7], "warmup")
+    idle, loaded, chunk = [], [], []
+    for r in range(args.repeats):
+        idle.append(first_token([(97 * r + 13 * i) % (vocab - 200) + 100 for i in range(args.short_tokens)], f"i{r}"))
+        engine.add_request(f"h{r}", [(17 + 31 * i + r) % (vocab - 200) + 100 for i in range(args.prompt_tokens)], heavy)
+        chunk += [timed_step()[0] for _ in range(3)]
+        loaded.append(first_token([(89 * r + 7 * i) % (vocab - 200) + 100 for i in range(args.short_tokens)], f"l{r}"))
+        engine.abort_request(f"h{r}")
+    mi, ml, mc = (statistics.median(x) for x in (idle, loaded, chunk))
+    print(f"long_prefill_tokens={engine.scheduler.long_prefill_tokens}, 1 thread, CPU ms (median of {args.repeats}): "
+          f"short request ({args.short_tokens} tokens) alone {mi * 1000:.0f}; arriving at a step boundary of "
+          f"n={args.n} echo+logprobs on {args.prompt_tokens} tokens {ml * 1000:.0f} -> {ml / mi:.2f}x; "
+          f"heavy step {mc * 1000:.0f}; worst (a whole heavy step in flight) {(ml + mc) / mi:.2f}x (goal <= 2x)")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, default=2000)
@@ -70,4 +112,9 @@ if __name__ == "__main__":
     ap.add_argument("--delay", type=float, default=0.2, help="seconds between the heavy and the short request")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--long-prefill-tokens", type=int, default=None, help="default: the engine's")
-    asyncio.run(main(ap.parse_args()))
+    ap.add_argument("--cpu-steps", action="store_true", help="time the steps in CPU seconds (see above)")
+    args = ap.parse_args()
+    if args.cpu_steps:
+        cpu_steps(args)
+    else:
+        asyncio.run(main(args))

@@ -80,7 +80,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     # Most tokens one sequence computes in a step (0: up to max_num_batched_tokens): a long prompt is
-    # prefilled in chunks of this size, so requests arriving behind it start within about one chunk.
+    # prefilled in chunks of this size, and a request arriving meanwhile goes first (the chunk shrinks to
+    # make room for its first chunk; scheduler.pyx), so it starts within about one chunk's time.
     # None: 64 on CPU (a step's cost is about linear in its tokens there; bench/bench_fairness.py),
     # 512 on CUDA (where small steps leave the GPU idle).
     long_prefill_tokens: int | None = None

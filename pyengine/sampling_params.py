@@ -15,6 +15,9 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20  # OpenAI's bound on top logprobs
 MAX_N = 128  # OpenAI's bound on choices per request
+# repetition_penalty divides a seen token's positive logit: at 1e-38 (a normal float32) a logit of 4
+# becomes inf and the row's logprobs NaN. From 0.01 up a logit grows at most 100-fold, far from overflow.
+MIN_REPETITION_PENALTY = 0.01
 
 
 def _float32(v: float) -> float:
@@ -28,7 +31,7 @@ class Range:
 
     kind "int32"/"int64": an int (not a bool) in [lo, hi]. kind "float32": a finite int or float;
     it is taken as float32, so a nonzero value that underflows to 0 there *is* 0 (then checked
-    against the range: temperature and min_p accept 0, top_p and repetition_penalty refuse it).
+    against the range: temperature and min_p accept 0, top_p refuses it).
     """
 
     kind: str  # "int32" | "int64" | "float32"
@@ -68,7 +71,7 @@ LIMITS: dict[str, Range] = {
     "min_tokens": Range("int32", 0, INT32_MAX),
     "presence_penalty": Range("float32", -2.0, 2.0),
     "frequency_penalty": Range("float32", -2.0, 2.0),
-    "repetition_penalty": Range("float32", 0.0, 2.0, lo_open=True),
+    "repetition_penalty": Range("float32", MIN_REPETITION_PENALTY, 2.0),
     "logprobs": Range("int32", 0, MAX_LOGPROBS),
     "prompt_logprobs": Range("int32", 0, MAX_LOGPROBS),
     "stop_token_ids": Range("int32", 0, INT32_MAX),  # each id; the engine checks it against its vocabulary
@@ -131,7 +134,8 @@ class SamplingParams:
 
     temperature 0 means greedy (exact argmax). top_k <= 0 and top_p == 1 and min_p == 0 turn the
     filters off. Floats are taken as float32: a positive temperature or min_p too small for float32
-    becomes 0 (greedy; min-p off), a positive top_p or repetition_penalty that small is refused.
+    becomes 0 (greedy; min-p off), a positive top_p that small is refused. repetition_penalty is at
+    least 0.01 (MIN_REPETITION_PENALTY): a smaller one can push a logit past float32's range.
     seed None: the engine draws one when the request is queued (from its own RNG, seeded by
     EngineConfig.seed), so every request has a reproducible stream keyed by (seed, output position)
     whatever the batch it runs in.

@@ -23,11 +23,15 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from aiohttp import web
+from aiohttp import web, web_response
 
 from server.protocol import APIError
 
 SERVER_NAME = "pyengine"  # the Server header: no versions to look vulnerabilities up by
+# aiohttp answers malformed HTTP (a bad request line or header) with its own 400, before any
+# middleware or signal of ours runs; that answer's Server header is aiohttp's default, which names
+# the Python and aiohttp versions. Make the default ours.
+web_response.SERVER_SOFTWARE = SERVER_NAME
 
 
 @dataclass

@@ -6,7 +6,11 @@ agreement is what greedy decoding would see, position by position, without drift
 Thresholds sit a little below what was measured on this text (2,047 positions, AVX512-BF16 CPU):
 bf16 vs fp32 98.9%, fp8 96.0%, int8 98.2%. They depend on the text: on a code-heavy one our bf16
 got 98.6% where transformers' own bf16 forward got 97.1% (both against fp32), so bf16 itself,
-not our kernels, sets this ceiling.
+not our kernels, sets this ceiling. Where it goes: bf16 rounding injected one place at a time into
+the fp32 op-by-op path (the first 384 tokens) moves the text tokens' logprobs by a mean of 0.018 when
+it rounds the residual stream, 0.008 the norm outputs (the projections' inputs), 0.006 the K/V
+cache, 0.005 attention's q and output, 0.003 the MLP activation; 0.022 all at once. Keeping the
+residual stream in fp32 (the native decoder layers, CPU and CUDA) has the most to gain.
 """
 from __future__ import annotations
 

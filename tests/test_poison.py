@@ -121,6 +121,10 @@ OVERFLOW = [
     ("prompt id 2^31", COMPLETIONS, completion(prompt=[1, 2**31]), 400),
     ("detokenize 2^63", "/detokenize", {"tokens": [2**63]}, 400),
     ("float 1e400", COMPLETIONS, b'{"prompt": "x", "max_tokens": 2, "top_p": 1e400}', 400),
+    # a normal float32, but dividing a logit of 4 by it overflows float32 to inf
+    ("repetition_penalty 1e-38", COMPLETIONS, completion(repetition_penalty=1e-38, logprobs=1), 400),
+    ("repetition_penalty 1e-30 chat", CHAT, chat(repetition_penalty=1e-30, logprobs=True), 400),
+    ("repetition_penalty 0.009", COMPLETIONS, completion(repetition_penalty=0.009), 400),
 ]
 UNDERFLOW = [  # positive in float64, 0 in float32: refused where 0 is invalid, clamped to 0 where valid
     ("top_p 1e-46", COMPLETIONS, completion(top_p=1e-46), 400),

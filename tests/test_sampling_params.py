@@ -33,6 +33,7 @@ def test_defaults_and_normalisation():
     ("top_k", 2**31), ("max_tokens", 2**31), ("stop_token_ids", [2**31]),
     ("n", 129), ("n", True), ("logprobs", True), ("temperature", 2.5),
     ("top_p", 1e-50), ("repetition_penalty", 1e-46),  # positive, but 0 in float32
+    ("repetition_penalty", 1e-38), ("repetition_penalty", 0.0099),  # a logit divided by it can overflow
     ("top_p", "0.5"), ("stop_token_ids", 3), ("ignore_eos", 1), ("stop", 7),
 ])
 def test_native_type_bounds_name_the_field(field, value):
@@ -52,6 +53,7 @@ def test_float32_underflow_to_zero_is_documented_clamp():
     assert p.temperature == 0.0 and p.greedy and p.min_p == 0.0 and p.presence_penalty == 0.0
     # a float32 subnormal is still positive: kept as given
     assert SamplingParams(top_p=1e-40).top_p == 1e-40
+    assert SamplingParams(repetition_penalty=0.01).repetition_penalty == 0.01  # MIN_REPETITION_PENALTY
     p = SamplingParams(top_k=2**31 - 1, seed=2**63 - 1, max_tokens=2**31 - 1, min_tokens=5, n=128,
                        temperature=2.0, logprobs=20, prompt_logprobs=0, stop_token_ids=[2**31 - 1])
     assert p.top_k == 2**31 - 1 and p.n == 128

@@ -80,6 +80,33 @@ def test_decodes_first_and_chunked_prefill_never_stalls_decodes():
     assert len(chunks) > 1 and max(chunks) <= 8  # the long prompt was spread over several steps
 
 
+def test_a_newcomer_goes_ahead_of_a_running_prompt_chunk_in_at_most_every_other_step():
+    """long_prefill_tokens 16: a running long prompt's chunk shrinks by the first chunk of a request
+    that arrives (the step stays 16 tokens, so the newcomer's first token comes after one chunk's
+    time, not two), but only in every other step, so a newcomer every step cannot starve it."""
+    pool = BlockPool(256, BS)
+    sched = Scheduler(pool, max_num_seqs=64, max_num_batched_tokens=256, long_prefill_tokens=16)
+    long = make("long", 300, 2)
+    sched.add_request(long)
+    assert step(sched).num_new == [16]
+    short = make("short", 5, 1, start=1)
+    sched.add_request(short)
+    out = step(sched)
+    assert list(zip(out.reqs, out.num_new)) == [(long, 11), (short, 5)]
+    log, newcomers = [], []
+    for i in range(12):  # a 16-token newcomer every step
+        newcomers.append(make(f"n{i}", 16, 1, start=10 + i))
+        sched.add_request(newcomers[-1])
+        log.append(step(sched))
+    chunks = [o.num_new[o.reqs.index(long)] if long in o.reqs else 0 for o in log]
+    assert chunks == [16, 0] * 6  # yields fully, but only every other step
+    assert all(o.reqs[-1] is r and o.num_new[-1] == 16 for o, r in zip(log, newcomers))  # all start at once
+    out = run_all(sched, [])
+    assert long.output_token_ids == reference(300, 2)
+    assert all(r.output_token_ids == reference(16, 1, start=10 + i) for i, r in enumerate(newcomers))
+    assert pool.num_free == pool.num_blocks
+
+
 def test_preemption_recompute_same_outputs_and_counted():
     specs = [(10, 20), (7, 25), (12, 18), (5, 30)]
     big = Scheduler(BlockPool(256, BS), 8, 64)

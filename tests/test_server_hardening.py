@@ -123,14 +123,24 @@ async def test_connections_beyond_the_cap_get_503():
         assert (await read_response(reader))[0] == 200
 
 
+MALFORMED_HTTP = [  # aiohttp answers these 400 itself, before any middleware or signal of ours runs
+    b"GARBAGE\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"GET / HTTP/9.9\r\nHost: x\r\n\r\n",
+]
+
+
 async def test_server_header_names_no_versions():
     async with Listening(FakeEngine()) as srv:
         for req in (request_bytes({"prompt": "x", "max_tokens": 2}), request_bytes({"prompt": 3}),
-                    b"GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"):
+                    b"GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+                    *MALFORMED_HTTP):
             reader, writer = await srv.connect()
             writer.write(req)
-            _, headers, _ = await read_response(reader)
-            assert headers["Server"] == "pyengine"
+            status, headers, _ = await read_response(reader)
+            assert headers["Server"] == "pyengine", (req, status, headers["Server"])
+            assert status == 400 or req not in MALFORMED_HTTP, (req, status)
 
 
 class GatedTemplateTokenizer(FakeTokenizer):

@@ -11,7 +11,10 @@ priority, latest admitted — is preempted: its blocks are freed and it goes bac
 the waiting queue to be recomputed later (its full blocks usually come back from the prefix cache).
 A step that preempted admits nobody. long_prefill_tokens (> 0) caps the tokens one sequence computes
 in a step, so a long prompt is chunked and cannot hold a step (and the requests waiting behind it)
-for long.
+for long. A waiting request that can be admitted goes first: a running prompt's next chunk shrinks
+by the newcomer's first chunk (to nothing if need be), so the step stays about one chunk long and
+the newcomer's first token comes after about one chunk's time, not two. A prompt chunk yields so
+in at most every other step, so a stream of newcomers cannot starve a long prompt.
 """
 import heapq
 import time
@@ -63,6 +66,7 @@ cdef class Scheduler:
     cdef readonly long long prefix_hit_tokens  # of which found cached
     cdef long long arrival_counter
     cdef long long admit_counter
+    cdef bint chunks_yielded  # the last step shrank a running prompt's chunk for a newcomer
 
     def __init__(self, BlockPool pool, int max_num_seqs, int max_num_batched_tokens, str policy="fcfs",
                  int long_prefill_tokens=0):
@@ -84,6 +88,7 @@ cdef class Scheduler:
         self.num_preemptions = 0
         self.arrival_counter = 0
         self.admit_counter = 0
+        self.chunks_yielded = False
 
     # ---- queues ----------------------------------------------------------------------------
     cdef void _push_waiting(self, req, bint front):
@@ -148,6 +153,21 @@ cdef class Scheduler:
         """The tokens one sequence may compute this step out of `budget`."""
         return budget if self.long_prefill_tokens == 0 or budget < self.long_prefill_tokens else self.long_prefill_tokens
 
+    cdef int _chunk_room(self):
+        """The most tokens a running prompt's chunk may take this step (long_prefill_tokens > 0):
+        long_prefill_tokens less the first chunk of the waiting request that this step can admit,
+        unless chunks yielded in the last step already."""
+        cdef int room = self.long_prefill_tokens
+        if self.chunks_yielded or len(self.running) >= self.max_num_seqs:
+            return room
+        req = self._peek_waiting()
+        if req is None:
+            return room
+        hit, n, need = self._admission(req, self.max_num_batched_tokens)
+        if need > self.pool.num_free - self.pool.num_evictable(hit):
+            return room  # it waits for blocks: nobody is admitted
+        return max(room - <int> n, 0)
+
     cdef tuple _admission(self, req, int budget):
         """(prefix-cache hit blocks, tokens to compute now, new blocks needed) to admit `req`."""
         cdef int bs = self.pool.block_size
@@ -186,6 +206,8 @@ cdef class Scheduler:
         cdef list preempted = []
         cdef Py_ssize_t i = 0
         cdef Py_ssize_t n, need, ntok, ncomp, num_hit
+        cdef int chunk_room = -1  # see _chunk_room; computed on the first running prompt chunk
+        cdef bint yielded = False
         cdef list running = self.running
         cdef BlockPool pool = self.pool
         now = None
@@ -200,6 +222,15 @@ cdef class Scheduler:
             n = ntok - ncomp
             if n > self._cap(budget):
                 n = self._cap(budget)
+            if n > 1 and self.long_prefill_tokens > 0:  # a prompt chunk: a newcomer's first chunk goes first
+                if chunk_room < 0:
+                    chunk_room = self._chunk_room()
+                if n > chunk_room:
+                    n = chunk_room
+                    yielded = True
+                    if n == 0:
+                        i += 1
+                        continue
             need = cdiv(ncomp + n, bs) - len(req.block_ids)
             while need > pool.num_free:
                 victim = running[len(running) - 1]
@@ -245,6 +276,7 @@ cdef class Scheduler:
                 self._add_to_step(req, n, num_hit + n == ntok, reqs, num_new, sampling)
                 budget -= n
 
+        self.chunks_yielded = yielded
         return SchedulerOutput(reqs, num_new, sampling, self.max_num_batched_tokens - budget,
                                sampling.count(True), preempted)
 
