@@ -439,4 +439,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from server.ray import main as imported_main  # classes Ray pickles by reference must live in server.ray, not __main__
+
+    sys.exit(imported_main())

@@ -1,4 +1,9 @@
-"""The prefix-aware replica router (server/routing.py): plain Python, no Ray needed."""
+"""The prefix-aware replica router (server/routing.py): plain Python, no Ray needed (but the Serve
+config file's test)."""
+import os
+
+import pytest
+
 from server.routing import PrefixRouter, Replica, RouterConfig
 
 
@@ -74,3 +79,24 @@ def test_tables_are_bounded():
     assert len(r._blocks) == 3 and len(r._sessions) == 3
     assert r.choose([9] * 4, "s9").reason == "session"
     assert r.choose([0] * 4, "s0").reason == "least_loaded"
+
+
+def test_serve_config_file_builds_the_application():
+    """deploy/ray_serve.yaml is a valid Serve config whose args build_app accepts."""
+    pytest.importorskip("ray.serve")
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from server.ray import _as_argv, build_app
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy",
+                           "ray_serve.yaml")) as f:
+        config = yaml.safe_load(f)
+    schema = ServeDeploySchema.model_validate(config)
+    app = schema.applications[0]
+    assert app.import_path == "server.ray:build_app" and app.route_prefix is None
+    build_app(app.args)
+    assert _as_argv({"replicas": 2, "enable_prefix_caching": False, "api_key": ["a", "b"], "model": None}) == \
+        ["--replicas", "2", "--no-enable-prefix-caching", "--api-key", "a", "--api-key", "b"]
+    with pytest.raises(ValueError, match="replicas must be at least 1"):
+        build_app({"replicas": 0})
