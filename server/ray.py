@@ -117,7 +117,7 @@ class RayEngine:
     next to the router's own counters."""
 
     def __init__(self, handles: list, info: dict, tokenizer: Any, router: RouterConfig, *,
-                 poll_interval: float = 0.5, poll_timeout: float = 10.0, wait_for_replica: float = 60.0) -> None:
+                 poll_interval: float = 1.0, poll_timeout: float = 10.0, wait_for_replica: float = 60.0) -> None:
         self.handles = handles
         self.names = [h.deployment_name for h in handles]
         self.router = PrefixRouter([Replica(n) for n in self.names], router)
@@ -327,8 +327,9 @@ class Ingress:
         args = build_ray_parser().parse_args(argv)
         info = await engines[0].info.remote()
         tokenizer = await asyncio.to_thread(Tokenizer.from_model_path, resolve_model_path(args.model))
-        engine = RayEngine(list(engines), info, tokenizer, RouterConfig(block_size=args.block_size,
-                                                                        max_imbalance=args.max_imbalance))
+        router = RouterConfig(block_size=args.block_size, max_imbalance=args.max_imbalance,
+                              affinity=args.routing == "prefix")
+        engine = RayEngine(list(engines), info, tokenizer, router)
         app = create_app(engine, server_config(args))
         app.middlewares.append(_session_middleware)
         self.runner = await listen(app, args.host, args.port)
@@ -364,6 +365,9 @@ def build_ray_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-imbalance", type=int, default=RouterConfig.max_imbalance,
                    help="in-flight requests the replica holding a prefix (or session) may have beyond the "
                         "least-loaded replica before the request goes to the least-loaded one")
+    g.add_argument("--routing", default="prefix", choices=["prefix", "least-loaded"],
+                   help="prefix: by session and cached prompt blocks, else least-loaded; least-loaded: "
+                        "always the replica with the fewest requests in flight")
     return p
 
 
@@ -384,7 +388,7 @@ def application(argv: list[str]) -> serve.Application:
         a.num_threads = max(1, int(num_cpus))
     engine = serve.deployment(EngineReplica).options(
         num_replicas=1, max_ongoing_requests=a.max_num_seqs + a.max_queue, health_check_period_s=5,
-        logging_config={"enable_access_log": False},  # the ingress polls stats twice a second
+        logging_config={"enable_access_log": False},  # the ingress polls stats every second
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})
     engines = [engine.options(name=f"engine-{i}").bind(engine_config(a)) for i in range(a.replicas)]
     ingress = serve.deployment(Ingress).options(

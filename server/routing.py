@@ -18,6 +18,7 @@ class RouterConfig:
     block_size: int = 16  # tokens per prefix block: the engine's KV block size
     max_imbalance: int = 8  # in-flight requests a prefix/session replica may have beyond the least loaded
     max_entries: int = 1 << 20  # remembered blocks (and sessions), least recently used dropped first
+    affinity: bool = True  # False: least-loaded only (a baseline for what prefix routing buys)
 
 
 @dataclass
@@ -63,8 +64,8 @@ class PrefixRouter:
         def usable(i: int | None) -> bool:
             return i in live and self.replicas[i].in_flight <= least + self.config.max_imbalance
 
-        hashes = self.block_hashes(token_ids)
-        if session is not None and usable(self._sessions.get(session)):
+        hashes = self.block_hashes(token_ids) if self.config.affinity else []
+        if session is not None and self.config.affinity and usable(self._sessions.get(session)):
             return Decision(self._sessions[session], "session", self._matched(hashes, self._sessions[session]))
         for n in range(len(hashes), 0, -1):
             owner = self._blocks.get(hashes[n - 1])

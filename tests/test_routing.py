@@ -100,3 +100,12 @@ def test_serve_config_file_builds_the_application():
         ["--replicas", "2", "--no-enable-prefix-caching", "--api-key", "a", "--api-key", "b"]
     with pytest.raises(ValueError, match="replicas must be at least 1"):
         build_app({"replicas": 0})
+
+
+def test_without_affinity_every_request_goes_to_the_least_loaded():
+    r = router(affinity=False)
+    ids = list(range(8))
+    first = send(r, ids, "s")
+    r.replicas[first.index].in_flight = 1
+    d = r.choose(ids, "s")
+    assert (d.index, d.reason) == (1 - first.index, "least_loaded")
