@@ -27,8 +27,8 @@ REPLICAS = ["engine-0", "engine-1"]
 
 @pytest.fixture(scope="module")
 def url():
-    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})  # the replicas import this checkout
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})  # a new instance; the replicas import this checkout
     try:
         serve.start(proxy_location="Disabled")
         app = build_app({"replicas": 2, "num_threads": 1, "port": 0, "kv_cache_memory": "64MiB",
@@ -70,8 +70,9 @@ def test_openai_client_streams_through_serve(url):
 
 
 def test_conversations_stay_on_their_replica_and_hit_its_prefix_cache(url):
-    """Two interleaved 5-turn conversations: each stays on one replica (a different one each, the
-    first turns having gone to the least-loaded), and every later turn reuses its cached prefix."""
+    """Two interleaved 5-turn conversations, one with a session id (X-Session-Id), one without: each
+    stays on one replica (a different one each, the first turns having gone to the least-loaded), and
+    every later turn reuses its cached prefix."""
     c = client(url)
     model = c.models.list().data[0].id
     convs = {name: [{"role": "system", "content": f"{name} is your name. You answer in one short sentence."}]
@@ -82,7 +83,9 @@ def test_conversations_stay_on_their_replica_and_hit_its_prefix_cache(url):
         for name, messages in convs.items():
             messages.append({"role": "user", "content": f"Question {turn + 1}: what is {turn} plus {turn}?"})
             before = per_replica(metrics(url), "pyengine_ray:replica_requests_total")
-            r = c.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+            headers = {"X-Session-Id": "ada-1"} if name == "Ada" else None
+            r = c.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                          extra_headers=headers)
             after = per_replica(metrics(url), "pyengine_ray:replica_requests_total")
             where[name].append([rep for rep in REPLICAS if after[rep] > before[rep]])
             messages.append({"role": "assistant", "content": r.choices[0].message.content})
@@ -93,8 +96,9 @@ def test_conversations_stay_on_their_replica_and_hit_its_prefix_cache(url):
     assert len({w[0] for w in where["Ada"]}) == 1 and len({w[0] for w in where["Bob"]}) == 1, where
     assert where["Ada"][0] != where["Bob"][0], where
     m = metrics(url)
-    key = ("pyengine_ray:routing_decisions_total", frozenset({("model_name", model), ("reason", "prefix")}))
-    assert m[key] - before_decisions.get(key, 0) >= 8
+    for reason in ("session", "prefix"):  # turns 2-5 of Ada, of Bob
+        key = ("pyengine_ray:routing_decisions_total", frozenset({("model_name", model), ("reason", reason)}))
+        assert m[key] - before_decisions.get(key, 0) >= 4, reason
     hits = per_replica(m, "pyengine:prefix_cache_hits_total")
     assert all(hits[w[0]] > 0 for w in (where["Ada"][0], where["Bob"][0]))
 
