@@ -76,7 +76,7 @@ class EngineReplica:
 
     def info(self) -> dict:
         return {"model_name": self.llm.model_name, "max_model_len": self.llm.max_model_len,
-                "pid": os.getpid(), "plan": self.llm.plan.as_dict() if self.llm.plan is not None else None}
+                "pid": os.getpid(), "plan": self.llm.plan}
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                        priority: int) -> AsyncIterator[RequestOutput | _Refused | _Failed]:
@@ -124,7 +124,7 @@ class RayEngine:
         self.tokenizer = tokenizer
         self.model_name = info["model_name"]
         self.max_model_len = info["max_model_len"]
-        self.plan = None  # one per replica: see each replica's log
+        self.plan = info.get("plan")  # the first replica's memory plan (the web page shows it)
         self.poll_interval, self.poll_timeout, self.wait_for_replica = poll_interval, poll_timeout, wait_for_replica
         self._stats: list[EngineStats | None] = [None] * len(handles)
         self._families: list[list[Metric]] = [[] for _ in handles]

@@ -5,6 +5,7 @@ most of its time)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -67,6 +68,8 @@ def test_openai_client_streams_through_serve(url):
     m = metrics(url)
     assert sum(per_replica(m, "pyengine_ray:replica_requests_total").values()) >= 1
     assert ("pyengine_ray:replica_healthy", frozenset({("model_name", model), ("replica", "engine-1")})) in m
+    stats = json.load(urllib.request.urlopen(f"{url}/stats", timeout=10))
+    assert stats["engine"]["num_total_blocks"] == 2 * stats["plan"]["num_blocks"] > 0  # both replicas' pools
 
 
 def test_conversations_stay_on_their_replica_and_hit_its_prefix_cache(url):
