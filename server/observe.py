@@ -110,13 +110,15 @@ class Observer:
 
     def sample(self) -> dict:
         """Cumulative counters and gauges now (one pass over the engine's registry); rates are
-        differences of two samples."""
+        differences of two samples. Series of several engine replicas (server/ray.py) add up; the KV
+        usage is the pooled one from engine.stats()."""
         out = {"t": time.time(), **{k: 0.0 for k in self._SAMPLED.values()}}
         for metric in self.engine.metrics.registry.collect():
             for s in metric.samples:
                 key = self._SAMPLED.get(s.name)
                 if key is not None and s.labels.get("model_name", self.engine.model_name) == self.engine.model_name:
-                    out[key] = s.value
+                    out[key] += s.value
+        out["kv_usage"] = self.engine.stats().kv_usage
         return out
 
     @staticmethod
