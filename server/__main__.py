@@ -14,6 +14,7 @@ from pyengine.config import memory_size
 from pyengine.request_log import RequestLog
 from server.app import SERVING, ServerConfig, create_app, listen
 from server.connections import ConnectionLimits
+from server import store
 from server.gateway import GatewayConfig
 from server.tools import PARSERS
 
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rotate the request log at this size (PATH.1, PATH.2, ... 5 kept)")
     s.add_argument("--stats-interval", type=float, default=10.0,
                    help="seconds between console stats lines (tokens/s, running/waiting, KV, prefix hits); 0: off")
+    s.add_argument("--store", default=None, metavar="PATH",
+                   help="SQLite file for stored responses and conversations (/v1/responses, /v1/conversations); "
+                        f"':memory:' keeps them until the server stops (default: {store.default_path()})")
     return p
 
 
@@ -115,11 +119,13 @@ def engine_config(args: argparse.Namespace):
                         seed=args.seed)
 
 
-def server_config(args: argparse.Namespace, request_log: RequestLog | None = None) -> ServerConfig:
+def server_config(args: argparse.Namespace, request_log: RequestLog | None = None,
+                  conversations: store.ConversationStore | None = None) -> ServerConfig:
     keys = list(args.api_key or [])
     if not keys and os.environ.get("PYENGINE_API_KEY"):
         keys = [os.environ["PYENGINE_API_KEY"]]
     return ServerConfig(served_model_name=args.served_model_name, max_n=args.max_n, request_log=request_log,
+                        store=conversations,
                         stats_interval=args.stats_interval, tool_call_parser=args.tool_call_parser,
                         gateway=GatewayConfig(
         api_keys=keys, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
@@ -163,8 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             print(f"error: cannot write the request log: {e}", file=sys.stderr)
             return 2
+    try:  # also before the model loads: a corrupt or unreadable file fails at once, named
+        conversations = store.SQLiteStore(args.store or store.default_path())
+    except store.StoreOpenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
-        config = server_config(args, request_log)
+        config = server_config(args, request_log, conversations)
         engine = AsyncLLM(engine_config(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

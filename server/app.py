@@ -22,8 +22,10 @@ from pyengine.request_log import RequestLog
 from server import gateway
 from server.connections import SERVER_NAME, ConnectionGuard, ConnectionLimits, GuardedSite
 from server.observe import Observer
-from server.openai_api import JOB_KEY, RATE_KEY, OpenAIServing
-from server.protocol import APIError
+from server.openai_api import API_KEY, JOB_KEY, RATE_KEY, OpenAIServing
+from server.protocol import APIError, get_str
+from server.responses import ResponsesAPI
+from server.store import ConversationStore, SQLiteStore
 
 log = logging.getLogger("server")
 OPEN_PATHS = {"/health", "/"}  # and the web page's files under /static/ (the page asks for the key)
@@ -42,6 +44,7 @@ class ServerConfig:
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     request_log: RequestLog | None = None  # one row per generation request; closed on cleanup
     stats_interval: float = 10.0  # seconds between console stats lines; 0: none
+    store: ConversationStore | None = None  # stored responses and conversations; None: SQLite in memory
 
 
 def create_app(engine: Any, config: ServerConfig | None = None) -> web.Application:
@@ -56,6 +59,14 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
                         stats_interval=config.stats_interval)
     registry.register(_PoolCollector(engine, serving))
     plan = engine.plan.as_dict() if getattr(engine, "plan", None) is not None else None
+    store = config.store or SQLiteStore(":memory:")
+
+    def serving_for(body: dict, api_key: str) -> OpenAIServing:
+        """The model that serves a /v1/responses request (one model here)."""
+        serving._check_model(get_str(body, "model"))
+        return serving
+
+    responses = ResponsesAPI(store, serving_for, read_timeout=config.connections.read_timeout)
 
     def route_of(request: web.Request) -> str:
         route = request.match_info.route.resource
@@ -78,6 +89,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
             is_open = request.path in OPEN_PATHS or request.path.startswith("/static/")
             key = "" if is_open else gateway.authenticate(
                 request.headers.get("Authorization"), gw.api_keys)
+            request[API_KEY] = key
             request[RATE_KEY] = key or (request.remote or "")
             if request.content_length is not None and request.content_length > gw.max_body_bytes:
                 raise APIError(413, f"The request body is larger than {gw.max_body_bytes} bytes.",
@@ -131,6 +143,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     async def stop_engine(app: web.Application) -> None:
         app[_SAMPLER].cancel()
         await engine.shutdown()
+        await store.close()
         observer.close()
 
     async def draining(app: web.Application) -> None:
@@ -144,6 +157,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
     app.router.add_get("/v1/models", serving.models)
     app.router.add_post("/tokenize", serving.tokenize)
     app.router.add_post("/detokenize", serving.detokenize)
+    responses.add_routes(app.router)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
