@@ -66,7 +66,7 @@ def create_app(engine: Any, config: ServerConfig | None = None) -> web.Applicati
         serving._check_model(get_str(body, "model"))
         return serving
 
-    responses = ResponsesAPI(store, serving_for, read_timeout=config.connections.read_timeout)
+    responses = ResponsesAPI(store, serving_for, registry, read_timeout=config.connections.read_timeout)
 
     def route_of(request: web.Request) -> str:
         route = request.match_info.route.resource

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram
 
 from server import gateway
 from server.openai_api import API_KEY, OpenAIServing, _Job, read_json
@@ -35,7 +36,8 @@ ServingFor = Callable[[dict, str], OpenAIServing]  # (request body, caller's API
 ROLES = {"user", "assistant", "system", "developer"}
 TEXT_PARTS = {"input_text", "output_text", "text"}
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "priority")
+                   "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "priority")
+STORE_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1, 1.0)
 UNSUPPORTED = ("background", "include", "prompt", "reasoning", "top_logprobs")
 MAX_ITEMS = 20  # items per conversations create / add-items call, as OpenAI
 MAX_METADATA = 16
@@ -178,9 +180,9 @@ class ResponsesWire:
     """Writes a generation job as a Response object, or as the Responses API's stream events (the
     methods of openai_api.ChatWire). Stores the finished response when asked to."""
 
-    def __init__(self, serving: OpenAIServing, store: ConversationStore, owner: str, req: ResponseRequest,
-                 response_id: str, dropped: int | None) -> None:
-        self.serving, self.store, self.owner, self.req = serving, store, owner, req
+    def __init__(self, serving: OpenAIServing, store: ConversationStore, timer: StoreTimer, owner: str,
+                 req: ResponseRequest, response_id: str, dropped: int | None) -> None:
+        self.serving, self.store, self.timer, self.owner, self.req = serving, store, timer, owner, req
         self.stream = req.stream
         self.response_id, self.dropped = response_id, dropped
         self.created = int(time.time())
@@ -229,7 +231,7 @@ class ResponsesWire:
                 "status": "completed" if complete else "incomplete", "content": [_text_part(text)]}
         response = self._response(job, "completed" if complete else "incomplete", [item])
         if self.req.store:
-            await _stored(self.store.put_response(self.owner, response, self.req.input))
+            await self.timer(self.store.put_response(self.owner, response, self.req.input))
         return response
 
     def _response(self, job: _Job, status: str, output: list[dict]) -> dict:
@@ -273,6 +275,20 @@ async def _stored(call: Awaitable[T]) -> T:
                        type="server_error", code="store_unavailable", headers={"Retry-After": "1"}) from None
 
 
+class StoreTimer:
+    """Awaits a generation request's store calls (as _stored) and adds up the time they take."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+
+    async def __call__(self, call: Awaitable[T]) -> T:
+        start = time.perf_counter()
+        try:
+            return await _stored(call)
+        finally:
+            self.total += time.perf_counter() - start
+
+
 def _not_found(kind: str, ident: str, param: str | None = None) -> APIError:
     return APIError(404, f"{kind} with id '{ident}' not found.", param=param, code="not_found")
 
@@ -282,11 +298,15 @@ class ResponsesAPI:
     """The /v1/responses and /v1/conversations handlers. `serving_for` picks the model that serves a
     request (one seam: a router plugs in there)."""
 
-    def __init__(self, store: ConversationStore, serving_for: ServingFor, read_timeout: float = 30.0) -> None:
+    def __init__(self, store: ConversationStore, serving_for: ServingFor, registry: CollectorRegistry, *,
+                 read_timeout: float = 30.0) -> None:
         self.store = store
         self.serving_for = serving_for
         self.read_timeout = read_timeout
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self.store_time = Histogram("pyengine_server:response_store_time_seconds",
+                                    "Time a /v1/responses request spent in the store (history read + write)",
+                                    buckets=STORE_BUCKETS, registry=registry)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/responses", self.create)
@@ -304,28 +324,32 @@ class ResponsesAPI:
         body = await read_json(request, self.read_timeout)
         req = parse_response(body)
         serving = self.serving_for(body, request[API_KEY])
+        timer = StoreTimer()
         async with serving._charged(request) as key:
             owner = _owner(request)
             async with self._turn(req.conversation_id):
-                history = await self._history(owner, req)
+                history = await self._history(owner, req, timer)
                 messages = to_messages(history + req.input)
                 if req.instructions:
                     messages.insert(0, {"role": "system", "content": req.instructions})
                 ids, dropped = await self._fit(serving, messages, req)
                 chat = dataclasses.replace(req.chat, messages=messages)
                 rid = _new_id("resp")
-                wire = ResponsesWire(serving, self.store, owner, req, rid,
+                wire = ResponsesWire(serving, self.store, timer, owner, req, rid,
                                      dropped if req.truncation == "auto" else None)
-                return await serving._serve(request, key, "chat", chat, [ids], wire, rid)
+                try:
+                    return await serving._serve(request, key, "chat", chat, [ids], wire, rid)
+                finally:
+                    self.store_time.observe(timer.total)
 
-    async def _history(self, owner: str, req: ResponseRequest) -> list[dict]:
+    async def _history(self, owner: str, req: ResponseRequest, timer: StoreTimer) -> list[dict]:
         if req.previous_response_id is not None:
-            items = await _stored(self.store.response_history(owner, req.previous_response_id))
+            items = await timer(self.store.response_history(owner, req.previous_response_id))
             if items is None:
                 raise _not_found("Previous response", req.previous_response_id, "previous_response_id")
             return items
         if req.conversation_id is not None:
-            items = await _stored(self.store.conversation_items(owner, req.conversation_id))
+            items = await timer(self.store.conversation_items(owner, req.conversation_id))
             if items is None:
                 raise _not_found("Conversation", req.conversation_id, "conversation")
             return items

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import concurrent.futures
 import json
 import logging
@@ -121,8 +122,13 @@ class SQLiteStore(ConversationStore):
     there (never on the event loop), one at a time, so writes are serialised within the process;
     across processes SQLite's own locks do it, waiting up to `busy_timeout` seconds."""
 
-    def __init__(self, path: str, busy_timeout: float = 5.0) -> None:
+    def __init__(self, path: str, busy_timeout: float = 5.0, history_cache: int = 4096) -> None:
         self.path = path
+        # (owner, response id) -> the history a continuation of that response starts from, for the
+        # latest written responses: the next turn of a chain reads it without a trip to the database.
+        # Touched on the event loop only. Any delete clears it (it could hold a deleted response).
+        self._histories: collections.OrderedDict[tuple[str, str], list[dict]] = collections.OrderedDict()
+        self.history_cache = history_cache
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
         try:
             if path != ":memory:":
@@ -172,15 +178,23 @@ class SQLiteStore(ConversationStore):
     async def put_response(self, owner: str, response: dict, input_items: list[dict]) -> None:
         conv = (response.get("conversation") or {}).get("id")
 
+        row = (response["id"], owner, int(response["created_at"]), response.get("previous_response_id"))
+
         def put() -> None:
+            insert = ("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                      (*row, json.dumps(input_items), json.dumps(response)))
+            if conv is None:  # one statement: its own transaction (one call, not three)
+                self.db.execute(*insert)
+                return
             with self._transaction():
-                self.db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)",
-                                (response["id"], owner, int(response["created_at"]),
-                                 response.get("previous_response_id"), json.dumps(input_items),
-                                 json.dumps(response)))
-                if conv is not None and self._owns(owner, conv):
+                self.db.execute(*insert)
+                if self._owns(owner, conv):
                     self._append(conv, input_items + response["output"])
         await self._run(put)
+        prev = response.get("previous_response_id")
+        before = [] if prev is None else self._histories.get((owner, prev))
+        if before is not None and conv is None:
+            self._remember((owner, response["id"]), before + input_items + response["output"])
 
     async def get_response(self, owner: str, response_id: str) -> dict | None:
         row = await self._run(self._one, "SELECT body FROM responses WHERE id = ? AND owner = ?",
@@ -193,17 +207,28 @@ class SQLiteStore(ConversationStore):
         return json.loads(row[0]) if row else None
 
     async def response_history(self, owner: str, response_id: str) -> list[dict] | None:
+        cached = self._histories.get((owner, response_id))
+        if cached is not None:
+            self._histories.move_to_end((owner, response_id))
+            return list(cached)
         rows = await self._run(self._all, _HISTORY, (response_id, owner, owner))
         if not rows:
             return None
         items: list[dict] = []
         for input_items, body in rows:
             items += json.loads(input_items) + json.loads(body)["output"]
-        return items
+        self._remember((owner, response_id), items)
+        return list(items)
 
     async def delete_response(self, owner: str, response_id: str) -> bool:
+        self._histories.clear()
         return await self._run(self._delete, "DELETE FROM responses WHERE id = ? AND owner = ?",
                                (response_id, owner))
+
+    def _remember(self, key: tuple[str, str], items: list[dict]) -> None:
+        self._histories[key] = items
+        if len(self._histories) > self.history_cache:
+            self._histories.popitem(last=False)
 
     # ---- conversations -----------------------------------------------------------------------
     async def create_conversation(self, owner: str, conversation: dict, items: list[dict]) -> None:

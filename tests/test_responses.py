@@ -329,3 +329,20 @@ def test_schema_version_and_migrations(tmp_path):
     db.commit()
     with pytest.raises(StoreOpenError, match="schema version 99 is newer"):
         SQLiteStore(path)
+
+
+async def test_history_cache_agrees_with_the_database(tmp_path):
+    path = str(tmp_path / "s.sqlite3")
+    async with Served(SQLiteStore(path)) as s:
+        client = s.client()
+        r = None
+        for q in ["one", "two", "three"]:
+            r = await create(client, input=q, previous_response_id=r.id if r else None)
+        owner = next(iter(s.store._histories))[0]
+        cached = await s.store.response_history(owner, r.id)
+        fresh = SQLiteStore(path, history_cache=0)  # reads the chain from the file
+        assert await fresh.response_history(owner, r.id) == cached
+        assert [i["role"] for i in cached] == ["user", "assistant"] * 3
+        await fresh.close()
+        metrics = await (await s.http.get("/metrics", headers={"Authorization": "Bearer k1"})).text()
+        assert "pyengine_server:response_store_time_seconds_count 3.0" in metrics
