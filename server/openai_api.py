@@ -82,8 +82,8 @@ class _Job:
 
 class ChatWire:
     """How a job's output is written to the client: chat.completion / text_completion objects, or their
-    chunks ending in `data: [DONE]`. The Responses API writes its own events (server/responses.py's
-    ResponsesWire, same methods); `_respond` only calls these."""
+    chunks ending in `data: [DONE]`. `_respond` only calls these methods; the Responses API overrides
+    them with its own objects and events (server/responses.py's ResponsesWire)."""
 
     def __init__(self, serving: "OpenAIServing", stream: bool) -> None:
         self.serving, self.stream = serving, stream

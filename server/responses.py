@@ -27,9 +27,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram
 
 from server import gateway
-from server.openai_api import API_KEY, OpenAIServing, _Job, read_json
+from server.openai_api import API_KEY, ChatWire, OpenAIServing, _Job, read_json
 from server.protocol import APIError, ChatRequest, get_bool, get_int, get_param, get_str, invalid, parse_chat
-from server.store import ConversationStore, StoreUnavailable
+from server.store import STORE_BUCKETS, ConversationStore, StoreUnavailable
 
 T = TypeVar("T")
 ServingFor = Callable[[dict, str], OpenAIServing]  # (request body, caller's API key) -> the model that serves
@@ -37,7 +37,6 @@ ROLES = {"user", "assistant", "system", "developer"}
 TEXT_PARTS = {"input_text", "output_text", "text"}
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "priority")
-STORE_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1, 1.0)
 UNSUPPORTED = ("background", "include", "prompt", "reasoning", "top_logprobs")
 MAX_ITEMS = 20  # items per conversations create / add-items call, as OpenAI
 MAX_METADATA = 16
@@ -176,14 +175,14 @@ def turns(messages: list[dict]) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------- wire format
-class ResponsesWire:
-    """Writes a generation job as a Response object, or as the Responses API's stream events (the
-    methods of openai_api.ChatWire). Stores the finished response when asked to."""
+class ResponsesWire(ChatWire):
+    """Writes a generation job as a Response object, or as the Responses API's stream events. Stores
+    the finished response when asked to."""
 
     def __init__(self, serving: OpenAIServing, store: ConversationStore, timer: StoreTimer, owner: str,
                  req: ResponseRequest, response_id: str, dropped: int | None) -> None:
-        self.serving, self.store, self.timer, self.owner, self.req = serving, store, timer, owner, req
-        self.stream = req.stream
+        super().__init__(serving, req.stream)
+        self.store, self.timer, self.owner, self.req = store, timer, owner, req
         self.response_id, self.dropped = response_id, dropped
         self.created = int(time.time())
         self.item_id = _new_id("msg")
@@ -305,8 +304,10 @@ class ResponsesAPI:
         self.read_timeout = read_timeout
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self.store_time = Histogram("pyengine_server:response_store_time_seconds",
-                                    "Time a /v1/responses request spent in the store (history read + write)",
+                                    "Time a /v1/responses request waited for the store (history read + write)",
                                     buckets=STORE_BUCKETS, registry=registry)
+        for c in store.collectors():
+            registry.register(c)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/responses", self.create)

@@ -17,10 +17,14 @@ import json
 import logging
 import os
 import sqlite3
+import time
 from typing import Any, Callable, TypeVar
+
+from prometheus_client import Histogram
 
 log = logging.getLogger("server.store")
 T = TypeVar("T")
+STORE_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1, 1.0)
 
 
 class StoreOpenError(Exception):
@@ -77,6 +81,10 @@ class ConversationStore(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None: ...
 
+    def collectors(self) -> list:
+        """Prometheus collectors of the store's own (the server registers them)."""
+        return []
+
 
 # Schema migrations, applied in order; schema_version holds how many have run. Append, never edit.
 MIGRATIONS = [
@@ -129,6 +137,9 @@ class SQLiteStore(ConversationStore):
         # Touched on the event loop only. Any delete clears it (it could hold a deleted response).
         self._histories: collections.OrderedDict[tuple[str, str], list[dict]] = collections.OrderedDict()
         self.history_cache = history_cache
+        self.work_time = Histogram("pyengine_server:store_work_time_seconds",
+                                   "Time one store call works on the store's thread (SQLite + JSON), "
+                                   "without waiting for the thread", buckets=STORE_BUCKETS, registry=None)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
         try:
             if path != ":memory:":
@@ -167,12 +178,18 @@ class SQLiteStore(ConversationStore):
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the store's thread; an SQLite failure becomes StoreUnavailable."""
         def call() -> T:
+            start = time.perf_counter()
             try:
                 return fn(*args)
             except sqlite3.Error as e:
                 log.warning("store %s failed: %s", self.path, e)
                 raise StoreUnavailable(str(e)) from None
+            finally:
+                self.work_time.observe(time.perf_counter() - start)
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    def collectors(self) -> list:
+        return [self.work_time]
 
     # ---- responses ---------------------------------------------------------------------------
     async def put_response(self, owner: str, response: dict, input_items: list[dict]) -> None:
