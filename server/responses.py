@@ -190,8 +190,9 @@ class ResponsesWire(ChatWire):
 
     def opening(self, job: _Job) -> bytes:
         item = {"id": self.item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
-        return (self._event("response.created", response=self._response(job, "in_progress", []))
-                + self._event("response.in_progress", response=self._response(job, "in_progress", []))
+        started = self._response(job, "in_progress", [])
+        return (self._event("response.created", response=started)
+                + self._event("response.in_progress", response=started)
                 + self._event("response.output_item.added", output_index=0, item=item)
                 + self._event("response.content_part.added", item_id=self.item_id, output_index=0,
                               content_index=0, part=_text_part("")))

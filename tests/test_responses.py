@@ -313,6 +313,8 @@ def test_corrupt_file_fails_at_start_up_naming_it(tmp_path):
     bad.write_bytes(b"this is not a database" * 100)
     with pytest.raises(StoreOpenError, match=str(bad)):
         SQLiteStore(str(bad))
+    with pytest.raises(StoreOpenError, match=str(tmp_path)):  # unreadable as a database: a directory
+        SQLiteStore(str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "server", "--store", str(bad), "--port", "0"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and str(bad) in proc.stderr and "Traceback" not in proc.stderr
