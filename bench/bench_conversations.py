@@ -34,7 +34,7 @@ from bench.serve_load import WORDS  # noqa: E402
 from pyengine.report import percentiles  # noqa: E402
 
 WAIT_METRIC = "pyengine_server:response_store_time_seconds"  # per request, as it waits (thread hops included)
-WORK_METRIC = "pyengine_server:store_work_time_seconds"  # per store call, on the store's thread
+WORK_METRIC = "pyengine_server:response_store_work_seconds"  # per request, on the store's thread
 
 
 async def turn(session: aiohttp.ClientSession, args: argparse.Namespace, text: str,
@@ -90,7 +90,7 @@ async def histograms(session: aiohttp.ClientSession, url: str) -> dict[str, dict
         text = await r.text()
     out: dict[str, dict[float, float]] = {WAIT_METRIC: {}, WORK_METRIC: {}}
     for line in text.splitlines():
-        name = line.split("_bucket{", 1)[0]
+        name = line.split("_bucket{", 1)[0]  # one model: one series per histogram
         if name in out:
             le = line.split('le="', 1)[1].split('"', 1)[0]
             out[name][float(le)] = float(line.rsplit(" ", 1)[1])
@@ -160,7 +160,7 @@ def table(rep: dict) -> str:
                  f"(goal <= 1.3x) with {rep['context_ratio_last_vs_first']:.1f}x the context")
     lines.append(f"store p95 over {rep['store_requests']} requests (goal <= 2 ms): "
                  f"{_ms(rep['store_wait_p95_ms'])} waited per request (thread hops included), "
-                 f"{_ms(rep['store_work_p95_ms'])} of work per store call")
+                 f"{_ms(rep['store_work_p95_ms'])} of the store's own work per request")
     return "\n".join(lines)
 
 

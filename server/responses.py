@@ -26,15 +26,17 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram
 
+from pyengine.metrics import LABELS
 from server import gateway
 from server.openai_api import API_KEY, ChatWire, OpenAIServing, _Job, read_json
 from server.protocol import APIError, ChatRequest, get_bool, get_int, get_param, get_str, invalid, parse_chat
-from server.store import STORE_BUCKETS, ConversationStore, StoreUnavailable
+from server.store import ConversationStore, StoreUnavailable, work_clock
 
 T = TypeVar("T")
 ServingFor = Callable[[dict, str], OpenAIServing]  # (request body, caller's API key) -> the model that serves
 ROLES = {"user", "assistant", "system", "developer"}
 TEXT_PARTS = {"input_text", "output_text", "text"}
+STORE_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1, 1.0)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "priority")
 UNSUPPORTED = ("background", "include", "prompt", "reasoning", "top_logprobs")
@@ -276,16 +278,20 @@ async def _stored(call: Awaitable[T]) -> T:
 
 
 class StoreTimer:
-    """Awaits a generation request's store calls (as _stored) and adds up the time they take."""
+    """Awaits a generation request's store calls (as _stored) and adds up the time they take: `total`
+    as the request waits for them, `work[0]` as the store works on them (no thread hops)."""
 
     def __init__(self) -> None:
         self.total = 0.0
+        self.work = [0.0]
 
     async def __call__(self, call: Awaitable[T]) -> T:
         start = time.perf_counter()
+        token = work_clock.set(self.work)
         try:
             return await _stored(call)
         finally:
+            work_clock.reset(token)
             self.total += time.perf_counter() - start
 
 
@@ -304,11 +310,12 @@ class ResponsesAPI:
         self.serving_for = serving_for
         self.read_timeout = read_timeout
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
-        self.store_time = Histogram("pyengine_server:response_store_time_seconds",
+        self.store_wait = Histogram("pyengine_server:response_store_time_seconds",
                                     "Time a /v1/responses request waited for the store (history read + write)",
-                                    buckets=STORE_BUCKETS, registry=registry)
-        for c in store.collectors():
-            registry.register(c)
+                                    LABELS, buckets=STORE_BUCKETS, registry=registry)
+        self.store_work = Histogram("pyengine_server:response_store_work_seconds",
+                                    "Time the store worked for a /v1/responses request (on its thread: SQLite, "
+                                    "JSON), without the thread hops", LABELS, buckets=STORE_BUCKETS, registry=registry)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/responses", self.create)
@@ -342,7 +349,8 @@ class ResponsesAPI:
                 try:
                     return await serving._serve(request, key, "chat", chat, [ids], wire, rid)
                 finally:
-                    self.store_time.observe(timer.total)
+                    self.store_wait.labels(serving.model).observe(timer.total)
+                    self.store_work.labels(serving.model).observe(timer.work[0])
 
     async def _history(self, owner: str, req: ResponseRequest, timer: StoreTimer) -> list[dict]:
         if req.previous_response_id is not None:

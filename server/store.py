@@ -13,6 +13,7 @@ import abc
 import asyncio
 import collections
 import concurrent.futures
+import contextvars
 import json
 import logging
 import os
@@ -20,11 +21,11 @@ import sqlite3
 import time
 from typing import Any, Callable, TypeVar
 
-from prometheus_client import Histogram
-
 log = logging.getLogger("server.store")
 T = TypeVar("T")
-STORE_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1, 1.0)
+# The calling request's running total of the time store calls worked on the store's thread (SQLite
+# and JSON, not waiting for the thread), when it keeps one: the server reports it per request.
+work_clock: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("store_work_clock", default=None)
 
 
 class StoreOpenError(Exception):
@@ -81,10 +82,6 @@ class ConversationStore(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None: ...
 
-    def collectors(self) -> list:
-        """Prometheus collectors of the store's own (the server registers them)."""
-        return []
-
 
 # Schema migrations, applied in order; schema_version holds how many have run. Append, never edit.
 MIGRATIONS = [
@@ -137,9 +134,6 @@ class SQLiteStore(ConversationStore):
         # Touched on the event loop only. Any delete clears it (it could hold a deleted response).
         self._histories: collections.OrderedDict[tuple[str, str], list[dict]] = collections.OrderedDict()
         self.history_cache = history_cache
-        self.work_time = Histogram("pyengine_server:store_work_time_seconds",
-                                   "Time one store call works on the store's thread (SQLite + JSON), "
-                                   "without waiting for the thread", buckets=STORE_BUCKETS, registry=None)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
         try:
             if path != ":memory:":
@@ -177,6 +171,8 @@ class SQLiteStore(ConversationStore):
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the store's thread; an SQLite failure becomes StoreUnavailable."""
+        clock = work_clock.get()
+
         def call() -> T:
             start = time.perf_counter()
             try:
@@ -185,11 +181,9 @@ class SQLiteStore(ConversationStore):
                 log.warning("store %s failed: %s", self.path, e)
                 raise StoreUnavailable(str(e)) from None
             finally:
-                self.work_time.observe(time.perf_counter() - start)
+                if clock is not None:  # the caller awaits this call: nothing else touches it meanwhile
+                    clock[0] += time.perf_counter() - start
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
-
-    def collectors(self) -> list:
-        return [self.work_time]
 
     # ---- responses ---------------------------------------------------------------------------
     async def put_response(self, owner: str, response: dict, input_items: list[dict]) -> None:

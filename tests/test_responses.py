@@ -347,4 +347,5 @@ async def test_history_cache_agrees_with_the_database(tmp_path):
         assert [i["role"] for i in cached] == ["user", "assistant"] * 3
         await fresh.close()
         metrics = await (await s.http.get("/metrics", headers={"Authorization": "Bearer k1"})).text()
-        assert "pyengine_server:response_store_time_seconds_count 3.0" in metrics
+        for name in ("response_store_time_seconds", "response_store_work_seconds"):
+            assert f'pyengine_server:{name}_count{{model_name="{MODEL}"}} 3.0' in metrics
