@@ -83,32 +83,33 @@ class ConversationStore(abc.ABC):
     async def close(self) -> None: ...
 
 
-# Schema migrations, applied in order; schema_version holds how many have run. Append, never edit.
+# Schema migrations, applied in order, each a list of statements; schema_version holds how many have
+# run. Append, never edit.
 MIGRATIONS = [
-    """
-    CREATE TABLE responses (
-        id TEXT PRIMARY KEY,
-        owner TEXT NOT NULL,
-        created_at INTEGER NOT NULL,
-        previous_response_id TEXT,
-        input_items TEXT NOT NULL,  -- JSON list: the items the request sent
-        body TEXT NOT NULL          -- JSON: the response object as returned
-    );
-    CREATE TABLE conversations (
-        id TEXT PRIMARY KEY,
-        owner TEXT NOT NULL,
-        created_at INTEGER NOT NULL,
-        body TEXT NOT NULL
-    );
-    CREATE TABLE conversation_items (
-        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-        position INTEGER NOT NULL,
-        id TEXT NOT NULL,
-        item TEXT NOT NULL,
-        PRIMARY KEY (conversation_id, position)
-    );
-    CREATE UNIQUE INDEX conversation_item_ids ON conversation_items(conversation_id, id);
-    """,
+    [
+        """CREATE TABLE responses (
+            id TEXT PRIMARY KEY,
+            owner TEXT NOT NULL,
+            created_at INTEGER NOT NULL,
+            previous_response_id TEXT,
+            input_items TEXT NOT NULL,  -- JSON list: the items the request sent
+            body TEXT NOT NULL          -- JSON: the response object as returned
+        )""",
+        """CREATE TABLE conversations (
+            id TEXT PRIMARY KEY,
+            owner TEXT NOT NULL,
+            created_at INTEGER NOT NULL,
+            body TEXT NOT NULL
+        )""",
+        """CREATE TABLE conversation_items (
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            position INTEGER NOT NULL,
+            id TEXT NOT NULL,
+            item TEXT NOT NULL,
+            PRIMARY KEY (conversation_id, position)
+        )""",
+        "CREATE UNIQUE INDEX conversation_item_ids ON conversation_items(conversation_id, id)",
+    ],
 ]
 
 _HISTORY = """
@@ -157,10 +158,9 @@ class SQLiteStore(ConversationStore):
             if version > len(MIGRATIONS):
                 raise sqlite3.DatabaseError(f"its schema version {version} is newer than this server's "
                                             f"({len(MIGRATIONS)}); upgrade the server")
-            for sql in MIGRATIONS[version:]:
-                for statement in sql.split(";"):  # executescript() would commit the transaction
-                    if statement.strip():
-                        self.db.execute(statement)
+            for statements in MIGRATIONS[version:]:  # one by one: executescript() would commit
+                for statement in statements:
+                    self.db.execute(statement)
             if row is None:
                 self.db.execute("INSERT INTO schema_version VALUES (?)", (len(MIGRATIONS),))
             else:
@@ -188,7 +188,6 @@ class SQLiteStore(ConversationStore):
     # ---- responses ---------------------------------------------------------------------------
     async def put_response(self, owner: str, response: dict, input_items: list[dict]) -> None:
         conv = (response.get("conversation") or {}).get("id")
-
         row = (response["id"], owner, int(response["created_at"]), response.get("previous_response_id"))
 
         def put() -> None:
