@@ -12,7 +12,7 @@ from aiohttp import web
 
 from pyengine.config import memory_size
 from pyengine.request_log import RequestLog
-from server import config_file
+from server import config_file, store
 from server.app import MODELS, ServerConfig, create_app, listen
 from server.config_file import ModelSpec, ServeFile
 from server.connections import ConnectionLimits
@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rotate the request log at this size (PATH.1, PATH.2, ... 5 kept)")
     s.add_argument("--stats-interval", type=float, default=10.0,
                    help="seconds between console stats lines (tokens/s, running/waiting, KV, prefix hits); 0: off")
+    s.add_argument("--store", default=None, metavar="PATH",
+                   help="SQLite file for stored responses and conversations (/v1/responses, /v1/conversations); "
+                        f"':memory:' keeps them until the server stops (default: {store.default_path()})")
     return p
 
 
@@ -145,13 +148,14 @@ def model_specs(args: argparse.Namespace, serve_file: ServeFile | None) -> list[
 
 
 def server_config(args: argparse.Namespace, request_log: RequestLog | None = None,
-                  serve_file: ServeFile | None = None) -> ServerConfig:
+                  serve_file: ServeFile | None = None,
+                  conversations: store.ConversationStore | None = None) -> ServerConfig:
     keys = list(args.api_key or [])
     if not keys and os.environ.get("PYENGINE_API_KEY"):
         keys = [os.environ["PYENGINE_API_KEY"]]
     routing, key_tiers = (serve_file.routing, serve_file.key_tiers) if serve_file else (RoutingConfig(), {})
     return ServerConfig(served_model_name=args.served_model_name, max_n=args.max_n, request_log=request_log,
-                        routing=routing, key_tiers=key_tiers,
+                        routing=routing, key_tiers=key_tiers, store=conversations,
                         stats_interval=args.stats_interval, tool_call_parser=args.tool_call_parser,
                         gateway=GatewayConfig(
         api_keys=keys, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
@@ -201,9 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             print(f"error: cannot write the request log: {e}", file=sys.stderr)
             return 2
+    try:  # also before the model loads: a corrupt or unreadable file fails at once, named
+        conversations = store.SQLiteStore(args.store or store.default_path())
+    except store.StoreOpenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         serve_file = config_file.load(args.config) if args.config else None
-        config = server_config(args, request_log, serve_file)
+        config = server_config(args, request_log, serve_file, conversations)
         specs = model_specs(args, serve_file)
         if specs is None:
             engines = AsyncLLM(engine_config(args, args.model[0] if args.model else None))

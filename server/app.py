@@ -23,9 +23,11 @@ from server import gateway
 from server.connections import SERVER_NAME, ConnectionGuard, ConnectionLimits, GuardedSite
 from server.models import MODEL_KEY, RULE_KEY, ModelEntry, ModelRegistry, ServedModel
 from server.observe import Observer
-from server.openai_api import JOB_KEY, RATE_KEY, OpenAIServing, read_json
+from server.openai_api import API_KEY, JOB_KEY, RATE_KEY, OpenAIServing, read_json
 from server.protocol import APIError
+from server.responses import ResponsesAPI
 from server.routing import RoutingConfig
+from server.store import ConversationStore, SQLiteStore
 
 log = logging.getLogger("server")
 OPEN_PATHS = {"/health", "/"}  # and the web page's files under /static/ (the page asks for the key)
@@ -46,6 +48,7 @@ class ServerConfig:
     stats_interval: float = 10.0  # seconds between console stats lines; 0: none
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     key_tiers: dict[str, str] = field(default_factory=dict)  # API key -> tier; these keys are valid too
+    store: ConversationStore | None = None  # stored responses and conversations; None: SQLite in memory
 
 
 def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = None) -> web.Application:
@@ -73,6 +76,9 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
         own.register(_PoolCollector(m.serving))
         sources += [(m.engine.metrics.registry, m.name), (own, m.name)]
     registry.register(_MergedMetrics(sources))
+    store = config.store or SQLiteStore(":memory:")
+    responses = ResponsesAPI(store, models.choose, limiter, registry,
+                             read_timeout=config.connections.read_timeout)
 
     def route_of(request: web.Request) -> str:
         route = request.match_info.route.resource
@@ -97,6 +103,7 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
         try:
             is_open = request.path in OPEN_PATHS or request.path.startswith("/static/")
             key = "" if is_open else gateway.authenticate(request.headers.get("Authorization"), api_keys)
+            request[API_KEY] = key
             request[RATE_KEY] = key or (request.remote or "")
             if request.content_length is not None and request.content_length > gw.max_body_bytes:
                 raise APIError(413, f"The request body is larger than {gw.max_body_bytes} bytes.",
@@ -179,6 +186,7 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
         for m in models:
             await m.engine.shutdown()
             observers[m.name].close()
+        await store.close()
 
     async def draining(app: web.Application) -> None:
         for m in models:
@@ -193,6 +201,7 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
     app.router.add_get("/v1/models/{id:.+}", get_model)
     app.router.add_post("/tokenize", on_model("tokenize"))
     app.router.add_post("/detokenize", on_model("detokenize"))
+    responses.add_routes(app.router)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)

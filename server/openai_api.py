@@ -29,6 +29,7 @@ log = logging.getLogger("server")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 RATE_KEY = web.RequestKey("rate_key", str)  # the caller's API key, or its address without auth
+API_KEY = web.RequestKey("api_key", str)  # the caller's API key; "" without auth
 JOB_KEY = web.RequestKey("job", object)  # the generation request's _Job, for the access / request log
 
 
@@ -76,6 +77,36 @@ class _Job:
         cached = sum(m.num_cached_tokens for m in self.metrics.values())
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class ChatWire:
+    """How a job's output is written to the client: chat.completion / text_completion objects, or their
+    chunks ending in `data: [DONE]`. `_respond` only calls these methods; the Responses API overrides
+    them with its own objects and events (server/responses.py's ResponsesWire)."""
+
+    def __init__(self, serving: "OpenAIServing", stream: bool) -> None:
+        self.serving, self.stream = serving, stream
+
+    def opening(self, job: _Job) -> bytes:
+        """Written right after the stream's headers."""
+        return b""
+
+    def events(self, job: _Job, p: int, out: Any) -> bytes:
+        """Fold one engine delta into the job; return what goes on the stream for it."""
+        return b"".join(_sse(e) for e in self.serving._absorb(job, p, out))
+
+    async def closing(self, job: _Job) -> bytes:
+        """The end of a stream that finished."""
+        tail = _sse(self.serving._chunk(job, [], usage=job.usage)) if job.req.include_usage else b""
+        return tail + b"data: [DONE]\n\n"
+
+    def error(self, err: APIError) -> bytes:
+        """The end of a stream that failed after its headers were sent."""
+        return _sse(err.body()) + b"data: [DONE]\n\n"
+
+    async def body(self, job: _Job) -> dict:
+        """The whole answer, when not streaming."""
+        return self.serving._final_body(job)
 
 
 class OpenAIServing:
@@ -160,7 +191,10 @@ class OpenAIServing:
         return prompt_ids
 
     async def _serve(self, request: web.Request, key: str, kind: str, req: GenerationRequest,
-                     prompt_ids: list[list[int]]) -> web.StreamResponse:
+                     prompt_ids: list[list[int]], wire: ChatWire | None = None,
+                     request_id: str | None = None) -> web.StreamResponse:
+        """Context budget, sampling parameters, token rate limit, admission, then generation written
+        out by `wire` (default: chat / completions objects) under `request_id` (default: a new id)."""
         max_len = self.engine.max_model_len
         params, cost = [], 0
         for ids in prompt_ids:
@@ -184,7 +218,7 @@ class OpenAIServing:
             cost += len(ids) + max_tokens * req.n
         self.limiter.check_tokens(key, cost)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        job = _Job(f"{prefix}-{uuid.uuid4().hex}", kind, req, prompt_ids, params)
+        job = _Job(request_id or f"{prefix}-{uuid.uuid4().hex}", kind, req, prompt_ids, params)
         request[JOB_KEY] = job
         refused = False
         try:
@@ -192,7 +226,7 @@ class OpenAIServing:
             task = asyncio.current_task()
             self.tasks.add(task)
             try:
-                return await self._respond(request, job)
+                return await self._respond(request, job, wire or ChatWire(self, req.stream))
             finally:
                 self.tasks.discard(task)
                 self.admission.finished()
@@ -203,7 +237,7 @@ class OpenAIServing:
             spent = 0 if refused else job.usage["prompt_tokens"] + job.usage["completion_tokens"]
             self.limiter.refund_tokens(key, cost - spent)
 
-    async def _respond(self, request: web.Request, job: _Job) -> web.StreamResponse:
+    async def _respond(self, request: web.Request, job: _Job, wire: ChatWire) -> web.StreamResponse:
         stream = _merged(self.engine, job)
         timeout = self.gw.request_timeout
         resp: web.StreamResponse | None = None
@@ -211,24 +245,26 @@ class OpenAIServing:
         try:
             async with asyncio.timeout(timeout):
                 async for p, out in stream:
+                    head = b""
                     if waiting:
                         waiting = False
                         self.admission.started()
-                        if job.req.stream:
+                        if wire.stream:
                             resp = web.StreamResponse(headers=SSE_HEADERS)
                             await resp.prepare(request)
-                    events = self._absorb(job, p, out)
-                    if resp is not None and events:
-                        await resp.write("".join(f"data: {json.dumps(e)}\n\n" for e in events).encode())
+                            head = wire.opening(job)
+                    data = head + wire.events(job, p, out)
+                    if resp is not None and data:
+                        await resp.write(data)
         except TimeoutError:
             if resp is None:
                 raise gateway.timeout_error(timeout) from None
-            await resp.write(_sse(gateway.timeout_error(timeout).body()) + b"data: [DONE]\n\n")
+            await resp.write(wire.error(gateway.timeout_error(timeout)))
             return resp
         except ValueError as e:  # the engine refuses before queueing (e.g. prompt beyond the KV pool)
             if resp is None:
                 raise APIError(400, str(e)) from None
-            await self._stream_error(resp, e)
+            await self._stream_error(resp, e, wire)
             return resp
         except ConnectionResetError:  # the client left: the finally below aborts
             raise
@@ -241,32 +277,28 @@ class OpenAIServing:
                            code="server_shutting_down")
             if resp is None:
                 raise err from None
-            await resp.write(_sse(err.body()) + b"data: [DONE]\n\n")
+            await resp.write(wire.error(err))
             await resp.write_eof()
             return resp
         except Exception as e:
             if resp is None:
                 raise
-            await self._stream_error(resp, e)
+            await self._stream_error(resp, e, wire)
             return resp
         finally:
             if waiting:
                 self.admission.started()
             await stream.aclose()
         if resp is None:
-            return web.json_response(self._final_body(job))
-        tail = b""
-        if job.req.include_usage:
-            tail += _sse(self._chunk(job, [], usage=job.usage))
-        await resp.write(tail + b"data: [DONE]\n\n")
+            return web.json_response(await wire.body(job))
+        await resp.write(await wire.closing(job))
         await resp.write_eof()
         return resp
 
-    async def _stream_error(self, resp: web.StreamResponse, e: Exception) -> None:
+    async def _stream_error(self, resp: web.StreamResponse, e: Exception, wire: ChatWire) -> None:
         """Headers are gone already: report the failure as a last event, then end the stream."""
         log.exception("stream failed", exc_info=e)
-        body = APIError(500, f"The request failed while streaming: {e}", type="server_error").body()
-        await resp.write(_sse(body) + b"data: [DONE]\n\n")
+        await resp.write(wire.error(APIError(500, f"The request failed while streaming: {e}", type="server_error")))
 
     # ------------------------------------------------------------ response building
     def _absorb(self, job: _Job, p: int, out: Any) -> list[dict]:

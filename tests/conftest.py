@@ -2,10 +2,19 @@
 fp32 model and as the independent transformers reference on the same weights."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests.model_helpers import gguf_folder_and_name
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _data_dir(tmp_path_factory):
+    """`python -m server` keeps its conversation store under the user's data directory: the tests'
+    servers get a throwaway one instead of the home directory's."""
+    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="session")

@@ -107,6 +107,22 @@ async def test_short_prompt_small_long_prompt_large():
         await client.close()
 
 
+async def test_responses_api_is_routed_too():
+    client, _ = await start(RoutingConfig(rules=ROUTING.rules))
+    try:
+        r = await client.post("/v1/responses", json={"model": "auto", "input": "hi", "max_output_tokens": 2,
+                                                     "metadata": {"task": "code"}})
+        assert r.status == 200 and r.headers["X-Route-Rule"] == "code"
+        assert (await r.json())["model"] == "large"
+        r = await client.post("/v1/responses", json={"model": "auto", "input": "x" * 210, "max_output_tokens": 2})
+        assert r.status == 200 and r.headers["X-Route-Rule"] == "long-prompts"
+        assert (await r.json())["model"] == "large"
+        r = await client.post("/v1/responses", json={"model": "auto", "input": "hi", "max_output_tokens": 2})
+        assert r.headers["X-Route-Rule"] == "default" and (await r.json())["model"] == "small"
+    finally:
+        await client.close()
+
+
 async def test_canary_split_over_400_requests_sticky_per_user_and_conversation():
     client, _ = await start()
     try:
