@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="order of waiting requests (priority: the request field 'priority')")
     m.add_argument("--num-threads", type=int, default=None, help="CPU threads for the model")
     m.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
+    m.add_argument("--cuda-graphs", action="store_true",
+                   help="cuda: replay decode steps as CUDA graphs (one per batch-size bucket, captured at start)")
+    m.add_argument("--tensor-core-prefill", action="store_true",
+                   help="cuda: prompt chunks run FlashAttention-2 on tensor cores (bf16/fp16, unquantized KV cache)")
 
     s = p.add_argument_group("HTTP and gateway")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -112,7 +116,8 @@ def engine_config(args: argparse.Namespace):
                         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
-                        seed=args.seed)
+                        seed=args.seed, cuda_graphs=args.cuda_graphs,
+                        tensor_core_prefill=args.tensor_core_prefill)
 
 
 def server_config(args: argparse.Namespace, request_log: RequestLog | None = None) -> ServerConfig:

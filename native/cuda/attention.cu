@@ -570,6 +570,15 @@ void launch_attention(const AttnArgs<T, C>& a, cudaStream_t st, const char* op) 
 
 }  // namespace
 
+void check_attention_sizes(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           const char* op) {
+  auto fail = [op](const char* what) { throw std::invalid_argument(std::string("pyengine._cuda.") + op + ": " + what); };
+  if (head_dim <= 0 || head_dim > kMaxHeadDim) fail("head_dim must be in [1, 256]");
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) fail("num_heads must be a multiple of num_kv_heads");
+  if (num_heads > 65535) fail("num_heads must be <= 65535");
+  if (block_size <= 0) fail("block_size must be positive");
+}
+
 void reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
                        uintptr_t v_scales, uintptr_t slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
                        int64_t head_dim, int64_t key_token_stride, int64_t value_token_stride, int64_t num_blocks,
@@ -601,10 +610,7 @@ void paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_
   auto fail = [](const char* what) { throw std::invalid_argument(std::string("pyengine._cuda.paged_attention: ") + what); };
   // the CPU kernel's options (Mistral/Gemma windows, Gemma 2's cap); models that need them load on the CPU only
   if (window != 0 || softcap != 0.0) fail("sliding windows and soft-capped scores are not implemented on CUDA");
-  if (head_dim <= 0 || head_dim > kMaxHeadDim) fail("head_dim must be in [1, 256]");
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) fail("num_heads must be a multiple of num_kv_heads");
-  if (num_heads > 65535) fail("num_heads must be <= 65535");
-  if (block_size <= 0) fail("block_size must be positive");
+  check_attention_sizes(num_heads, num_kv_heads, head_dim, block_size, op);
   const bool quant = cache_dtype == static_cast<int>(DType::kFloat8E4M3) || cache_dtype == static_cast<int>(DType::kInt8);
   if (quant && (k_scales == 0 || v_scales == 0)) fail("fp8/int8 caches need k_scales and v_scales");
   if (num_tokens == 0 || num_seqs == 0) return;
