@@ -102,7 +102,7 @@ class ModelRunner:
             slot_mapping=self._dev("slot_mapping", T),
             block_tables=bt if self.device.type == "cpu" else bt.to(self.device, non_blocking=True),
             seq_lens=self._dev("seq_lens", S), query_start_loc=self._dev("query_start_loc", S + 1),
-            max_seq_len=max_seq_len, max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+            max_seq_len=max_seq_len, max_query_len=int(np.diff(qsl).max(initial=1)),
             tensor_cores=self.tensor_cores)
         indices = self._dev("logits_indices", nl)
         if plan:
