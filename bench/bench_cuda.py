@@ -170,6 +170,16 @@ def sampling_row(batch: int, vocab: int = 128256) -> str:
     return f"{batch:>5} {vocab:>7} {ours * 1e3:>9.1f} {ref * 1e3:>9.1f} {ref / ours:>7.1f}x {goal}"
 
 
+def guarded(fn, *args) -> str:
+    """One table row; an error ends that row, not the run (the device check wants every other figure)."""
+    try:
+        out = fn(*args)
+        return out[0] if isinstance(out, tuple) else out
+    except Exception as exc:  # noqa: BLE001
+        torch.cuda.empty_cache()
+        return f"ERROR {fn.__name__}{args[:5]}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer shapes (the device check's time budget)")
@@ -186,14 +196,18 @@ def main() -> None:
         shapes += [(8, 32768), (128, 2048)]
     for H, KVH, D in ((32, 8, 128), (9, 3, 64)):
         for batch, ctx in shapes:
-            print(decode_row(batch, ctx, H, KVH, D, copy_gbs)[0], flush=True)
+            print(guarded(decode_row, batch, ctx, H, KVH, D, copy_gbs), flush=True)
 
     print("\nquantized KV at 8k+ context: time of bf16 / time of fp8 or int8 (goal >= 1.6x)")
     for batch, ctx in ((1, 32768), (32, 8192)):
-        line, t_bf16 = decode_row(batch, ctx, 32, 8, 128, copy_gbs)
-        for dtype in (torch.float8_e4m3fn, torch.int8):
-            line, t = decode_row(batch, ctx, 32, 8, 128, copy_gbs, dtype)
-            print(f"{line}  {t_bf16 / t:>5.2f}x vs bf16 {verdict(t_bf16 / t >= 1.6)}", flush=True)
+        def quant_rows(batch=batch, ctx=ctx):
+            _, t_bf16 = decode_row(batch, ctx, 32, 8, 128, copy_gbs)
+            for dtype in (torch.float8_e4m3fn, torch.int8):
+                line, t = decode_row(batch, ctx, 32, 8, 128, copy_gbs, dtype)
+                print(f"{line}  {t_bf16 / t:>5.2f}x vs bf16 {verdict(t_bf16 / t >= 1.6)}", flush=True)
+            return ""
+
+        print(guarded(quant_rows), end="", flush=True)
 
     print("\nprefill attention (fresh causal prompts, bf16): tensor cores vs split-KV vs SDPA flash "
           "(goal: tensor cores >= 0.8x SDPA)")
@@ -202,12 +216,12 @@ def main() -> None:
     prefill = [([2048] * 4, 32, 8, 128), ([8192], 32, 8, 128), ([2048] * 4, 9, 3, 64), ([512] * 16, 9, 3, 64),
                ([100, 700, 1500, 33], 32, 8, 128)]
     for lens, H, KVH, D in prefill:
-        print(prefill_row(lens, H, KVH, D), flush=True)
+        print(guarded(prefill_row, lens, H, KVH, D), flush=True)
 
     print("\nsampling, top-k 50 + top-p 0.9, temperature 0.8: median us (goal <= 100 us at batch 256), torch us")
     print(f"{'batch':>5} {'vocab':>7} {'ours us':>9} {'torch us':>9} {'speedup':>8} {'goal':>5}")
     for batch in (1, 32, 256):
-        print(sampling_row(batch), flush=True)
+        print(guarded(sampling_row, batch), flush=True)
 
 
 if __name__ == "__main__":

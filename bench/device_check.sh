@@ -51,7 +51,7 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 if (( build_rc == 0 )); then
   step "cuda tests" 200 "$OUT/tests.log" python3 -m pytest -m cuda -q -rfE --tb=short -p no:cacheprovider \
       tests/test_cuda_build.py tests/test_cuda_ops.py tests/test_cuda_graphs.py tests/test_cuda_model.py ${1:+-k "$1"}
-  grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.log" | tail -30 | tee -a "$SUMMARY"
+  grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)" "$OUT/tests.log" | tail -30 | tee -a "$SUMMARY"
   step "kernel benchmarks" 130 "$OUT/kernels.log" python3 bench/bench_cuda.py --quick
   cat "$OUT/kernels.log"
   step "engine benchmarks" 170 "$OUT/e2e.log" python3 bench/bench_cuda_e2e.py
@@ -59,6 +59,5 @@ if (( build_rc == 0 )); then
 fi
 
 say "== figures against their goals =="
-grep -hE "copy bandwidth|PASS|MISS" "$OUT/kernels.log" "$OUT/e2e.log" 2>/dev/null >>"$SUMMARY"
-grep -hE "copy bandwidth|PASS|MISS" "$OUT/kernels.log" "$OUT/e2e.log" 2>/dev/null | awk '{print "  " $0}'
+grep -hE "copy bandwidth|PASS|MISS|ERROR" "$OUT/kernels.log" "$OUT/e2e.log" 2>/dev/null | tee -a "$SUMMARY"
 say "done in $(( $(date +%s) - START ))s"
