@@ -147,6 +147,29 @@ def prefill_row(lens: list[int], H: int, KVH: int, D: int, bs: int = 16) -> str:
             f"{verdict(ratio >= 0.8):>5} {err:>8.1e}")
 
 
+def mixed_row(decodes: int, ctx: int, chunk: int, H: int, KVH: int, D: int, bs: int = 16) -> str:
+    """A chunked-prefill step: `decodes` sequences at `ctx` cached tokens plus one `chunk`-token prompt chunk
+    after `ctx` cached tokens; tensor cores (which take the decode rows too) against the split-KV kernel."""
+    g = torch.Generator(device=DEV).manual_seed(2)
+    S = decodes + 1
+    seq_lens = [ctx + 1] * decodes + [ctx + chunk]
+    q_lens = [1] * decodes + [chunk]
+    nblk = (ctx + chunk + bs - 1) // bs
+    k = torch.randn(S * nblk, KVH, bs, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    tables = torch.randperm(S * nblk, device=DEV, generator=g).to(torch.int32).view(S, nblk)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(q_lens), H, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    out = torch.empty_like(q)
+    kw = dict(max_seq_len=ctx + chunk, out=out)
+    t_tc = median_ms(lambda: paged_attention(q, k, v, tables, sl, qsl, D ** -0.5, tensor_cores=True,
+                                             max_query_len=chunk, **kw), reps=20)
+    t_split = median_ms(lambda: paged_attention(q, k, v, tables, sl, qsl, D ** -0.5, **kw), reps=20)
+    return (f"{decodes:>4} decodes @ {ctx:>5} + chunk {chunk:>4} {H:>3}/{KVH:<2} {D:>4}  tc {t_tc * 1e3:>8.1f} us  "
+            f"split {t_split * 1e3:>8.1f} us  split/tc {t_split / t_tc:5.2f}x")
+
+
 def sampling_row(batch: int, vocab: int = 128256) -> str:
     g = torch.Generator(device=DEV).manual_seed(1)
     logits = torch.randn(batch, vocab, device=DEV, generator=g) * 3
@@ -217,6 +240,10 @@ def main() -> None:
                ([100, 700, 1500, 33], 32, 8, 128)]
     for lens, H, KVH, D in prefill:
         print(guarded(prefill_row, lens, H, KVH, D), flush=True)
+
+    print("\nmixed steps (decodes + one prompt chunk): tensor cores vs split-KV (no goal; decides the default)")
+    for decodes, ctx, chunk in ((64, 4096, 512), (16, 1024, 2048)):
+        print(guarded(mixed_row, decodes, ctx, chunk, 9, 3, 64), flush=True)
 
     print("\nsampling, top-k 50 + top-p 0.9, temperature 0.8: median us (goal <= 100 us at batch 256), torch us")
     print(f"{'batch':>5} {'vocab':>7} {'ours us':>9} {'torch us':>9} {'speedup':>8} {'goal':>5}")

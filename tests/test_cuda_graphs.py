@@ -38,6 +38,15 @@ def test_cuda_options_need_a_cuda_device():
             EngineConfig(device="cpu", **{name: True})
 
 
+def test_server_flags_reach_the_engine_config():
+    from server.__main__ import build_parser, engine_config
+
+    cfg = engine_config(build_parser().parse_args(["--device", "cuda", "--cuda-graphs", "--tensor-core-prefill"]))
+    assert cfg.cuda_graphs and cfg.tensor_core_prefill
+    cfg = engine_config(build_parser().parse_args(["--device", "cuda"]))
+    assert not cfg.cuda_graphs and not cfg.tensor_core_prefill
+
+
 def test_decode_batch_pads_and_keeps_static_views():
     batch = DecodeBatch(8, max_model_len=100, block_size=16, device=torch.device("cpu"))
     assert batch.max_blocks == 7
