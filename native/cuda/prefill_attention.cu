@@ -18,7 +18,8 @@
 //   P (rounded to bf16/fp16 in registers, the S accumulator layout is the A operand layout) times V.
 //   K/V tiles are gathered row by row through the block table with cp.async (zero-filled past the
 //   end and for out-of-range block ids, which are masked as in paged_attention), double-buffered:
-//   tile j + 1 loads while tile j is computed.
+//   tile j + 1 loads while tile j is computed. Tiles whose keys are all present and seen by every row of a
+//   warp skip the mask.
 //   Shared tiles are stored with a 16-byte-chunk XOR swizzle (chunk c of row r at c ^ (r & 7)), so
 //   the ldmatrix reads of 8 rows at one column hit 8 different bank groups.
 #include <algorithm>
@@ -127,8 +128,11 @@ __global__ void __launch_bounds__(kThreads)
     const T* src = valid ? q + static_cast<int64_t>(q0 + m0 + r) * q_stride + static_cast<int64_t>(h) * D + c * 8 : q;
     cp_async_16(sq + swz<D>(r, c), src, valid);
   }
+  // Issues the loads of key tile `tile` into stage `st`; returns whether every row this thread loaded is
+  // present (the CTA's AND of it says whether the tile needs its validity mask).
   auto load_kv = [&](int tile, int st) {
     const int kb = tile * kBN;
+    bool all = true;
     for (int i = tid; i < kBN * C; i += kThreads) {
       const int r = i / C, c = i % C, key = kb + r;
       const int blk = key < n_keys ? bt[key / BS] : -1;
@@ -137,9 +141,11 @@ __global__ void __launch_bounds__(kThreads)
       cp_async_16(sk + st * kBN * D + swz<D>(r, c), kc + off, valid);
       cp_async_16(sv + st * kBN * D + swz<D>(r, c), vc + off, valid);
       if (c == 0) s_valid[st][r] = valid;
+      all &= valid;
     }
+    return all;
   };
-  if (n_tiles > 0) load_kv(0, 0);
+  bool tile_present = n_tiles > 0 ? load_kv(0, 0) : true;  // this thread's rows of the tile computed next
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
@@ -154,15 +160,19 @@ __global__ void __launch_bounds__(kThreads)
   const int lim[2] = {min(n_total, ctx + row_lo + 1), min(n_total, ctx + row_lo + 9)};  // keys < lim seen
   const bool warp_live = m0 + warp * 16 < q_len;
   const int warp_keys = min(n_total, ctx + min(m0 + warp * 16 + 16, q_len));  // keys its last row sees
+  const int warp_first_keys = min(n_total, ctx + m0 + warp * 16 + 1);        // keys its first row sees
   float o[D / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
   for (int j = 0; j < n_tiles; ++j) {
     const int st = j & 1, kb = j * kBN;
-    if (j + 1 < n_tiles) load_kv(j + 1, st ^ 1);
+    const bool next_present = j + 1 < n_tiles ? load_kv(j + 1, st ^ 1) : true;
     cp_async_commit();
     cp_async_wait<1>();
-    __syncthreads();
+    const bool present = __syncthreads_and(tile_present);  // the barrier that publishes tile j, too
+    tile_present = next_present;
+    // No mask where every key of the tile is present and seen by every row of the warp.
+    const bool full = present && kb + kBN <= warp_first_keys;
     if (warp_live && kb < warp_keys) {
       const T* k_tile = sk + st * kBN * D;
       const T* v_tile = sv + st * kBN * D;
@@ -184,7 +194,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = e >> 1, key_in_tile = jn * 8 + 2 * (lane & 3) + (e & 1);
-          const bool keep = kb + key_in_tile < lim[r] && s_valid[st][key_in_tile];
+          const bool keep = full || (kb + key_in_tile < lim[r] && s_valid[st][key_in_tile]);
           sc[jn][e] = keep ? sc[jn][e] * scale_log2 : -INFINITY;
           mx[r] = fmaxf(mx[r], sc[jn][e]);
         }
