@@ -50,7 +50,6 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     src = torch.empty(n, dtype=torch.bfloat16, device=DEV).normal_()
     dst = torch.empty_like(src)
     t = median_ms(lambda: dst.copy_(src), reps=20)
-    del src, dst
     return 2 * n * 2 / t / 1e6
 
 
@@ -149,7 +148,7 @@ def prefill_row(lens: list[int], H: int, KVH: int, D: int, bs: int = 16) -> str:
 
 def mixed_row(decodes: int, ctx: int, chunk: int, H: int, KVH: int, D: int, bs: int = 16) -> str:
     """A chunked-prefill step: `decodes` sequences at `ctx` cached tokens plus one `chunk`-token prompt chunk
-    after `ctx` cached tokens; tensor cores (which take the decode rows too) against the split-KV kernel."""
+    after `ctx` cached tokens; tensor cores (the chunk; the decodes stay on split-KV) against split-KV alone."""
     g = torch.Generator(device=DEV).manual_seed(2)
     S = decodes + 1
     seq_lens = [ctx + 1] * decodes + [ctx + chunk]

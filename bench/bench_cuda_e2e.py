@@ -175,9 +175,9 @@ def main() -> None:
               f"(goal >= 10x: {'PASS' if best / hf >= 10 else 'MISS'})", flush=True)
 
     for graphs in (False, True):
-        report(f"cuda_graphs={graphs}", lambda: decode(graphs))
+        report(f"cuda_graphs={graphs}", lambda g=graphs: decode(g))
     for tc in (False, True):
-        report(f"tensor_core_prefill={tc}", lambda: prefill_run(tc))
+        report(f"tensor_core_prefill={tc}", lambda t=tc: prefill_run(t))
     if not args.skip_hf and generated:
         report("transformers", versus_hf)
 

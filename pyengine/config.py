@@ -88,7 +88,7 @@ class EngineConfig:
     num_threads: int | None = None  # CPU threads for torch and the native kernels
     seed: int = 0  # seeds the RNG that draws a seed for each request without one
     # CUDA only. cuda_graphs: decode-only steps replay CUDA graphs captured at start-up, one per batch-size
-    # bucket (pyengine/model/cuda_graphs.py). tensor_core_prefill: steps with prompt chunks run
+    # bucket (pyengine/model/cuda_graphs.py). tensor_core_prefill: prompt chunks' attention runs
     # FlashAttention-2 on tensor cores (bf16/fp16, unquantized KV cache). Both off until measured on a device.
     cuda_graphs: bool = False
     tensor_core_prefill: bool = False

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cuda-graphs", action="store_true",
                    help="cuda: replay decode steps as CUDA graphs (one per batch-size bucket, captured at start)")
     m.add_argument("--tensor-core-prefill", action="store_true",
-                   help="cuda: prompt chunks run FlashAttention-2 on tensor cores (bf16/fp16, unquantized KV cache)")
+                   help="cuda: prompt chunks' attention on tensor cores (FlashAttention-2; bf16/fp16, unquantized KV)")
 
     s = p.add_argument_group("HTTP and gateway")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")

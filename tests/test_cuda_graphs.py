@@ -50,7 +50,7 @@ def test_server_flags_reach_the_engine_config():
 def test_decode_batch_pads_and_keeps_static_views():
     batch = DecodeBatch(8, max_model_len=100, block_size=16, device=torch.device("cpu"))
     assert batch.max_blocks == 7
-    ids0, _, meta0, rows0 = batch.inputs(8)
+    ids0, _, meta0, _ = batch.inputs(8)
     bt = np.array([[3, 4], [5, 6], [7, 8]], np.int32)
     batch.fill(3, 4, np.array([10, 11, 12]), np.array([20, 30, 40]), np.array([50, 70, 130]),
                np.array([21, 31, 41], np.int32), bt)

@@ -4,6 +4,8 @@
 //   - q dtype bf16 or fp16 and a cache of the same dtype (fp32 and fp8/int8 caches: paged_attention),
 //   - head_dim 64 or 128, 16-byte aligned q/out/cache rows (q_token_stride a multiple of 8),
 //   - max_query_len > 1 (a decode-only step is what the split-KV kernel is for), num_seqs <= 65535.
+// In a mixed step the sequences with one query token (decodes) still run the split-KV kernel
+// (paged_attention_rows with decodes_only), launched first; this kernel skips them.
 //
 // Launch shape (fixed from host-side numbers, no plan on the device):
 //   grid = (H, ceil(max_query_len / 64), S), 128 threads (4 warps), dynamic shared memory
@@ -102,6 +104,8 @@ __global__ void __launch_bounds__(kThreads)
                              const T* __restrict__ vc, const int* __restrict__ block_tables,
                              const int* __restrict__ seq_lens, const int* __restrict__ qsl, int H, int KVH, int BS,
                              int max_blocks, int num_blocks, int64_t q_stride, float scale_log2) {
+  // Sequences with one query token (decodes) are paged_attention_rows' (split-KV: a 64-row tile would waste
+  // 63 rows and one CTA per head would read a long context alone).
   constexpr int C = D / 8;  // 16-byte chunks per row
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sq = reinterpret_cast<T*>(smem_raw);  // [kBM][D]
@@ -112,7 +116,7 @@ __global__ void __launch_bounds__(kThreads)
   const int h = blockIdx.x, s = blockIdx.z;
   const int q0 = qsl[s], q_len = qsl[s + 1] - q0;
   const int m0 = (gridDim.y - 1 - blockIdx.y) * kBM;
-  if (m0 >= q_len) return;  // uniform over the CTA
+  if (m0 >= q_len || q_len == 1) return;  // uniform over the CTA
   const int seq_len = seq_lens[s];
   const int ctx = seq_len - q_len;  // cached keys before this chunk: row i sits at position ctx + i
   const int n_total = min(seq_len, max_blocks * BS);
@@ -308,6 +312,11 @@ void prefill_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t 
   const char* op = "prefill_attention";
   check_attention_sizes(num_heads, num_kv_heads, head_dim, block_size, op);
   if (num_tokens == 0 || num_seqs == 0) return;
+  // the decode rows first, on the split-KV kernel (the host cannot see whether the step has any: a step
+  // without them pays for CTAs that return at once)
+  paged_attention_rows(out, q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc,
+                       num_tokens, num_heads, num_kv_heads, head_dim, q_token_stride, num_blocks, block_size, num_seqs,
+                       max_blocks_per_seq, max_seq_len, scale, q_dtype, cache_dtype, stream, window, softcap, true);
   DeviceGuard guard(reinterpret_cast<void*>(q), op);
   const cudaStream_t st = as_stream(stream);
   const auto run = [&](auto tag, auto dim) {

@@ -122,9 +122,9 @@ def paged_attention(
     window > 0: sliding-window attention, each query sees only the `window` positions ending at its
     own (Mistral, Gemma's local layers). softcap > 0: scores s (scale applied) become
     softcap * tanh(s / softcap) before the softmax (Gemma 2). Both are CPU only for now (CUDA: ValueError).
-    tensor_cores (CUDA): steps with prompt chunks run FlashAttention-2 on tensor cores where it applies
-    (bf16/fp16 with an unquantized cache, head_dim 64 or 128; native/cuda/prefill_attention.cu), decode-only
-    steps and other cases the split-KV kernel. max_query_len: the step's longest query length (defaults to
+    tensor_cores (CUDA): the prompt chunks of a step run FlashAttention-2 on tensor cores where it applies
+    (bf16/fp16 with an unquantized cache, head_dim 64 or 128; native/cuda/prefill_attention.cu); decode rows
+    (sequences with one query token) and other cases keep the split-KV kernel. max_query_len: the step's longest query length (defaults to
     T; must not be understated: rows past it would be left unwritten). The CPU ignores both.
     Returns out [T, H, D] in q's dtype.
     """
