@@ -145,5 +145,8 @@ class DecodeGraphs:
         if bucket is None:
             return None
         self.batch.fill(n, bucket, input_ids, positions, slot_mapping, seq_lens, block_tables)
-        self.graphs[bucket].replay()
+        self._replay(bucket)
         return self.logits[:n]
+
+    def _replay(self, bucket: int) -> None:
+        self.graphs[bucket].replay()
