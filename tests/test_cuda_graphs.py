@@ -201,7 +201,9 @@ def test_graph_replay_equals_eager_step(tiny_folder, dtype):
         part = tuple(a[:n] for a in arrays)
         want = eager_decode(model, caches, part, dev).clone()
         got = graphs.run(n, *part)
-        torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-4)
+        # the graph's attention splits its keys for max_model_len, the eager step for the longest row
+        tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+        torch.testing.assert_close(got, want, **tol)
     assert graphs.run(21, *arrays) is None  # beyond the largest bucket: the runner runs it eagerly
 
 
