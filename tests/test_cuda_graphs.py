@@ -241,16 +241,17 @@ def d64_folder(tmp_path_factory):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_model_with_tensor_core_prefill_matches_split_kernel(d64_folder, dtype):
     """A 700-token prompt in chunks of 256 (cached context, a partial last block) through the model (head_dim
-    64, GQA 9:3 like the default model) with the tensor-core kernel and with the split-KV kernel."""
+    64, GQA 9:3 like the default model): the tensor-core kernel's logits are as close to the fp32 model's as
+    the split-KV kernel's are (both in `dtype`)."""
     from model_helpers import step_metadata
 
     dev = torch.device("cuda")
-    cfg, model = load_model(d64_folder, dtype, "cuda")
-    prompt = torch.randint(3, cfg.vocab_size, (700,), generator=torch.Generator().manual_seed(4))
+    prompt = torch.randint(3, 256, (700,), generator=torch.Generator().manual_seed(4))
     table = torch.randperm(50, generator=torch.Generator().manual_seed(5)).to(torch.int32)
-    logits = {}
-    for tc in (False, True):
-        caches = allocate_kv_caches(cfg, 50, 16, dtype, dev)
+
+    def logits(run_dtype: torch.dtype, tc: bool) -> torch.Tensor:
+        cfg, model = load_model(d64_folder, run_dtype, "cuda")
+        caches = allocate_kv_caches(cfg, 50, 16, run_dtype, dev)
         rows = []
         for start in range(0, 700, 256):
             n = min(256, 700 - start)
@@ -259,10 +260,13 @@ def test_model_with_tensor_core_prefill_matches_split_kernel(d64_folder, dtype):
                                      m.query_start_loc.to(dev), m.max_seq_len, max_query_len=n, tensor_cores=tc)
             rows.append(model(prompt[start:start + n].to(dev), torch.arange(start, start + n, device=dev), caches,
                               meta, torch.arange(n, device=dev)).cpu())
-        logits[tc] = torch.cat(rows)
-    span = float(logits[False].max() - logits[False].min())
-    assert float((logits[True] - logits[False]).abs().max()) <= 0.03 * span
-    assert float((logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean()) >= 0.95
+        return torch.cat(rows)
+
+    ref, split, tc = logits(torch.float32, False), logits(dtype, False), logits(dtype, True)
+    span = float(ref.max() - ref.min())
+    err_split, err_tc = (ref - split).abs(), (ref - tc).abs()
+    assert float(err_tc.max()) <= 1.5 * float(err_split.max()) + 1e-3 * span
+    assert float(err_tc.mean()) <= 1.5 * float(err_split.mean()) + 1e-4 * span
 
 
 @pytest.mark.cuda
