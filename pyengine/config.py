@@ -88,6 +88,11 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     num_threads: int | None = None  # CPU threads for torch and the native kernels
     seed: int = 0  # seeds the RNG that draws a seed for each request without one
+    # CUDA only. cuda_graphs: decode-only steps replay CUDA graphs captured at start-up, one per batch-size
+    # bucket (pyengine/model/cuda_graphs.py). tensor_core_prefill: prompt chunks' attention runs
+    # FlashAttention-2 on tensor cores (bf16/fp16, unquantized KV cache). Both off until measured on a device.
+    cuda_graphs: bool = False
+    tensor_core_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -104,5 +109,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.long_prefill_tokens is not None and self.long_prefill_tokens < 0:
             raise ValueError(f"long_prefill_tokens must be >= 0, got {self.long_prefill_tokens}")
+        for name in ("cuda_graphs", "tensor_core_prefill"):
+            if getattr(self, name) and self.device != "cuda":
+                raise ValueError(f"{name} needs device='cuda', got device={self.device!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

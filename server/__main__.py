@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="order of waiting requests (priority: the request field 'priority')")
     m.add_argument("--num-threads", type=int, default=None, help="CPU threads for the model")
     m.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
+    m.add_argument("--cuda-graphs", action="store_true",
+                   help="cuda: replay decode steps as CUDA graphs (one per batch-size bucket, captured at start)")
+    m.add_argument("--tensor-core-prefill", action="store_true",
+                   help="cuda: prompt chunks' attention on tensor cores (FlashAttention-2; bf16/fp16, unquantized KV)")
 
     s = p.add_argument_group("HTTP and gateway")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -123,8 +127,11 @@ def engine_config(args: argparse.Namespace, model: str | None = None, **override
                  block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                  kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                 scheduling_policy=args.scheduling_policy, num_threads=args.num_threads, seed=args.seed)
+                 scheduling_policy=args.scheduling_policy, num_threads=args.num_threads, seed=args.seed,
+                 cuda_graphs=args.cuda_graphs, tensor_core_prefill=args.tensor_core_prefill)
     return EngineConfig(model=model, **(flags | overrides))
+
+
 
 
 def model_specs(args: argparse.Namespace, serve_file: ServeFile | None) -> list[ModelSpec] | None:

@@ -22,7 +22,7 @@ def write_tiny_checkpoint(folder: str, kind: str = "llama", seed: int = 0, vocab
 
     kind: llama (untied, GQA 4:2), llama_tied, llama3_rope (rope_scaling llama3), mistral (GQA 4:1),
     qwen2 (QKV bias, GQA 6:2, head_dim 8), qwen2_yarn (Qwen2.5-style YaRN: 64 -> 256 positions),
-    llama_dynamic (dynamic NTK: 64 -> 128 positions), mistral_window (sliding window on every layer),
+    llama_dynamic (dynamic NTK: 64 -> 128 positions), llama_d64 (head_dim 64, GQA 9:3, 1024 positions), mistral_window (sliding window on every layer),
     qwen3 (q/k norms), phi3 (fused qkv and gate_up), gemma2 (GeGLU, sandwich norms, a sliding and a
     global layer, soft-caps that bite), gemma3 (q/k norms, local and linear-scaled global RoPE,
     query_pre_attn_scalar != head_dim).
@@ -51,6 +51,10 @@ def write_tiny_checkpoint(folder: str, kind: str = "llama", seed: int = 0, vocab
         config = tf.Qwen2Config(**{**common, "max_position_embeddings": 64}, rope_scaling={
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
         cls = tf.Qwen2ForCausalLM
+    elif kind == "llama_d64":  # the default model's attention shape: head_dim 64, GQA 9:3
+        config = tf.LlamaConfig(**{**common, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                   "max_position_embeddings": 1024})
+        cls = tf.LlamaForCausalLM
     elif kind == "llama_dynamic":
         config = tf.LlamaConfig(**{**common, "max_position_embeddings": 64}, rope_scaling={
             "rope_type": "dynamic", "factor": 2.0})

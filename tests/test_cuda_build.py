@@ -88,3 +88,13 @@ def test_bad_call_is_a_python_error_not_a_crash():
     # No GPU: the device lookup fails (RuntimeError); with one: the dtype code 99 (ValueError).
     with pytest.raises((ValueError, RuntimeError)):
         mod.silu_and_mul(0, 0, 1, 8, 99, 0)
+
+
+def test_prefill_attention_takes_paged_attention_arguments_plus_max_query_len():
+    """pyengine.ops.paged_attention hands the same argument tuple to either kernel (tensor_cores=True adds
+    max_query_len); a bad size is a Python error from both."""
+    mod = require_cuda()
+    names = lambda fn: [p.split(":")[0] for p in params(fn)]  # noqa: E731
+    assert names(mod.prefill_attention) == names(mod.paged_attention) + ["max_query_len"]
+    with pytest.raises((ValueError, RuntimeError)):  # 4 heads over 3 kv heads
+        mod.prefill_attention(*([0] * 9), 1, 4, 3, 64, 64, 1, 16, 1, 1, 16, 0.1, 1, 1, 0, 0, 0.0, 16)

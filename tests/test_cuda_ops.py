@@ -521,3 +521,81 @@ def test_bitmask_matches_cpu():
         assert torch.equal(got, want)
         assert bool(allowed.gather(1, got[:, None].long()).all())
         assert torch.equal(dev_logits.cpu(), cpu_logits)
+
+
+# ---- tensor-core prefill attention (prefill_attention.cu) ------------------------------------------
+
+def run_tensor_cores(q, kc, vc, ks, vs, bt, sl, qsl, scale, **kw):
+    from pyengine.ops.attention import paged_attention
+
+    dev = [x.to(DEV) if x is not None else None for x in (q, kc, vc, ks, vs, bt, sl, qsl)]
+    max_query_len = int((qsl[1:] - qsl[:-1]).max())
+    return paged_attention(dev[0], dev[1], dev[2], dev[5], dev[6], dev[7], scale, k_scales=dev[3], v_scales=dev[4],
+                           tensor_cores=True, max_query_len=max_query_len, **kw).cpu()
+
+
+@pytest.mark.parametrize("H,kvh", [(9, 3), (8, 8), (16, 2)])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("bs", [8, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_core_prefill_ragged_step(H, kvh, D, bs, dtype):
+    """Whole prompts, chunks after a cached context (ending mid-block), q_len 1 rows, an empty row and
+    chunks longer than one 64-row tile, GQA 3:1 among them: against the fp32 reference."""
+    seq_lens = [1, 17, 300, 1000, 33, 200, 5, 129]
+    q_lens = [1, 17, 40, 130, 5, 200, 0, 64]
+    q, kc, vc, ks, vs, bt, sl, qsl = make_step(seq_lens, q_lens, H, kvh, D, bs, dtype, "same", H * D + bs + 1)
+    got = run_tensor_cores(q, kc, vc, ks, vs, bt, sl, qsl, D ** -0.5)
+    torch.testing.assert_close(got, ref_paged_attention(q, kc, vc, ks, vs, bt, sl, qsl, D ** -0.5), **ATT_TOL[dtype])
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_tensor_core_prefill_matches_sdpa(D):
+    """Fresh prompts (no cached context) of ragged lengths against torch SDPA (causal, GQA 3:1) per sequence."""
+    import torch.nn.functional as F
+
+    H, kvh, bs, dtype = 9, 3, 16, torch.bfloat16
+    q_lens = [1, 63, 64, 65, 700, 128]
+    q, kc, vc, ks, vs, bt, sl, qsl = make_step(q_lens, q_lens, H, kvh, D, bs, dtype, "same", D)
+    got = run_tensor_cores(q, kc, vc, ks, vs, bt, sl, qsl, D ** -0.5)
+    for s, L in enumerate(q_lens):
+        nblk = (L + bs - 1) // bs
+        blocks = bt[s, :nblk].long()
+        k = kc[blocks].permute(1, 0, 2, 3).reshape(kvh, nblk * bs, D)[None, :, :L].float()
+        v = vc[blocks].permute(1, 0, 2, 3).reshape(kvh, nblk * bs, D)[None, :, :L].float()
+        qs = q[int(qsl[s]):int(qsl[s + 1])].transpose(0, 1)[None].float()
+        want = F.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True, scale=D ** -0.5)
+        torch.testing.assert_close(got[int(qsl[s]):int(qsl[s + 1])], want[0].transpose(0, 1).to(dtype),
+                                   **ATT_TOL[dtype])
+
+
+def test_tensor_core_prefill_masked_blocks_and_strided_q():
+    """Out-of-range block ids are masked as by paged_attention; q is a column slice of a fused qkv."""
+    from pyengine.ops.attention import paged_attention
+
+    H, kvh, D = 6, 2, 128
+    seq_lens, q_lens = [300, 200, 90], [100, 200, 3]
+    q, kc, vc, ks, vs, bt, sl, qsl = make_step(seq_lens, q_lens, H, kvh, D, 16, torch.bfloat16, "same", 19)
+    bt[0, 2] = -1
+    bt[1, 5] = kc.shape[0]
+    want = ref_paged_attention(q, kc, vc, ks, vs, bt, sl, qsl, 0.1)
+    qkv = torch.randn(q.shape[0], (H + 2 * kvh) * D).to(torch.bfloat16)
+    qkv[:, : H * D] = q.reshape(q.shape[0], -1)
+    q_view = qkv.to(DEV)[:, : H * D].view(-1, H, D)
+    got = paged_attention(q_view, kc.to(DEV), vc.to(DEV), bt.to(DEV), sl.to(DEV), qsl.to(DEV), 0.1,
+                          tensor_cores=True, max_query_len=200)
+    torch.testing.assert_close(got.cpu(), want, **ATT_TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype,D,cache_kind", [(torch.float32, 64, "same"), (torch.bfloat16, 80, "same"),
+                                                (torch.bfloat16, 64, torch.int8), (torch.float16, 128, torch.float8_e4m3fn)])
+def test_tensor_core_prefill_falls_back_where_it_does_not_apply(dtype, D, cache_kind):
+    """fp32, head_dim 80 and quantized caches run the split-KV kernel: the same bits as without the flag."""
+    from pyengine.ops.attention import paged_attention
+
+    seq_lens, q_lens = [70, 300], [70, 20]
+    q, kc, vc, ks, vs, bt, sl, qsl = make_step(seq_lens, q_lens, 4, 2, D, 16, dtype, cache_kind, 23)
+    got = run_tensor_cores(q, kc, vc, ks, vs, bt, sl, qsl, 0.1)
+    dev = [x.to(DEV) if x is not None else None for x in (q, kc, vc, ks, vs, bt, sl, qsl)]
+    plain = paged_attention(dev[0], dev[1], dev[2], dev[5], dev[6], dev[7], 0.1, k_scales=dev[3],
+                            v_scales=dev[4]).cpu()
+    assert torch.equal(got, plain)

@@ -39,6 +39,8 @@
 //     Workspace: stream-ordered cudaMallocAsync/cudaFreeAsync on `stream` (safe with concurrent
 //       streams and graph capture, where one cached buffer would race); the device's default pool
 //       keeps freed memory (its release threshold is raised once), so repeat calls reuse it.
+//   decodes_only (paged_attention_rows, for prefill_attention.cu): CTAs (and merges) of tokens whose
+//     sequence has more than one query token return at once; the tensor-core kernel writes those rows.
 //   generic fallback   (other head_dim / alignments) grid = (T, H); 8 warps. Warp w takes keys
 //                      4w..4w+3, then 4w+32.., of the query's causal range; lane i holds dims
 //                      i, i+32, ... (D <= 256) of q and of its running output; per-warp online
@@ -119,7 +121,7 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
 // Sequence of query token t (the last s with qsl[s] <= t) and how many keys it sees: token j of a
 // chunk of q_len sits at position seq_len - q_len + j and sees keys [0, pos] (at most `cap`).
 struct TokenRange {
-  int seq, n_keys;
+  int seq, n_keys, q_len;
 };
 __device__ __forceinline__ TokenRange token_range(const int* qsl, const int* seq_lens, int S, int t, int cap) {
   int lo = 0, hi = S - 1;
@@ -128,7 +130,7 @@ __device__ __forceinline__ TokenRange token_range(const int* qsl, const int* seq
     if (qsl[mid] <= t) lo = mid; else hi = mid - 1;
   }
   const int q_len = qsl[lo + 1] - qsl[lo], seq_len = seq_lens[lo];
-  return {lo, max(0, min(min(seq_len, cap), seq_len - q_len + (t - qsl[lo]) + 1))};
+  return {lo, max(0, min(min(seq_len, cap), seq_len - q_len + (t - qsl[lo]) + 1)), q_len};
 }
 
 constexpr int kSplitThreads = 128;
@@ -160,7 +162,8 @@ __global__ void __launch_bounds__(kSplitThreads, 1)
                            const float* __restrict__ ks, const float* __restrict__ vs,
                            const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                            const int* __restrict__ qsl, int S, int H, int KVH, int D, int BS, int max_blocks,
-                           int num_blocks, int64_t q_stride, float scale_log2, int lpk, int split_len) {
+                           int num_blocks, int64_t q_stride, float scale_log2, int lpk, int split_len,
+                           bool decodes_only) {
   constexpr int E = kVec<C>, KPI = G >= 8 ? 2 : 4;
   __shared__ float sm_m[kSplitThreads][G], sm_l[kSplitThreads][G], sm_acc[kSplitThreads * E * G];
   __shared__ float sm_max[G], sm_den[G];
@@ -169,6 +172,7 @@ __global__ void __launch_bounds__(kSplitThreads, 1)
   const int g = blockIdx.y / chunks, h0 = g * group + (blockIdx.y % chunks) * G;
   const int nh = min(G, (g + 1) * group - h0);
   const TokenRange tr = token_range(qsl, seq_lens, S, t, max_blocks * BS);
+  if (decodes_only && tr.q_len > 1) return;  // uniform over the CTA; prefill_attention.cu has these rows
   const int k0 = split * split_len, k1 = split == nsplit - 1 ? tr.n_keys : min(tr.n_keys, k0 + split_len);
   const int grp = threadIdx.x / lpk, ngrp = kSplitThreads / lpk, d0 = (threadIdx.x % lpk) * E;
   const bool active = d0 < D;  // lanes past the row only join the shuffles
@@ -311,9 +315,11 @@ __global__ void __launch_bounds__(kSplitThreads, 1)
 template <typename T>
 __global__ void __launch_bounds__(kSplitThreads)
     merge_splits_kernel(T* __restrict__ out, const float* __restrict__ part_ml, const float* __restrict__ part_acc,
-                        int D, int nsplit) {
+                        int D, int nsplit, const int* __restrict__ seq_lens, const int* __restrict__ qsl, int S,
+                        int H, int cap, bool decodes_only) {
   __shared__ float w[kMaxSplits];
   const int64_t oh = blockIdx.x;
+  if (decodes_only && token_range(qsl, seq_lens, S, static_cast<int>(oh / H), cap).q_len > 1) return;  // no partials
   const float* ml = part_ml + oh * nsplit * 2;
   const float* acc = part_acc + oh * nsplit * D;
   float mx = -INFINITY;
@@ -340,12 +346,13 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
                            const C* __restrict__ vc, const float* __restrict__ ks, const float* __restrict__ vs,
                            const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                            const int* __restrict__ qsl, int S, int H, int KVH, int D, int BS, int max_blocks,
-                           int num_blocks, int64_t q_stride, float scale) {
+                           int num_blocks, int64_t q_stride, float scale, bool decodes_only) {
   __shared__ float sm_m[kAttnWarps], sm_l[kAttnWarps], sm_acc[kAttnWarps][kMaxHeadDim];
   const int t = blockIdx.x, h = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
   const TokenRange tr = token_range(qsl, seq_lens, S, t, max_blocks * BS);
+  if (decodes_only && tr.q_len > 1) return;  // uniform over the CTA
   const int s = tr.seq, n_keys = tr.n_keys;
   const int g = h / (H / KVH);
   const int* bt = block_tables + static_cast<int64_t>(s) * max_blocks;
@@ -481,6 +488,7 @@ struct AttnArgs {
   const int *block_tables, *seq_lens, *qsl;
   int64_t T_, S, H, KVH, D, BS, max_blocks, num_blocks, q_stride, max_seq_len;
   double scale;
+  bool decodes_only;  // only the rows of sequences with one query token (the others: prefill_attention)
 };
 
 // Split-partials workspace, stream-ordered (see the top of the file).
@@ -537,11 +545,12 @@ void launch_split(const AttnArgs<T, C>& a, int lpk, cudaStream_t st, const char*
   split_attention_kernel<T, C, G><<<grid, kSplitThreads, 0, st>>>(
       a.out, ml, acc, a.q, a.kc, a.vc, a.ks, a.vs, a.block_tables, a.seq_lens, a.qsl, a.S, a.H, a.KVH, a.D, a.BS,
       a.max_blocks, a.num_blocks, a.q_stride, static_cast<float>(a.scale * 1.4426950408889634 /* log2 e */), lpk,
-      static_cast<int>(split_len));
+      static_cast<int>(split_len), a.decodes_only);
   if (nsplit == 1) return;
   const int threads = static_cast<int>(std::min<int64_t>(kSplitThreads, (a.D + 31) / 32 * 32));
-  merge_splits_kernel<T><<<static_cast<unsigned>(a.T_ * a.H), threads, 0, st>>>(a.out, ml, acc, a.D,
-                                                                                 static_cast<int>(nsplit));
+  merge_splits_kernel<T><<<static_cast<unsigned>(a.T_ * a.H), threads, 0, st>>>(
+      a.out, ml, acc, a.D, static_cast<int>(nsplit), a.seq_lens, a.qsl, static_cast<int>(a.S), static_cast<int>(a.H),
+      static_cast<int>(a.max_blocks * a.BS), a.decodes_only);
   check_call(cudaFreeAsync(ml, st), op);  // launch errors are reported by the caller's check_launch
 }
 
@@ -565,10 +574,19 @@ void launch_attention(const AttnArgs<T, C>& a, cudaStream_t st, const char* op) 
   const dim3 grid(static_cast<unsigned>(a.T_), static_cast<unsigned>(a.H));
   generic_attention_kernel<T, C><<<grid, kAttnWarps * 32, 0, st>>>(
       a.out, a.q, a.kc, a.vc, a.ks, a.vs, a.block_tables, a.seq_lens, a.qsl, a.S, a.H, a.KVH, a.D, a.BS,
-      a.max_blocks, a.num_blocks, a.q_stride, static_cast<float>(a.scale));
+      a.max_blocks, a.num_blocks, a.q_stride, static_cast<float>(a.scale), a.decodes_only);
 }
 
 }  // namespace
+
+void check_attention_sizes(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           const char* op) {
+  auto fail = [op](const char* what) { throw std::invalid_argument(std::string("pyengine._cuda.") + op + ": " + what); };
+  if (head_dim <= 0 || head_dim > kMaxHeadDim) fail("head_dim must be in [1, 256]");
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) fail("num_heads must be a multiple of num_kv_heads");
+  if (num_heads > 65535) fail("num_heads must be <= 65535");
+  if (block_size <= 0) fail("block_size must be positive");
+}
 
 void reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
                        uintptr_t v_scales, uintptr_t slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
@@ -597,14 +615,22 @@ void paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_
                      int64_t q_token_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
                      int64_t max_blocks_per_seq, int64_t max_seq_len, double scale, int q_dtype, int cache_dtype,
                      uintptr_t stream, int64_t window, double softcap) {
+  paged_attention_rows(out, q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc,
+                       num_tokens, num_heads, num_kv_heads, head_dim, q_token_stride, num_blocks, block_size, num_seqs,
+                       max_blocks_per_seq, max_seq_len, scale, q_dtype, cache_dtype, stream, window, softcap, false);
+}
+
+void paged_attention_rows(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
+                          uintptr_t v_scales, uintptr_t block_tables, uintptr_t seq_lens, uintptr_t query_start_loc,
+                          int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t q_token_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
+                          int64_t max_blocks_per_seq, int64_t max_seq_len, double scale, int q_dtype,
+                          int cache_dtype, uintptr_t stream, int64_t window, double softcap, bool decodes_only) {
   const char* op = "paged_attention";
   auto fail = [](const char* what) { throw std::invalid_argument(std::string("pyengine._cuda.paged_attention: ") + what); };
   // the CPU kernel's options (Mistral/Gemma windows, Gemma 2's cap); models that need them load on the CPU only
   if (window != 0 || softcap != 0.0) fail("sliding windows and soft-capped scores are not implemented on CUDA");
-  if (head_dim <= 0 || head_dim > kMaxHeadDim) fail("head_dim must be in [1, 256]");
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) fail("num_heads must be a multiple of num_kv_heads");
-  if (num_heads > 65535) fail("num_heads must be <= 65535");
-  if (block_size <= 0) fail("block_size must be positive");
+  check_attention_sizes(num_heads, num_kv_heads, head_dim, block_size, op);
   const bool quant = cache_dtype == static_cast<int>(DType::kFloat8E4M3) || cache_dtype == static_cast<int>(DType::kInt8);
   if (quant && (k_scales == 0 || v_scales == 0)) fail("fp8/int8 caches need k_scales and v_scales");
   if (num_tokens == 0 || num_seqs == 0) return;
@@ -616,7 +642,7 @@ void paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_
           ptr<scalar_t>(out), ptr<const scalar_t>(q), ptr<const cache_t>(k_cache), ptr<const cache_t>(v_cache),
           ptr<const float>(k_scales), ptr<const float>(v_scales), ptr<const int>(block_tables),
           ptr<const int>(seq_lens), ptr<const int>(query_start_loc), num_tokens, num_seqs, num_heads, num_kv_heads,
-          head_dim, block_size, max_blocks_per_seq, num_blocks, q_token_stride, max_seq_len, scale};
+          head_dim, block_size, max_blocks_per_seq, num_blocks, q_token_stride, max_seq_len, scale, decodes_only};
       launch_attention(a, st, op);
     });
   });

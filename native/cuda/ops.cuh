@@ -42,10 +42,32 @@ void paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_
                      int64_t q_token_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
                      int64_t max_blocks_per_seq, int64_t max_seq_len, double scale, int q_dtype, int cache_dtype,
                      uintptr_t stream, int64_t window, double softcap);
+// paged_attention; decodes_only: only the rows of sequences with one query token are computed (and
+// written), the others left to prefill_attention's kernel.
+void paged_attention_rows(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
+                          uintptr_t v_scales, uintptr_t block_tables, uintptr_t seq_lens, uintptr_t query_start_loc,
+                          int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t q_token_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
+                          int64_t max_blocks_per_seq, int64_t max_seq_len, double scale, int q_dtype,
+                          int cache_dtype, uintptr_t stream, int64_t window, double softcap, bool decodes_only);
+// Throws std::invalid_argument (naming `op`) for head/block sizes paged_attention cannot run.
+void check_attention_sizes(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           const char* op);
 void reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
                        uintptr_t v_scales, uintptr_t slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
                        int64_t head_dim, int64_t key_token_stride, int64_t value_token_stride, int64_t num_blocks,
                        int64_t block_size, int src_dtype, int cache_dtype, uintptr_t stream);
+
+// --- prefill_attention.cu --------------------------------------------------
+// paged_attention's arguments plus max_query_len, an upper bound on the step's query lengths (host
+// side, like max_seq_len): FlashAttention-2 on tensor cores where it applies (bf16/fp16, unquantized
+// cache, head_dim 64/128, max_query_len > 1; see the top of prefill_attention.cu), else paged_attention.
+void prefill_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
+                       uintptr_t v_scales, uintptr_t block_tables, uintptr_t seq_lens, uintptr_t query_start_loc,
+                       int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t q_token_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
+                       int64_t max_blocks_per_seq, int64_t max_seq_len, double scale, int q_dtype, int cache_dtype,
+                       uintptr_t stream, int64_t window, double softcap, int64_t max_query_len);
 
 // --- sampling.cu -----------------------------------------------------------
 // Same argument lists as native/bindings/cpu_sampling.cpp; rules at the top of sampling.cu.

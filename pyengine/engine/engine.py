@@ -137,7 +137,8 @@ class Engine:
         self.runner = ModelRunner(self.model, kv_caches, block_size=bs, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
-                                  eos_ids=sorted(self.eos_ids), device=self.device)
+                                  eos_ids=sorted(self.eos_ids), device=self.device,
+                                  cuda_graphs=config.cuda_graphs, tensor_cores=config.tensor_core_prefill)
         self.metrics = EngineMetrics(self.model_name)
         self._structured = None  # pyengine.structured.StructuredOutputs, built on first use
         self.groups: dict[str, _Group] = {}

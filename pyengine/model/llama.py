@@ -328,7 +328,8 @@ class LlamaForCausalLM(torch.nn.Module):
                               meta.slot_mapping, k_scales=cache.k_scales, v_scales=cache.v_scales)
             attn = paged_attention(q.contiguous().view(q_shape), cache.k, cache.v, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, scale, k_scales=cache.k_scales, v_scales=cache.v_scales,
-                                   max_seq_len=meta.max_seq_len, window=attention.window, softcap=softcap)
+                                   max_seq_len=meta.max_seq_len, window=attention.window, softcap=softcap,
+                                   tensor_cores=meta.tensor_cores, max_query_len=meta.max_query_len)
             x = lin.o(attn.view(t, -1))
             if layer.attn_out_norm is not None:
                 rms_norm(x, layer.attn_out_norm, eps, out=x)

@@ -20,6 +20,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [S] int32: cache tokens per sequence, this step's included
     query_start_loc: torch.Tensor  # [S+1] int32
     max_seq_len: int
+    max_query_len: int | None = None  # the longest query_start_loc span (None: up to T)
+    tensor_cores: bool = False  # CUDA: steps with prompt chunks use the tensor-core kernel (ops.paged_attention)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 
 from pyengine.engine.output import TokenLogprob
 from pyengine.engine.scheduler import prepare_batch, prepare_sampling
+from pyengine.model.cuda_graphs import DecodeGraphs
 from pyengine.model.metadata import AttentionMetadata, KVCache
 from pyengine.ops.sampling import apply_penalties, sample
 
@@ -31,7 +32,10 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], *, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 vocab_size: int, eos_ids: list[int], device: torch.device) -> None:
+                 vocab_size: int, eos_ids: list[int], device: torch.device,
+                 cuda_graphs: bool = False, tensor_cores: bool = False) -> None:
+        """cuda_graphs: decode-only steps replay captured CUDA graphs (model/cuda_graphs.py; captured here).
+        tensor_cores: CUDA steps with prompt chunks run the tensor-core attention kernel."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -53,6 +57,12 @@ class ModelRunner:
         self.structured = None  # pyengine.structured.StructuredOutputs, set by the engine when first needed
         self._bitmask: torch.Tensor | None = None  # [max_num_seqs, ceil(vocab/32)] int32, CPU
         self.mask_time = 0.0  # seconds spent filling grammar bitmasks (all steps)
+        self.tensor_cores = tensor_cores
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(model, kv_caches, max_num_seqs=S, max_model_len=max_model_len,
+                                       block_size=block_size, vocab_size=vocab_size, device=device)
+            self.graphs.capture()
 
     def _dev(self, name: str, n: int) -> torch.Tensor:
         t = self.t[name][:n]
@@ -66,18 +76,13 @@ class ModelRunner:
             out, self.block_size, b["input_ids"], b["positions"], b["slot_mapping"], b["seq_lens"],
             b["query_start_loc"], b["block_tables"], b["logits_indices"])
         S = len(out.reqs)
-        bt = self.t["block_tables"][: S * max_blocks].view(S, max_blocks)
-        meta = AttentionMetadata(
-            slot_mapping=self._dev("slot_mapping", T),
-            block_tables=bt if self.device.type == "cpu" else bt.to(self.device, non_blocking=True),
-            seq_lens=self._dev("seq_lens", S), query_start_loc=self._dev("query_start_loc", S + 1),
-            max_seq_len=max_seq_len)
-        indices = self._dev("logits_indices", nl)
         plan = self._prompt_logprob_plan(out)
-        if plan:
-            rows = torch.tensor([r for _, rs, _ in plan for r in rs], dtype=torch.int64, device=self.device)
-            indices = torch.cat([indices, rows])
-        logits = self.model(self._dev("input_ids", T), self._dev("positions", T), self.kv_caches, meta, indices)
+        logits = None
+        if self.graphs is not None and T == S == nl and not plan:  # decode only: one token per sequence
+            logits = self.graphs.run(S, b["input_ids"], b["positions"], b["slot_mapping"], b["seq_lens"],
+                                     b["block_tables"][: S * max_blocks].reshape(S, max_blocks))
+        if logits is None:
+            logits = self._forward(T, S, max_blocks, max_seq_len, nl, plan)
         reqs = [r for r, s in zip(out.reqs, out.sampling) if s]
         # On CUDA the forward pass is still running: the grammar masks are filled meanwhile.
         bitmask = self._fill_bitmask(reqs) if self.structured is not None else None
@@ -87,6 +92,23 @@ class ModelRunner:
         result = self.sample(logits[:nl], reqs, bitmask)
         result.prompt_logprobs = prompt
         return result
+
+    def _forward(self, T: int, S: int, max_blocks: int, max_seq_len: int, nl: int, plan) -> torch.Tensor:
+        """The model, eagerly, over the step in the host buffers: logits of the nl sampling rows, then of
+        the planned prompt-logprob rows."""
+        bt = self.t["block_tables"][: S * max_blocks].view(S, max_blocks)
+        qsl = self.np["query_start_loc"][: S + 1]
+        meta = AttentionMetadata(
+            slot_mapping=self._dev("slot_mapping", T),
+            block_tables=bt if self.device.type == "cpu" else bt.to(self.device, non_blocking=True),
+            seq_lens=self._dev("seq_lens", S), query_start_loc=self._dev("query_start_loc", S + 1),
+            max_seq_len=max_seq_len, max_query_len=int(np.diff(qsl).max(initial=1)),
+            tensor_cores=self.tensor_cores)
+        indices = self._dev("logits_indices", nl)
+        if plan:
+            rows = torch.tensor([r for _, rs, _ in plan for r in rs], dtype=torch.int64, device=self.device)
+            indices = torch.cat([indices, rows])
+        return self.model(self._dev("input_ids", T), self._dev("positions", T), self.kv_caches, meta, indices)
 
     def _prompt_logprob_plan(self, out) -> list[tuple[object, list[int], list[int]]]:
         """(request, logits rows, target tokens) for the prompt tokens whose logprobs this step can give:

@@ -108,6 +108,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    tensor_cores: bool = False,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for a mixed step of prompt chunks and decodes.
 
@@ -120,6 +122,10 @@ def paged_attention(
     window > 0: sliding-window attention, each query sees only the `window` positions ending at its
     own (Mistral, Gemma's local layers). softcap > 0: scores s (scale applied) become
     softcap * tanh(s / softcap) before the softmax (Gemma 2). Both are CPU only for now (CUDA: ValueError).
+    tensor_cores (CUDA): the prompt chunks of a step run FlashAttention-2 on tensor cores where it applies
+    (bf16/fp16 with an unquantized cache, head_dim 64 or 128; native/cuda/prefill_attention.cu); decode rows
+    (sequences with one query token) and other cases keep the split-KV kernel. max_query_len: the step's longest query length (defaults to
+    T; must not be understated: rows past it would be left unwritten). The CPU ignores both.
     Returns out [T, H, D] in q's dtype.
     """
     check_tensor("q", q, dtypes=ACT_DTYPES, ndim=3, contiguous=False)
@@ -141,17 +147,25 @@ def paged_attention(
         raise ValueError(f"softcap must be a finite float >= 0 (0: none), got {softcap!r}")
     if max_seq_len is None:
         max_seq_len = max_blocks * bs
+    if max_query_len is None:
+        max_query_len = T
+    elif isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 1:
+        raise ValueError(f"max_query_len must be an int >= 1, got {max_query_len!r}")
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=device)
     else:
         check_tensor("out", out, dtypes=(q.dtype,), shape=(T, H, D), device=device)
     if T == 0:
         return out
-    native(device).paged_attention(
+    args = (
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         k_scales.data_ptr() if k_scales is not None else 0, v_scales.data_ptr() if v_scales is not None else 0,
         block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
         T, H, kvh, D, q.stride(0), nb, bs, S, max_blocks, int(max_seq_len), float(scale),
         dtype_code(q), dtype_code(k_cache), cuda_stream(device), window, float(softcap),
     )
+    if tensor_cores and device.type == "cuda" and max_query_len > 1:
+        native(device).prefill_attention(*args, int(max_query_len))
+    else:
+        native(device).paged_attention(*args)
     return out
