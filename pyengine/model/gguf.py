@@ -14,7 +14,7 @@ Dequantization is vectorised over whole tensors with torch (block layouts from g
         before the nibbles
   Q6_K: 210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (sub-blocks
         of 16), fp16 d                                                        -> d * sc * (q - 32)
-`GGUFFile.blocks` hands the raw blocks of Q8_0/Q4_0/Q4_1 tensors to QuantLinear (pyengine/ops/qlinear.py),
+`GGUFFile.blocks` hands the raw blocks of quantized tensors to QuantLinear (pyengine/ops/qlinear.py),
 which keeps them quantized; `requantize` rewrites a file in another type (benchmarks, accuracy tests).
 llama.cpp's converter permutes the Q/K projection rows of `llama` checkpoints (interleaved RoPE
 pairs); `_unpermute` undoes it so the neox-style rotary kernel matches the original model.
@@ -400,12 +400,15 @@ def open_gguf(path: str) -> GGUFFile:
 
 
 def requantize(src: str, dst: str, type_name: str) -> str:
-    """Write `src` to `dst` with every quantized tensor requantized to `type_name` (e.g. "Q8_0"), through
-    the `gguf` package's reference quantizer; float tensors and the metadata are copied as they are.
-    For benchmarks and accuracy tests on one model in several types."""
+    """Write `src` to `dst` with every quantized tensor requantized to `type_name` (e.g. "Q8_0", "Q6_K"), or
+    to llama.cpp's per-tensor mix for "Q4_K_M" / "Q5_K_M" (pyengine.model.kquants.mix_type); float
+    tensors and the metadata are copied as they are. Through the `gguf` package's reference quantizer,
+    and kquants' for the K-quants (with llama.cpp's fallback type for rows that are not whole
+    super-blocks). For benchmarks and accuracy tests on one model in several types."""
     import gguf
 
-    target = gguf.GGMLQuantizationType[type_name]
+    from pyengine.model.kquants import K_FALLBACK, mix_type, quantize_k
+
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, arch=None)
     for field in reader.fields.values():
@@ -414,15 +417,22 @@ def requantize(src: str, dst: str, type_name: str) -> str:
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
     float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    names = {t.name for t in reader.tensors}
+    n_layers = 1 + max((int(n.split(".")[1]) for n in names if n.startswith("blk.")), default=0)
     for t in reader.tensors:
         shape = [int(x) for x in reversed(t.shape)]  # torch order
         if t.tensor_type in float_types:
             writer.add_tensor(t.name, np.asarray(t.data), raw_shape=list(np.asarray(t.data).shape),
                               raw_dtype=t.tensor_type)
             continue
-        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
-        blocks = gguf.quants.quantize(values.astype(np.float32), target)
-        writer.add_tensor(t.name, blocks, raw_shape=list(blocks.shape), raw_dtype=target)
+        if type_name in ("Q4_K_M", "Q5_K_M"):
+            target = mix_type(type_name, t.name, shape[-1], n_layers, tied="output.weight" not in names)
+        else:
+            target = K_FALLBACK[type_name] if type_name in K_FALLBACK and shape[-1] % 256 else type_name
+        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32)
+        blocks = (quantize_k(values, target) if target in K_FALLBACK
+                  else gguf.quants.quantize(values, gguf.GGMLQuantizationType[target]))
+        writer.add_tensor(t.name, blocks, raw_shape=list(blocks.shape), raw_dtype=gguf.GGMLQuantizationType[target])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
