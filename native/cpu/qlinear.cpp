@@ -156,14 +156,33 @@ void tile_group_scalar(const QArgs& a, int64_t t0, int nt) {
   }
 }
 
+// Calls f(std::integral_constant<int, I>) for I = B .. E - 1: line indices as constants, so every
+// shift below is an immediate.
+template <int B, int E, class F>
+inline void static_for(F&& f) {
+  if constexpr (B < E) {
+    f(std::integral_constant<int, B>{});
+    static_for<B + 1, E>(f);
+  }
+}
+
 #if defined(PYENGINE_QLINEAR_VNNI)
 
-// Line i of a group of one tile -> the unsigned values of its low (k = 8i + t) and high (8i + 4 + t)
-// nibbles with their high bits, or (Q8_0) its bytes in lo.
-template <int T>
-inline void vnni_line(const uint8_t* grp, int i, __m512i& lo, __m512i& hi) {
+// v shifted left by S bits within 16-bit lanes (right for S < 0).
+template <int S>
+inline __m512i shift16(__m512i v) {
+  if constexpr (S > 0) return _mm512_slli_epi16(v, S);
+  else if constexpr (S < 0) return _mm512_srli_epi16(v, -S);
+  else return v;
+}
+
+// Line I of a group of one tile -> the unsigned values of its low (k = 8I + t) and high (8I + 4 + t)
+// nibbles with their high bits, or (Q8_0) its bytes in lo. The high bits are moved into place and
+// merged in one ternary-logic op each (a | (b & mask): 0xF8).
+template <int T, int I>
+inline void vnni_line(const uint8_t* grp, __m512i& lo, __m512i& hi) {
   constexpr Layout L = layout(T);
-  const __m512i raw = _mm512_loadu_si512(grp + 64 * i);
+  const __m512i raw = _mm512_loadu_si512(grp + 64 * I);
   if constexpr (L.lines == 8) {
     lo = raw;
     return;
@@ -171,15 +190,15 @@ inline void vnni_line(const uint8_t* grp, int i, __m512i& lo, __m512i& hi) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   lo = _mm512_and_si512(raw, low4);
   hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-  if constexpr (L.high_lines == 1) {
-    const __m512i one = _mm512_set1_epi8(1), hb = _mm512_loadu_si512(grp + 256);
-    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * i), one), 4));
-    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * i + 1), one), 4));
-  } else if constexpr (L.high_lines == 2) {
-    const __m512i three = _mm512_set1_epi8(3), hb = _mm512_loadu_si512(grp + 256 + 64 * (i / 2));
-    const int p = 4 * (i % 2);
-    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, p), three), 4));
-    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, p + 2), three), 4));
+  if constexpr (L.high_lines == 1) {  // bit 2I (2I + 1) of the byte -> bit 4
+    const __m512i bit4 = _mm512_set1_epi8(0x10), hb = _mm512_loadu_si512(grp + 256);
+    lo = _mm512_ternarylogic_epi32(lo, shift16<4 - 2 * I>(hb), bit4, 0xF8);
+    hi = _mm512_ternarylogic_epi32(hi, shift16<3 - 2 * I>(hb), bit4, 0xF8);
+  } else if constexpr (L.high_lines == 2) {  // bits 4p, 4p + 1 (4p + 2, 4p + 3) -> bits 4, 5
+    constexpr int p = 4 * (I % 2);
+    const __m512i bits45 = _mm512_set1_epi8(0x30), hb = _mm512_loadu_si512(grp + 256 + 64 * (I / 2));
+    lo = _mm512_ternarylogic_epi32(lo, shift16<4 - p>(hb), bits45, 0xF8);
+    hi = _mm512_ternarylogic_epi32(hi, shift16<2 - p>(hb), bits45, 0xF8);
   }
 }
 
@@ -223,15 +242,17 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
     // activation words (4 bytes) of this block, per row
     const int32_t* xw[MR];
     for (int m = 0; m < MR; ++m) xw[m] = reinterpret_cast<const int32_t*>(a.xq + (r0 + m) * a.K + b * kBlock);
-    for (int h = 0; h < L.halves; ++h) {
+    static_for<0, L.halves>([&](auto hc) {
+      constexpr int h = decltype(hc)::value;
       __m512i dot[MR][NT];
       for (int m = 0; m < MR; ++m)
         for (int t = 0; t < NT; ++t) dot[m][t] = _mm512_setzero_si512();
-      for (int i = h * per_half; i < (h + 1) * per_half; ++i) {
+      static_for<h * per_half, (h + 1) * per_half>([&](auto ic) {
+        constexpr int i = decltype(ic)::value;
         __m512i lo[NT], hi[NT];
         for (int t = 0; t < NT; ++t) {
           _mm_prefetch(reinterpret_cast<const char*>(grp + t * stride + 64 * i + 8 * L.group_bytes()), _MM_HINT_T0);
-          vnni_line<T>(grp + t * stride, i, lo[t], hi[t]);
+          vnni_line<T, i>(grp + t * stride, lo[t], hi[t]);
         }
         for (int m = 0; m < MR; ++m) {
           if constexpr (L.lines == 8) {
@@ -245,7 +266,7 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
             }
           }
         }
-      }
+      });
       for (int t = 0; t < NT; ++t) {
         __m512 d, c;
         vnni_scales<T>(rec + t * stride, g, h, d, c);
@@ -256,7 +277,7 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
           acc[m][t] = _mm512_fmadd_ps(c, _mm512_set1_ps(offset_sum<T>(a, xb, h)), acc[m][t]);
         }
       }
-    }
+    });
   }
   for (int t = 0; t < NT; ++t) {
     const int64_t n0 = (t0 + t) * kTileRows;
@@ -290,12 +311,20 @@ void tile_group_vnni(const QArgs& a, int64_t t0, int nt) {
 
 #if defined(PYENGINE_QLINEAR_AVX2)
 
+// shift16 for ymm.
+template <int S>
+inline __m256i shift16(__m256i v) {
+  if constexpr (S > 0) return _mm256_slli_epi16(v, S);
+  else if constexpr (S < 0) return _mm256_srli_epi16(v, -S);
+  else return v;
+}
+
 // As vnni_line, for rows 8r .. 8r + 7 of the tile (bytes 32r .. 32r + 31 of each line); Q8_0's bytes
-// come back signed (q), for avx2_dot's sign trick.
-template <int T>
-inline void avx2_line(const uint8_t* grp, int i, int r, __m256i& lo, __m256i& hi) {
+// come back signed (q), for avx2_block's sign trick.
+template <int T, int I>
+inline void avx2_line(const uint8_t* grp, int r, __m256i& lo, __m256i& hi) {
   constexpr Layout L = layout(T);
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 64 * i + 32 * r));
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 64 * I + 32 * r));
   if constexpr (L.lines == 8) {
     lo = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));
     return;
@@ -304,16 +333,16 @@ inline void avx2_line(const uint8_t* grp, int i, int r, __m256i& lo, __m256i& hi
   lo = _mm256_and_si256(raw, low4);
   hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
   if constexpr (L.high_lines == 1) {
-    const __m256i one = _mm256_set1_epi8(1);
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
     const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 256 + 32 * r));
-    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * i), one), 4));
-    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * i + 1), one), 4));
+    lo = _mm256_or_si256(lo, _mm256_and_si256(shift16<4 - 2 * I>(hb), bit4));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(shift16<3 - 2 * I>(hb), bit4));
   } else if constexpr (L.high_lines == 2) {
-    const __m256i three = _mm256_set1_epi8(3);
-    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 256 + 64 * (i / 2) + 32 * r));
-    const int p = 4 * (i % 2);
-    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, p), three), 4));
-    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, p + 2), three), 4));
+    constexpr int p = 4 * (I % 2);
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 256 + 64 * (I / 2) + 32 * r));
+    lo = _mm256_or_si256(lo, _mm256_and_si256(shift16<4 - p>(hb), bits45));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(shift16<2 - p>(hb), bits45));
   }
 }
 
@@ -361,13 +390,15 @@ void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
     const uint8_t* grp = rec + g * L.group_bytes();
     const int32_t* xw[MR];
     for (int m = 0; m < MR; ++m) xw[m] = reinterpret_cast<const int32_t*>(a.xq + (r0 + m) * a.K + b * kBlock);
-    for (int h = 0; h < L.halves; ++h) {
+    static_for<0, L.halves>([&](auto hc) {
+      constexpr int h = decltype(hc)::value;
       __m256i dot[MR][2];
       for (int m = 0; m < MR; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
-      for (int i = h * per_half; i < (h + 1) * per_half; ++i) {
+      static_for<h * per_half, (h + 1) * per_half>([&](auto ic) {
+        constexpr int i = decltype(ic)::value;
         for (int r = 0; r < 2; ++r) {
           __m256i lo, hi;
-          avx2_line<T>(grp, i, r, lo, hi);
+          avx2_line<T, i>(grp, r, lo, hi);
           for (int m = 0; m < MR; ++m) {
             __m256i pairs;
             if constexpr (L.lines == 8) {
@@ -380,7 +411,7 @@ void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
             dot[m][r] = _mm256_add_epi32(dot[m][r], _mm256_madd_epi16(pairs, ones));
           }
         }
-      }
+      });
       for (int r = 0; r < 2; ++r) {
         __m256 d, c;
         avx2_scales<T>(rec, g, h, r, d, c);
@@ -391,7 +422,7 @@ void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
           acc[m][r] = _mm256_fmadd_ps(c, _mm256_set1_ps(offset_sum<T>(a, xb, h)), acc[m][r]);
         }
       }
-    }
+    });
   }
   const int64_t n0 = tile * kTileRows, valid = std::min(kTileRows, a.N - n0);
   for (int m = 0; m < MR; ++m) {
