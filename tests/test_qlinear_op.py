@@ -12,8 +12,9 @@ from pyengine.ops.qlinear import QUANT_TYPES, QuantLinear
 
 PATHS = _C.qlinear_isas().split(",")
 K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
-# the fp16 fields of a K-quant block: (d, dmin) at bytes 0, 2 (Q4_K, Q5_K); d at byte 208 (Q6_K)
-FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# the types made of random bits, and their blocks' fp16 fields: (d, dmin) at bytes 0, 2 (Q4_K, Q5_K); d at
+# byte 208 (Q6_K), at byte 0 (IQ4_NL, IQ4_XS)
+FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 @pytest.fixture(params=PATHS)
@@ -25,18 +26,20 @@ def path(request):
 
 
 def quantized_weight(type_name: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
-    """(GGUF blocks [n, row bytes], their fp32 dequantization [n, k]). K-quants: random bits (every
-    pattern of the packed 6-bit scales and high bits) with finite scales, half the rows written by
-    kquants' quantizer."""
+    """(GGUF blocks [n, row bytes], their fp32 dequantization [n, k]). K-quants and IQ4 types: random
+    bits (every pattern of the packed 6-bit scales and high bits) with finite scales; K-quants: half the
+    rows written by kquants' quantizer."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02).astype(np.float32)
     qtype = GGMLQuantizationType[type_name]
-    if type_name in K_QUANTS:
-        blocks = rng.integers(0, 256, size=(n, k // 256, QUANT_TYPES[type_name][2]), dtype=np.uint8)
+    if type_name in FP16_FIELDS:
+        _, values, block_bytes = QUANT_TYPES[type_name]
+        blocks = rng.integers(0, 256, size=(n, k // values, block_bytes), dtype=np.uint8)
         for off in FP16_FIELDS[type_name]:
-            blocks[..., off : off + 2] = (rng.random((n, k // 256, 1)) * 1e-3).astype(np.float16).view(np.uint8)
+            blocks[..., off : off + 2] = (rng.random((n, k // values, 1)) * 1e-3).astype(np.float16).view(np.uint8)
         blocks = blocks.reshape(n, -1)
-        blocks[::2] = quantize_k(w[::2], type_name)
+        if type_name in K_QUANTS:
+            blocks[::2] = quantize_k(w[::2], type_name)
     else:
         blocks = quants.quantize(w, qtype)
     return blocks, torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float32).reshape(n, k))
@@ -44,7 +47,7 @@ def quantized_weight(type_name: str, n: int, k: int, seed: int) -> tuple[np.ndar
 
 def shapes(type_name: str) -> list[tuple[int, int]]:
     """(N, K) cases: odd row counts (partial tiles), K of one and of many blocks."""
-    if type_name in K_QUANTS:
+    if QUANT_TYPES[type_name][1] == 256:
         return [(1, 256), (17, 512), (50, 768)]
     return [(1, 32), (17, 96), (50, 800), (40, 576)]
 
@@ -130,7 +133,7 @@ def test_resident_bytes_are_the_file_bytes(type_name):
     blocks, _ = quantized_weight(type_name, 64, 512, seed=1)
     ratio = QuantLinear(blocks, type_name).nbytes / blocks.nbytes  # 16-row tiles: no padding here
     # the K-quants' 12 bytes of packed 6-bit scales take 16 spread to bytes
-    assert ratio == {"Q4_K": 148 / 144, "Q5_K": 180 / 176}.get(type_name, 1.0)
+    assert ratio == {"Q4_K": 148 / 144, "Q5_K": 180 / 176, "IQ4_XS": 138 / 136}.get(type_name, 1.0)
 
 
 def test_bad_input_is_named():

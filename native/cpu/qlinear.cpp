@@ -1,4 +1,4 @@
-// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K):
+// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS):
 // out[M, N] = x[M, K] @ W[N, K]^T (+ bias).
 //
 // The weight stays quantized, repacked once at load into 16-row tiles (ggml_blocks.h), so decode
@@ -83,7 +83,8 @@ struct QArgs {
 // Bytes of one tile's records.
 inline int64_t tile_stride(const Layout& L, int64_t KB) { return KB / L.groups() * L.record_bytes(); }
 
-// Stored unsigned value k (0..31) of row j in a group, for the scalar paths.
+// Stored unsigned value k (0..31) of row j in a group, for the scalar paths (the IQ4 types: the signed
+// level, their group_scale has c = 0).
 template <int T>
 inline int group_value(const uint8_t* grp, int64_t j, int64_t k) {
   constexpr Layout L = layout(T);
@@ -94,6 +95,7 @@ inline int group_value(const uint8_t* grp, int64_t j, int64_t k) {
   int u = high ? byte >> 4 : byte & 0x0F;
   if constexpr (L.high_lines == 1) u |= ((grp[256 + 4 * j + t] >> (2 * i + high)) & 1) << 4;
   if constexpr (L.high_lines == 2) u |= ((grp[256 + 64 * (i / 2) + 4 * j + t] >> (4 * (i % 2) + 2 * high)) & 3) << 4;
+  if constexpr (L.lookup) return ggml::kIq4nl[u];
   return u;
 }
 
@@ -114,6 +116,10 @@ inline Scale group_scale(const uint8_t* rec, int64_t j, int64_t g, int h) {
     return {d, -32.0f * d};
   } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
     return {f16(0), f16(32)};
+  } else if constexpr (T == ggml::kIQ4_XS) {
+    return {f16(0) * static_cast<float>(static_cast<int8_t>(s[32 + 16 * g + j])), 0.0f};
+  } else if constexpr (T == ggml::kIQ4_NL) {
+    return {f16(0), 0.0f};
   } else {
     const float d = f16(0);
     return {d, (T == ggml::kQ8_0 ? -128.0f : T == ggml::kQ5_0 ? -16.0f : -8.0f) * d};
@@ -190,7 +196,14 @@ inline void vnni_line(const uint8_t* grp, __m512i& lo, __m512i& hi) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   lo = _mm512_and_si512(raw, low4);
   hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-  if constexpr (L.high_lines == 1) {  // bit 2I (2I + 1) of the byte -> bit 4
+  if constexpr (L.lookup) {  // kIq4nl + 128, in each 128-bit lane
+    const __m512i table = _mm512_broadcast_i32x4(_mm_set_epi8(
+        static_cast<char>(241), static_cast<char>(217), static_cast<char>(197), static_cast<char>(181),
+        static_cast<char>(166), static_cast<char>(153), static_cast<char>(141), static_cast<char>(129), 118, 106,
+        93, 79, 63, 45, 24, 1));
+    lo = _mm512_shuffle_epi8(table, lo);
+    hi = _mm512_shuffle_epi8(table, hi);
+  } else if constexpr (L.high_lines == 1) {  // bit 2I (2I + 1) of the byte -> bit 4
     const __m512i bit4 = _mm512_set1_epi8(0x10), hb = _mm512_loadu_si512(grp + 256);
     lo = _mm512_ternarylogic_epi32(lo, shift16<4 - 2 * I>(hb), bit4, 0xF8);
     hi = _mm512_ternarylogic_epi32(hi, shift16<3 - 2 * I>(hb), bit4, 0xF8);
@@ -219,9 +232,12 @@ inline void vnni_scales(const uint8_t* rec, int64_t g, int h, __m512& d, __m512&
   } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
     d = f16(0);
     c = f16(32);
+  } else if constexpr (T == ggml::kIQ4_XS) {
+    d = _mm512_mul_ps(f16(0), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(32 + 16 * g))));
+    c = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
   } else {
     d = f16(0);
-    c = _mm512_mul_ps(d, _mm512_set1_ps(T == ggml::kQ8_0 ? -128.0f : T == ggml::kQ5_0 ? -16.0f : -8.0f));
+    c = _mm512_mul_ps(d, _mm512_set1_ps(T == ggml::kQ8_0 || L.lookup ? -128.0f : T == ggml::kQ5_0 ? -16.0f : -8.0f));
   }
 }
 
@@ -332,7 +348,11 @@ inline void avx2_line(const uint8_t* grp, int r, __m256i& lo, __m256i& hi) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   lo = _mm256_and_si256(raw, low4);
   hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-  if constexpr (L.high_lines == 1) {
+  if constexpr (L.lookup) {  // the signed levels, for the sign trick
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ggml::kIq4nl)));
+    lo = _mm256_shuffle_epi8(table, lo);
+    hi = _mm256_shuffle_epi8(table, hi);
+  } else if constexpr (L.high_lines == 1) {
     const __m256i bit4 = _mm256_set1_epi8(0x10);
     const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 256 + 32 * r));
     lo = _mm256_or_si256(lo, _mm256_and_si256(shift16<4 - 2 * I>(hb), bit4));
@@ -346,7 +366,8 @@ inline void avx2_line(const uint8_t* grp, int r, __m256i& lo, __m256i& hi) {
   }
 }
 
-// As vnni_scales, for rows 8r .. 8r + 7; Q8_0's offset is 0 (its dot products are on signed values).
+// As vnni_scales, for rows 8r .. 8r + 7; Q8_0's and the IQ4 types' offset is 0 (their dot products are on
+// signed values).
 template <int T>
 inline void avx2_scales(const uint8_t* rec, int64_t g, int h, int r, __m256& d, __m256& c) {
   constexpr Layout L = layout(T);
@@ -363,7 +384,10 @@ inline void avx2_scales(const uint8_t* rec, int64_t g, int h, int r, __m256& d, 
   } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
     d = f16(0);
     c = f16(32);
-  } else if constexpr (T == ggml::kQ8_0) {
+  } else if constexpr (T == ggml::kIQ4_XS) {
+    d = _mm256_mul_ps(f16(0), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(32 + 16 * g))));
+    c = _mm256_setzero_ps();
+  } else if constexpr (T == ggml::kQ8_0 || L.lookup) {
     d = f16(0);
     c = _mm256_setzero_ps();
   } else {
@@ -374,7 +398,7 @@ inline void avx2_scales(const uint8_t* rec, int64_t g, int h, int r, __m256& d, 
 
 // Rows [r0, r0 + MR) x one tile. vpmaddubsw sums two u8 x s8 products in int16: at most 2 * 63 * 127
 // per nibble line (a low and a high line's pairs added: 32004 for Q6_K) fits; Q8_0 runs on |q| and
-// sign(q) x (2 * 128 * 127), as llama.cpp does.
+// sign(q) x (2 * 128 * 127), as llama.cpp does, and so do the IQ4 types' signed levels.
 template <int T, int MR>
 void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
   constexpr Layout L = layout(T);
@@ -404,6 +428,11 @@ void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
             if constexpr (L.lines == 8) {
               const __m256i xv = _mm256_set1_epi32(xw[m][i]);
               pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(xv, lo));
+            } else if constexpr (L.lookup) {  // two signed lines: each pair sum up to 2 * 127 * 127 alone
+              const __m256i xl = _mm256_set1_epi32(xw[m][2 * i]), xh = _mm256_set1_epi32(xw[m][2 * i + 1]);
+              dot[m][r] = _mm256_add_epi32(
+                  dot[m][r], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(xl, lo)), ones));
+              pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(xh, hi));
             } else {
               pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xw[m][2 * i])),
                                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xw[m][2 * i + 1])));
@@ -505,7 +534,7 @@ void check_type(int type, const char* who) {
   if (!ggml::supported(type))
     throw std::invalid_argument(std::string(who) + ": GGML type " + std::to_string(type) +
                                 " has no native kernel (supported: Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, "
-                                "Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
+                                "Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23)");
 }
 
 void check_k(int type, int64_t K, const char* who) {
@@ -525,7 +554,9 @@ void dispatch(int type, F&& f) {
     case ggml::kQ5_1: f(std::integral_constant<int, ggml::kQ5_1>{}); break;
     case ggml::kQ4_K: f(std::integral_constant<int, ggml::kQ4_K>{}); break;
     case ggml::kQ5_K: f(std::integral_constant<int, ggml::kQ5_K>{}); break;
-    default: f(std::integral_constant<int, ggml::kQ6_K>{}); break;
+    case ggml::kQ6_K: f(std::integral_constant<int, ggml::kQ6_K>{}); break;
+    case ggml::kIQ4_NL: f(std::integral_constant<int, ggml::kIQ4_NL>{}); break;
+    default: f(std::integral_constant<int, ggml::kIQ4_XS>{}); break;
   }
 }
 
@@ -550,6 +581,20 @@ void unpack_block(int type, const uint8_t* blk, int64_t j, uint8_t* u, uint8_t* 
     case ggml::kQ4_1: f16(0, blk); f16(32, blk + 2); nibbles(blk + 4); break;
     case ggml::kQ5_0: f16(0, blk); nibbles(blk + 6); fifth_bits(blk + 2); break;
     case ggml::kQ5_1: f16(0, blk); f16(32, blk + 2); nibbles(blk + 8); fifth_bits(blk + 4); break;
+    case ggml::kIQ4_NL: f16(0, blk); nibbles(blk + 2); break;
+    case ggml::kIQ4_XS: {
+      f16(0, blk);
+      const int high = blk[2] | blk[3] << 8;  // scales_h: 2 bits a sub-block
+      for (int64_t g = 0; g < 8; ++g) {
+        const int ls = ((blk[4 + g / 2] >> (4 * (g % 2))) & 0x0F) | ((high >> (2 * g)) & 3) << 4;
+        s[32 + 16 * g + j] = static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
+        for (int64_t k = 0; k < 32; ++k) {
+          const uint8_t byte = blk[8 + 16 * g + k % 16];
+          u[32 * g + k] = k < 16 ? byte & 0x0F : byte >> 4;
+        }
+      }
+      break;
+    }
     case ggml::kQ4_K:
     case ggml::kQ5_K: {
       f16(0, blk);
@@ -568,7 +613,7 @@ void unpack_block(int type, const uint8_t* blk, int64_t j, uint8_t* u, uint8_t* 
         }
       break;
     }
-    default: {  // Q6_K
+    case ggml::kQ6_K: {
       f16(0, blk + 208);
       for (int64_t sub = 0; sub < 16; ++sub) s[32 + 16 * sub + j] = blk[192 + sub];
       for (int64_t n = 0; n < 2; ++n) {

@@ -47,8 +47,10 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
 }
 # llama.cpp's Gemma 27B models scale attention by (hidden / heads)^-1/2, not head_dim^-1/2 (by layer count)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
-               14: "Q6_K", 30: "BF16"}
+_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
+               12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS", 30: "BF16"}
+# read through the `gguf` package's numpy dequantizer (no torch path here, no native kernel for Q2_K/Q3_K)
+_GGUF_DEQUANTIZED = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 _LAYER_NAMES = {
@@ -119,6 +121,10 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
         return data.view(torch.float16).reshape(shape).clone()  # own memory, not the read-only map
     if type_name == "BF16":
         return data.view(torch.uint8).view(torch.bfloat16).reshape(shape).clone()
+    if type_name in _GGUF_DEQUANTIZED:
+        from gguf import GGMLQuantizationType, quants
+
+        return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32)).reshape(shape)
     blocks = data.view(torch.uint8).reshape(-1, _BLOCK_BYTES[type_name])
     if type_name == "Q8_0":
         values = _half(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).view(-1, 2, 16)
@@ -184,7 +190,8 @@ _NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<
 _STRING, _ARRAY = 8, 9
 # type id -> (values per block, bytes per block) for the types we read
 _TYPE_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-               12: (256, 144), 13: (256, 176), 14: (256, 210)}
+               10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 20: (32, 18),
+               23: (256, 136)}
 
 
 class TensorInfo(NamedTuple):

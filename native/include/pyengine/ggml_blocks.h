@@ -10,6 +10,9 @@
 //        (bytes 32i..32i+31: low nibbles = sub-block 2i, high = 2i + 1)    sub-block s: d sc_s q - dmin m_s
 //   Q5_K (256, 176): as Q4_K with 32 bytes qh (bit s of byte l: value l of sub-block s) before the nibbles
 //   Q6_K (256, 210): ql[128], qh[64], int8 sc[16] (sub-blocks of 16), fp16 d    d * sc * (q - 32)
+//   IQ4_NL (32, 18): as Q4_0                                                    d * kIq4nl[q]
+//   IQ4_XS (256, 136): fp16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes: 16 a sub-block of 32 as
+//        Q4_0's                               sub-block s: d * (ls_s - 32) * kIq4nl[q], ls 6 bits
 //
 // Tiled layout (qlinear.cpp): rows in tiles of 16 (zero rows pad the last tile); per (tile, GGUF
 // block) one contiguous record, a tile's records after each other, tiles after each other:
@@ -25,15 +28,17 @@
 //   scales, each field an array over the tile's 16 rows:
 //     Q8_0, Q4_0, Q5_0: fp16 d[16];  Q4_1, Q5_1: fp16 d[16], fp16 m[16]
 //     Q4_K, Q5_K: fp16 d[16], fp16 dmin[16], uint8 sc[8][16], uint8 m[8][16] (the 6-bit pairs unpacked)
-//     Q6_K: fp16 d[16], int8 sc[16][16]
+//     Q6_K: fp16 d[16], int8 sc[16][16];  IQ4_NL: fp16 d[16];  IQ4_XS: fp16 d[16], int8 ls - 32 [8][16]
 // A record holds the GGUF blocks' bits for 16 rows, the K-quants' packed 6-bit scales spread to bytes
-// (Q4_K 148, Q5_K 180 bytes a row for 144 / 176): resident weights stay within 1.03x the file's.
+// (Q4_K 148, Q5_K 180, IQ4_XS 138 bytes a row for 144 / 176 / 136): resident weights stay within
+// 1.03x the file's. The IQ4 types keep their 4-bit table indices; the kernels look the values up.
 //
 // Every 32-value group (or, for Q6_K, each 16-value half) of row j then has a scale d and an offset c
 // with value = d * u + c for the stored unsigned value u, so its dot product against int8
 // activations xq (scale dx, s = sum of xq) is  dx * (d * sum(u * xq) + c * s), with
 //   c = -128 d (Q8_0), -8 d (Q4_0), -16 d (Q5_0), m (Q4_1, Q5_1), -dmin m_s (Q4_K, Q5_K), -32 d (Q6_K)
-// and d = d sc_s for the K-quants.
+// and d = d sc_s for the K-quants; the IQ4 types' u is kIq4nl[q] + 128 (c = -128 d), or kIq4nl[q]
+// itself (c = 0) where a path multiplies signed values.
 #pragma once
 
 #include <cstdint>
@@ -41,7 +46,12 @@
 namespace pyengine::ggml {
 
 // GGML type ids (the GGUF tensor type field).
-enum Type : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum Type : int {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
+};
+
+// The IQ4 types' non-linear 16 levels (llama.cpp's kvalues_iq4nl).
+constexpr int8_t kIq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 constexpr int64_t kBlock = 32;  // values per group (and per activation block)
 constexpr int64_t kTileRows = 16;
@@ -53,6 +63,7 @@ struct Layout {
   int high_lines;       // 0, 1 (Q5 types) or 2 (Q6_K)
   int halves;           // scales per group: 2 for Q6_K's 16-value sub-blocks, else 1
   int64_t scale_bytes;  // per record, after its groups
+  bool lookup = false;  // 4-bit indices into kIq4nl (the IQ4 types)
 
   constexpr int64_t groups() const { return values / kBlock; }
   constexpr int64_t group_bytes() const { return 64 * (lines + high_lines); }
@@ -70,6 +81,8 @@ constexpr Layout layout(int type) {
     case kQ4_K: return {256, 144, 4, 0, 1, 320};
     case kQ5_K: return {256, 176, 4, 1, 1, 320};
     case kQ6_K: return {256, 210, 4, 2, 2, 288};
+    case kIQ4_NL: return {32, 18, 4, 0, 1, 32, true};
+    case kIQ4_XS: return {256, 136, 4, 0, 1, 160, true};
     default: return {0, 0, 0, 0, 0, 0};
   }
 }
