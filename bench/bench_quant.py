@@ -7,7 +7,7 @@ prompt, 128 generated), a 64 x 128 generate (64 requests of 128 greedy tokens; o
 process RSS before and after loading (each configuration runs in a fresh subprocess, alternating A/B,
 `--repeats` times; figures are min..max over repeats).
 
-    python bench/bench_quant.py [--threads 2] [--repeats 2]
+    python bench/bench_quant.py [--threads 2] [--repeats 2] [--files Q4_1,Q8_0,Q4_K_M]
 """
 from __future__ import annotations
 
@@ -87,6 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--files", default="Q4_1,Q8_0,Q4_K_M", help="comma-separated subset of Q4_1,Q8_0,Q4_K_M")
     ap.add_argument("--one", nargs=2, metavar=("PATH", "WEIGHTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -94,7 +95,8 @@ def main() -> None:
         return
     folder, name = default_gguf()
     q4 = os.path.join(folder, name)
-    files = {"Q4_1": q4, "Q8_0": requantized(q4, "Q8_0"), "Q4_K_M": requantized(q4, "Q4_K_M")}
+    kinds = args.files.split(",")
+    files = {kind: q4 if kind == "Q4_1" else requantized(q4, kind) for kind in kinds}
     results: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeats):
         for kind, path in files.items():
