@@ -41,7 +41,8 @@ def tool(build: str, name: str) -> str:
 
 
 def llama_q4_k_m(build: str, src: str) -> str:
-    dst = os.path.join(tempfile.gettempdir(), "pyengine-bench-llamacpp-" + os.path.basename(src).replace("Q4_1", "Q4_K_M"))
+    name = os.path.basename(src).replace("Q4_1", "Q4_K_M")
+    dst = os.path.join(tempfile.gettempdir(), "pyengine-bench-llamacpp-" + name)
     if not os.path.exists(dst):
         subprocess.run([tool(build, "llama-quantize"), "--allow-requantize", src, dst + ".part", "Q4_K_M"],
                        check=True, capture_output=True)
@@ -84,7 +85,8 @@ def main() -> None:
                          ours["gen64"], llama_streams(args.build, path, args.threads)))
     print(f"\n{args.threads} threads; batch 1: prompt {PROMPT}, {GEN} tokens; {STREAMS} streams: "
           f"prompt {STREAM_PROMPT}, {GEN} tokens each (pyengine: whole generate; llama.cpp: S_TG)")
-    print(f"{'file':7s} {'ours b1':>8s} {'llama b1':>9s} {'ratio':>6s} {'ours x64':>9s} {'llama x64':>10s} {'ratio':>6s}")
+    print(f"{'file':7s} {'ours b1':>8s} {'llama b1':>9s} {'ratio':>6s} {'ours x64':>9s} {'llama x64':>10s} "
+          f"{'ratio':>6s}")
     for kind, d, ld, g, lg in rows:
         print(f"{kind:7s} {d:8.1f} {ld:9.1f} {d / ld:5.2f}x {g:9.1f} {lg:10.1f} {g / lg:5.2f}x")
 

@@ -2,8 +2,8 @@
 
 The default model's Q4_1 file and its Q8_0 and Q4_K_M requantizations (written here with the `gguf`
 package's reference quantizer and pyengine.model.kquants, cached in the temp dir; on this model's rows
-of 576 values Q4_K_M is mostly llama.cpp's Q5_0 / Q8_0 fallbacks, Q4_K / Q6_K only in ffn_down). Per (file, weights): batch-1 decode tok/s (128-token
-prompt, 128 generated), a 64 x 128 generate (64 requests of 128 greedy tokens; output tok/s), and the
+of 576 values Q4_K_M is mostly llama.cpp's Q5_0 / Q8_0 fallbacks, Q4_K / Q6_K only in ffn_down).
+Per (file, weights): batch-1 decode tok/s (128-token prompt, 128 generated), a 64 x 128 generate (64 requests of 128 greedy tokens; output tok/s), and the
 process RSS before and after loading (each configuration runs in a fresh subprocess, alternating A/B,
 `--repeats` times; figures are min..max over repeats).
 

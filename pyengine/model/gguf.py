@@ -124,7 +124,8 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
     if type_name in _GGUF_DEQUANTIZED:
         from gguf import GGMLQuantizationType, quants
 
-        return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32)).reshape(shape)
+        values = quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32)
+        return torch.from_numpy(values).reshape(shape)
     blocks = data.view(torch.uint8).reshape(-1, _BLOCK_BYTES[type_name])
     if type_name == "Q8_0":
         values = _half(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).view(-1, 2, 16)
