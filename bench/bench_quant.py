@@ -1,12 +1,13 @@
 """Quantized weights (weights="auto") vs the bf16 path (weights="dequantize"), same run, same threads.
 
-The default model's Q4_1 file and a Q8_0 requantization of it (written here with the `gguf` package's
-reference quantizer, cached next to the temp dir). Per (file, weights): batch-1 decode tok/s (128-token
-prompt, 128 generated), a 64 x 128 generate (64 requests of 128 greedy tokens; output tok/s), and the
+The default model's Q4_1 file and its Q8_0 and Q4_K_M requantizations (written here with the `gguf`
+package's reference quantizer and pyengine.model.kquants, cached in the temp dir; on this model's rows
+of 576 values Q4_K_M is mostly llama.cpp's Q5_0 / Q8_0 fallbacks, Q4_K / Q6_K only in ffn_down).
+Per (file, weights): batch-1 decode tok/s (128-token prompt, 128 generated), a 64 x 128 generate (64 requests of 128 greedy tokens; output tok/s), and the
 process RSS before and after loading (each configuration runs in a fresh subprocess, alternating A/B,
 `--repeats` times; figures are min..max over repeats).
 
-    python bench/bench_quant.py [--threads 2] [--repeats 2]
+    python bench/bench_quant.py [--threads 2] [--repeats 2] [--files Q4_1,Q8_0,Q4_K_M]
 """
 from __future__ import annotations
 
@@ -53,13 +54,25 @@ def one(path: str, weights: str, threads: int) -> dict:
             "weights_mib": llm.engine.model.weight_bytes() / 2**20}
 
 
-def q8_file(src: str) -> str:
+def measure(path: str, weights: str, threads: int) -> dict:
+    """one() in a fresh subprocess (its RSS is the model's alone)."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), "--threads", str(threads), "--one", path, weights],
+                         capture_output=True, text=True, cwd=ROOT, env=env)
+    line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"{path} {weights} failed:\n{run.stderr[-3000:]}")
+    return json.loads(line[7:])
+
+
+def requantized(src: str, type_name: str) -> str:
+    """`src` requantized to `type_name` (pyengine.model.gguf.requantize), cached in the temp dir."""
     from pyengine.model.gguf import requantize
 
-    dst = os.path.join(tempfile.gettempdir(), "pyengine-bench-" + os.path.basename(src).replace("Q4_1", "Q8_0"))
+    dst = os.path.join(tempfile.gettempdir(), "pyengine-bench-" + os.path.basename(src).replace("Q4_1", type_name))
     if not os.path.exists(dst):
-        print(f"writing {dst} (Q8_0 requantization of {os.path.basename(src)})", flush=True)
-        requantize(src, dst + ".part", "Q8_0")
+        print(f"writing {dst} ({type_name} requantization of {os.path.basename(src)})", flush=True)
+        requantize(src, dst + ".part", type_name)
         os.replace(dst + ".part", dst)
     return dst
 
@@ -74,6 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--files", default="Q4_1,Q8_0,Q4_K_M", help="comma-separated subset of Q4_1,Q8_0,Q4_K_M")
     ap.add_argument("--one", nargs=2, metavar=("PATH", "WEIGHTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -81,25 +95,20 @@ def main() -> None:
         return
     folder, name = default_gguf()
     q4 = os.path.join(folder, name)
-    files = {"Q4_1": q4, "Q8_0": q8_file(q4)}
+    kinds = args.files.split(",")
+    files = {kind: q4 if kind == "Q4_1" else requantized(q4, kind) for kind in kinds}
     results: dict[tuple[str, str], list[dict]] = {}
-    env = {**os.environ, "PYTHONPATH": ROOT}
     for _ in range(args.repeats):
         for kind, path in files.items():
             for weights in ("dequantize", "auto"):  # A/B back to back
-                run = subprocess.run([sys.executable, __file__, "--threads", str(args.threads), "--one", path, weights],
-                                     capture_output=True, text=True, cwd=ROOT, env=env)
-                line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if line is None:
-                    sys.exit(f"{kind} {weights} failed:\n{run.stderr[-3000:]}")
-                results.setdefault((kind, weights), []).append(json.loads(line[7:]))
+                results.setdefault((kind, weights), []).append(measure(path, weights, args.threads))
     span = lambda xs, f="{:.1f}": f"{f.format(min(xs))}..{f.format(max(xs))}"  # noqa: E731
     print(f"\n{args.threads} threads, {args.repeats} repeats; decode: batch 1, prompt {PROMPT}, {GEN} tokens; "
           f"gen64: {STREAMS} x {GEN} tokens (output tok/s); KV cache {KV_BYTES >> 20} MiB")
-    print(f"{'file':5s} {'weights':10s} {'decode tok/s':>14s} {'gen64 tok/s':>14s} {'weights MiB':>11s} "
+    print(f"{'file':6s} {'weights':10s} {'decode tok/s':>14s} {'gen64 tok/s':>14s} {'weights MiB':>11s} "
           f"{'RSS load MiB':>13s} {'RSS MiB':>9s}")
     for (kind, weights), rs in results.items():
-        print(f"{kind:5s} {weights:10s} {span([r['decode'] for r in rs]):>14s} {span([r['gen64'] for r in rs]):>14s} "
+        print(f"{kind:6s} {weights:10s} {span([r['decode'] for r in rs]):>14s} {span([r['gen64'] for r in rs]):>14s} "
               f"{rs[0]['weights_mib']:11.1f} "
               f"{span([(r['rss_after_load'] - r['rss_before']) / 2**20 for r in rs], '{:.0f}'):>13s} "
               f"{span([r['rss_after_load'] / 2**20 for r in rs], '{:.0f}'):>9s}")

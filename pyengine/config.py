@@ -67,8 +67,8 @@ class EngineConfig:
 
     model: str | None = None  # HF folder or .gguf file; None = the bundled default model
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
-    # "auto": GGUF Q8_0/Q4_0/Q4_1 tensors stay quantized on the CPU (native int8 kernels), other types
-    # are dequantized to dtype; "dequantize": every tensor is dequantized to dtype at load
+    # "auto": GGUF Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K tensors stay quantized on the CPU (native int8
+    # kernels), other types are dequantized to dtype; "dequantize": every tensor is dequantized at load
     weights: str = "auto"
     device: str = "cpu"  # "cpu" | "cuda"
     max_model_len: int | None = None  # None = the model's max_position_embeddings

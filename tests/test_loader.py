@@ -142,18 +142,18 @@ def test_unknown_architecture(tiny_llama, tmp_path):
 
 
 def test_unsupported_gguf_type(tmp_path):
-    path = str(tmp_path / "q2k.gguf")
+    path = str(tmp_path / "iq2.gguf")
     w = gguf.GGUFWriter(path, "llama")
     for key, value in [("block_count", 1), ("embedding_length", 256), ("feed_forward_length", 256),
                        ("attention.head_count", 4)]:
         w.add_uint32(f"llama.{key}", value)
-    raw = np.zeros((4, 84), np.uint8)  # four rows of one 256-value Q2_K block
-    w.add_tensor("token_embd.weight", raw, raw_shape=list(raw.shape), raw_dtype=QT.Q2_K)
+    raw = np.zeros((4, 66), np.uint8)  # four rows of one 256-value IQ2_XXS block
+    w.add_tensor("token_embd.weight", raw, raw_shape=list(raw.shape), raw_dtype=QT.IQ2_XXS)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match=r"q2k\.gguf.*'token_embd\.weight'.*Q2_K.*not supported"):
+    with pytest.raises(ValueError, match=r"iq2\.gguf.*'token_embd\.weight'.*IQ2_XXS.*not supported"):
         load_model(path, torch.float32, "cpu")
 
 

@@ -1,31 +1,55 @@
 """QuantLinear (native/cpu/qlinear.cpp) against a torch reference on the same numbers: the weight
 dequantized by gguf's numpy dequantizer, the activations rounded to int8 per 32-block as the kernel
-does; every SIMD path of this build (the VNNI one and the portable one)."""
+does; every SIMD path of this build (scalar, AVX2, AVX512-VNNI)."""
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
 from pyengine import _C
+from pyengine.model.kquants import quantize_k
 from pyengine.ops.qlinear import QUANT_TYPES, QuantLinear
 
-PATHS = ["portable"] + (["avx512_vnni"] if _C.qlinear_isa() == "avx512_vnni" else [])
+PATHS = _C.qlinear_isas().split(",")
+K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
+# the types made of random bits, and their blocks' fp16 fields: (d, dmin) at bytes 0, 2 (Q4_K, Q5_K); d at
+# byte 208 (Q6_K), at byte 0 (IQ4_NL, IQ4_XS)
+FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 @pytest.fixture(params=PATHS)
 def path(request):
-    _C.set_qlinear_portable(request.param == "portable")
+    best = _C.qlinear_isa()
+    _C.set_qlinear_isa(request.param)
     yield request.param
-    _C.set_qlinear_portable(False)
+    _C.set_qlinear_isa(best)
 
 
 def quantized_weight(type_name: str, n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
-    """(GGUF blocks [n, row bytes], their fp32 dequantization [n, k])."""
+    """(GGUF blocks [n, row bytes], their fp32 dequantization [n, k]). K-quants and IQ4 types: random
+    bits (every pattern of the packed 6-bit scales and high bits) with finite scales; K-quants: half the
+    rows written by kquants' quantizer."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02).astype(np.float32)
     qtype = GGMLQuantizationType[type_name]
-    blocks = quants.quantize(w, qtype)
-    return blocks, torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float32))
+    if type_name in FP16_FIELDS:
+        _, values, block_bytes = QUANT_TYPES[type_name]
+        blocks = rng.integers(0, 256, size=(n, k // values, block_bytes), dtype=np.uint8)
+        for off in FP16_FIELDS[type_name]:
+            blocks[..., off : off + 2] = (rng.random((n, k // values, 1)) * 1e-3).astype(np.float16).view(np.uint8)
+        blocks = blocks.reshape(n, -1)
+        if type_name in K_QUANTS:
+            blocks[::2] = quantize_k(w[::2], type_name)
+    else:
+        blocks = quants.quantize(w, qtype)
+    return blocks, torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float32).reshape(n, k))
+
+
+def shapes(type_name: str) -> list[tuple[int, int]]:
+    """(N, K) cases: odd row counts (partial tiles), K of one and of many blocks."""
+    if QUANT_TYPES[type_name][1] == 256:
+        return [(1, 256), (17, 512), (50, 768)]
+    return [(1, 32), (17, 96), (50, 800), (40, 576)]
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
@@ -52,12 +76,8 @@ def reference(x, w, bias):
     return out if bias is None else out + bias.to(torch.bfloat16).double()
 
 
-@pytest.mark.parametrize("type_name", list(QUANT_TYPES))
-@pytest.mark.parametrize("n,k", [(1, 32), (17, 96), (50, 800), (40, 576)])
-def test_matches_reference(path, type_name, n, k):
-    blocks, w = quantized_weight(type_name, n, k, seed=n * k)
-    bias = torch.randn(n) * 0.1 if n % 2 else None
-    lin = QuantLinear(blocks, type_name, bias)
+def check_against_reference(lin, w, bias, path):
+    n, k = w.shape
     for m in (1, 2, 3, 5, 8, 9, 17, 70):
         x = torch.randn(m, k, dtype=torch.bfloat16)
         x[0, :32] = 0  # an all-zero block: scale 0
@@ -70,10 +90,27 @@ def test_matches_reference(path, type_name, n, k):
 
 
 @pytest.mark.parametrize("type_name", list(QUANT_TYPES))
+def test_matches_reference(path, type_name):
+    for n, k in shapes(type_name):
+        blocks, w = quantized_weight(type_name, n, k, seed=n * k)
+        bias = torch.randn(n) * 0.1 if n % 2 else None
+        check_against_reference(QuantLinear(blocks, type_name, bias), w, bias, path)
+
+
+def test_row_ranges_of_different_types(path):
+    """A fused projection whose parts differ in type (Q4_K_M's qkv: Q5_0 q/k, a Q8_0 or Q6_K v)."""
+    parts = [quantized_weight(t, n, 512, seed=n) for t, n in (("Q5_0", 24), ("Q8_0", 7), ("Q6_K", 17), ("Q4_K", 3))]
+    bias = torch.randn(51) * 0.1
+    lin = QuantLinear([b for b, _ in parts], ["Q5_0", "Q8_0", "Q6_K", "Q4_K"], bias)
+    assert lin.type_name == "Q5_0+Q8_0+Q6_K+Q4_K" and lin.out_features == 51
+    check_against_reference(lin, torch.cat([w for _, w in parts]), bias, path)
+
+
+@pytest.mark.parametrize("type_name", list(QUANT_TYPES))
 def test_prefill_sized_batch(type_name):
     """M large enough for the row panels (and the threaded activation quantization)."""
-    blocks, w = quantized_weight(type_name, 70, 256, seed=3)
-    x = torch.randn(300, 256, dtype=torch.bfloat16)
+    blocks, w = quantized_weight(type_name, 70, 512, seed=3)
+    x = torch.randn(300, 512, dtype=torch.bfloat16)
     got = QuantLinear(blocks, type_name)(x, out_dtype=torch.float32).double()
     want = reference(x, w, None)
     scale = round_activations(x).abs().double() @ w.abs().double().T
@@ -82,7 +119,7 @@ def test_prefill_sized_batch(type_name):
 
 @pytest.mark.parametrize("type_name", list(QUANT_TYPES))
 def test_embedding_rows_are_the_dequantized_rows(type_name):
-    blocks, w = quantized_weight(type_name, 37, 64, seed=5)
+    blocks, w = quantized_weight(type_name, 37, 256, seed=5)
     lin = QuantLinear(blocks, type_name)
     ids = torch.tensor([0, 36, 17, 17, 5])
     torch.testing.assert_close(lin.embedding(ids, torch.float32), w[ids], rtol=1e-6, atol=1e-7)
@@ -91,17 +128,27 @@ def test_embedding_rows_are_the_dequantized_rows(type_name):
         lin.embedding(torch.tensor([37]), torch.float32)
 
 
-def test_resident_bytes_are_the_file_bytes():
-    blocks, _ = quantized_weight("Q4_1", 64, 576, seed=1)
-    assert QuantLinear(blocks, "Q4_1").nbytes == blocks.nbytes  # 16-row tiles: no padding here
+@pytest.mark.parametrize("type_name", list(QUANT_TYPES))
+def test_resident_bytes_are_the_file_bytes(type_name):
+    blocks, _ = quantized_weight(type_name, 64, 512, seed=1)
+    ratio = QuantLinear(blocks, type_name).nbytes / blocks.nbytes  # 16-row tiles: no padding here
+    # the K-quants' 12 bytes of packed 6-bit scales take 16 spread to bytes
+    assert ratio == {"Q4_K": 148 / 144, "Q5_K": 180 / 176, "IQ4_XS": 138 / 136}.get(type_name, 1.0)
 
 
 def test_bad_input_is_named():
     blocks, _ = quantized_weight("Q8_0", 16, 64, seed=2)
-    with pytest.raises(ValueError, match="no native kernel for GGML type Q4_K"):
+    with pytest.raises(ValueError, match="no native kernel for GGML type Q2_K"):
+        QuantLinear(blocks, "Q2_K")
+    with pytest.raises(ValueError, match="multiple of 144 bytes"):
         QuantLinear(blocks, "Q4_K")
     with pytest.raises(ValueError, match="multiple of 20 bytes"):
         QuantLinear(blocks, "Q4_1")  # Q8_0 rows: 68 bytes
     lin = QuantLinear(blocks, "Q8_0")
     with pytest.raises(ValueError, match="x must have shape"):
         lin(torch.zeros(2, 32, dtype=torch.bfloat16))
+
+
+def test_unknown_simd_path_is_named():
+    with pytest.raises(ValueError, match="SIMD path 'neon' is not in this build"):
+        _C.set_qlinear_isa("neon")

@@ -19,12 +19,13 @@ void register_qlinear_ops(py::module_& m) {
         "GGUF blocks [N, K/32 blocks] -> the tiled layout (ggml_blocks.h) at dst (qpacked_bytes bytes).");
   m.def(
       "qlinear",
-      [](uintptr_t x, int x_dtype, uintptr_t packed, int type, uintptr_t bias, uintptr_t out, int64_t M, int64_t N,
-         int64_t K, int out_dtype, uintptr_t) { c::qlinear(x, x_dtype, packed, type, bias, out, M, N, K, out_dtype); },
-      py::arg("x"), py::arg("x_dtype"), py::arg("packed"), py::arg("type"), py::arg("bias"), py::arg("out"),
+      [](uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K,
+         int out_dtype, uintptr_t) { c::qlinear(x, x_dtype, segments, bias, out, M, N, K, out_dtype); },
+      py::arg("x"), py::arg("x_dtype"), py::arg("segments"), py::arg("bias"), py::arg("out"),
       py::arg("M"), py::arg("N"), py::arg("K"), py::arg("out_dtype"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>(),
-      "out[M, N] = x[M, K] @ W^T + bias; x bf16/fp32, W tiled quantized, bias fp32 [N] or 0, out bf16/fp32.");
+      "out[M, N] = x[M, K] @ W^T + bias; x bf16/fp32, W row ranges of tiled quantized weights (segments: int64\n"
+      "[1 + 3 n] = n, (GGML type, rows, address) each), bias fp32 [N] or 0, out bf16/fp32.");
   m.def(
       "qembedding",
       [](uintptr_t ids, int64_t T, uintptr_t packed, int type, int64_t N, int64_t K, uintptr_t out, int out_dtype,
@@ -32,9 +33,10 @@ void register_qlinear_ops(py::module_& m) {
       py::arg("ids"), py::arg("T"), py::arg("packed"), py::arg("type"), py::arg("N"), py::arg("K"), py::arg("out"),
       py::arg("out_dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
       "out[T, K] = rows ids (int64) of a tiled quantized [N, K] weight, dequantized to bf16/fp32.");
-  m.def("set_qlinear_portable", &c::set_qlinear_portable, py::arg("portable"),
-        "Run the quantized kernels on their portable (scalar) path, for tests of that path.");
-  m.def("qlinear_isa", &c::qlinear_isa, "The SIMD path of the quantized kernels: avx512_vnni or scalar.");
+  m.def("set_qlinear_isa", &c::set_qlinear_isa, py::arg("name"),
+        "Run the quantized kernels on one SIMD path of this build (qlinear_isas), for tests of each path.");
+  m.def("qlinear_isa", &c::qlinear_isa, "The SIMD path the quantized kernels run on now.");
+  m.def("qlinear_isas", &c::qlinear_isas, "The SIMD paths of this build, comma-separated, best last.");
 }
 
 }  // namespace

@@ -16,7 +16,7 @@
 // Scratch: qkv [T, (H + 2 KVH) D], attn [T, H D], gate_up [T, 2 I], act [T, I], all bf16.
 // Layer table: int64 [num_layers, kLayerFields], one row of addresses per layer (fields below;
 // 0 for an absent bias or scales). A projection's weight is PackedLinear's bf16 layout (linear.cpp)
-// where its type field is 0, else the GGML type of a QuantLinear's tiled weight (qlinear.cpp).
+// where its type field is 0, else (field 1) a QuantLinear's segment table (qlinear.cpp).
 #include <cstdint>
 
 #include "pyengine/cpu_ops.h"
@@ -30,11 +30,11 @@ enum LayerField : int64_t {
 
 namespace {
 
-// out[M, N] = x[M, K] W^T (+ bias), bf16 in and out; `type` 0: packed bf16, else a GGML type.
+// out[M, N] = x[M, K] W^T (+ bias), bf16 in and out; `type` 0: w is packed bf16, else a segment table.
 void project(uintptr_t x, uintptr_t w, int64_t type, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K) {
   const int bf16 = static_cast<int>(DType::kBFloat16);
   if (type == 0) linear_bf16(x, w, bias, out, M, N, K, bf16);
-  else qlinear(x, bf16, w, static_cast<int>(type), bias, out, M, N, K, bf16);
+  else qlinear(x, bf16, w, bias, out, M, N, K, bf16);
 }
 
 }  // namespace

@@ -14,7 +14,7 @@ Dequantization is vectorised over whole tensors with torch (block layouts from g
         before the nibbles
   Q6_K: 210 bytes: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (sub-blocks
         of 16), fp16 d                                                        -> d * sc * (q - 32)
-`GGUFFile.blocks` hands the raw blocks of Q8_0/Q4_0/Q4_1 tensors to QuantLinear (pyengine/ops/qlinear.py),
+`GGUFFile.blocks` hands the raw blocks of quantized tensors to QuantLinear (pyengine/ops/qlinear.py),
 which keeps them quantized; `requantize` rewrites a file in another type (benchmarks, accuracy tests).
 llama.cpp's converter permutes the Q/K projection rows of `llama` checkpoints (interleaved RoPE
 pairs); `_unpermute` undoes it so the neox-style rotary kernel matches the original model.
@@ -47,8 +47,10 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
 }
 # llama.cpp's Gemma 27B models scale attention by (hidden / heads)^-1/2, not head_dim^-1/2 (by layer count)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
-               14: "Q6_K", 30: "BF16"}
+_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
+               12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS", 30: "BF16"}
+# read through the `gguf` package's numpy dequantizer (no torch path here, no native kernel for Q2_K/Q3_K)
+_GGUF_DEQUANTIZED = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 _LAYER_NAMES = {
@@ -119,6 +121,11 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
         return data.view(torch.float16).reshape(shape).clone()  # own memory, not the read-only map
     if type_name == "BF16":
         return data.view(torch.uint8).view(torch.bfloat16).reshape(shape).clone()
+    if type_name in _GGUF_DEQUANTIZED:
+        from gguf import GGMLQuantizationType, quants
+
+        values = quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32)
+        return torch.from_numpy(values).reshape(shape)
     blocks = data.view(torch.uint8).reshape(-1, _BLOCK_BYTES[type_name])
     if type_name == "Q8_0":
         values = _half(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).view(-1, 2, 16)
@@ -184,7 +191,8 @@ _NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<
 _STRING, _ARRAY = 8, 9
 # type id -> (values per block, bytes per block) for the types we read
 _TYPE_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-               12: (256, 144), 13: (256, 176), 14: (256, 210)}
+               10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 20: (32, 18),
+               23: (256, 136)}
 
 
 class TensorInfo(NamedTuple):
@@ -400,12 +408,15 @@ def open_gguf(path: str) -> GGUFFile:
 
 
 def requantize(src: str, dst: str, type_name: str) -> str:
-    """Write `src` to `dst` with every quantized tensor requantized to `type_name` (e.g. "Q8_0"), through
-    the `gguf` package's reference quantizer; float tensors and the metadata are copied as they are.
-    For benchmarks and accuracy tests on one model in several types."""
+    """Write `src` to `dst` with every quantized tensor requantized to `type_name` (e.g. "Q8_0", "Q6_K"), or
+    to llama.cpp's per-tensor mix for "Q4_K_M" / "Q5_K_M" (pyengine.model.kquants.mix_type); float
+    tensors and the metadata are copied as they are. Through the `gguf` package's reference quantizer,
+    and kquants' for the K-quants (with llama.cpp's fallback type for rows that are not whole
+    super-blocks). For benchmarks and accuracy tests on one model in several types."""
     import gguf
 
-    target = gguf.GGMLQuantizationType[type_name]
+    from pyengine.model.kquants import K_FALLBACK, mix_type, quantize_k
+
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, arch=None)
     for field in reader.fields.values():
@@ -414,15 +425,22 @@ def requantize(src: str, dst: str, type_name: str) -> str:
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
     float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    names = {t.name for t in reader.tensors}
+    n_layers = 1 + max((int(n.split(".")[1]) for n in names if n.startswith("blk.")), default=0)
     for t in reader.tensors:
         shape = [int(x) for x in reversed(t.shape)]  # torch order
         if t.tensor_type in float_types:
             writer.add_tensor(t.name, np.asarray(t.data), raw_shape=list(np.asarray(t.data).shape),
                               raw_dtype=t.tensor_type)
             continue
-        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
-        blocks = gguf.quants.quantize(values.astype(np.float32), target)
-        writer.add_tensor(t.name, blocks, raw_shape=list(blocks.shape), raw_dtype=target)
+        if type_name in ("Q4_K_M", "Q5_K_M"):
+            target = mix_type(type_name, t.name, shape[-1], n_layers, tied="output.weight" not in names)
+        else:
+            target = K_FALLBACK[type_name] if type_name in K_FALLBACK and shape[-1] % 256 else type_name
+        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32)
+        blocks = (quantize_k(values, target) if target in K_FALLBACK
+                  else gguf.quants.quantize(values, gguf.GGMLQuantizationType[target]))
+        writer.add_tensor(t.name, blocks, raw_shape=list(blocks.shape), raw_dtype=gguf.GGMLQuantizationType[target])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

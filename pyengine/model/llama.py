@@ -208,8 +208,10 @@ class LlamaForCausalLM(torch.nn.Module):
 
         def quant(names: list[str], bias: torch.Tensor | None, out_dtype: torch.dtype | None = None):
             """A QuantLinear over the row-concatenated tensors `names`, where they stay quantized."""
-            blocks = quantized(names) if quantized is not None else None
-            return None if blocks is None else QuantLinear(blocks[1], blocks[0], bias, out_dtype=out_dtype or dtype)
+            parts = quantized(names) if quantized is not None else None
+            if parts is None:
+                return None
+            return QuantLinear([b for _, b in parts], [t for t, _ in parts], bias, out_dtype=out_dtype or dtype)
 
         def linear(names: list[str], bias: torch.Tensor | None,
                    fused_name: str | None = None) -> tuple[Linear, torch.Tensor | None]:
@@ -388,7 +390,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 rows.append([ptr(layer.input_norm), *lin.qkv.native_pointers(), *lin.o.native_pointers(),
                              ptr(layer.post_norm), lin.gate_up.native_pointers()[0], lin.down.native_pointers()[0],
                              ptr(c.k), ptr(c.v), ptr(c.k_scales), ptr(c.v_scales),
-                             *(x.type_id if isinstance(x, QuantLinear) else 0 for x in lin)])
+                             *(int(isinstance(x, QuantLinear)) for x in lin)])
             self._layer_table = torch.tensor(rows, dtype=torch.int64)
             self._layer_table_caches = kv_caches
         return self._layer_table

@@ -150,9 +150,9 @@ def _safetensors_getter(folder: str):
 
 
 WEIGHT_MODES = ("auto", "dequantize")
-# HF tensor names -> (GGML type name, uint8 blocks [rows, row bytes] of the row-concatenated tensors),
-# or None where they are not all of one type with a native kernel
-QuantizedGetter = Callable[[list[str]], "tuple[str, torch.Tensor] | None"]
+# HF tensor names -> [(GGML type name, uint8 blocks [rows, row bytes])] of the row-concatenated tensors
+# (runs of one type joined), or None where one of them has no native kernel
+QuantizedGetter = Callable[[list[str]], "list[tuple[str, torch.Tensor]] | None"]
 
 
 def _gguf_getter(path: str, weights: str, formats: Counter):
@@ -170,14 +170,18 @@ def _gguf_getter(path: str, weights: str, formats: Counter):
         formats[gf.type_name(names[key]), "dequantized"] += 1
         return gf.tensor(names[key], cfg)
 
-    def quantized(keys: list[str]) -> tuple[str, torch.Tensor] | None:
-        types = {gf.type_name(names[k]) for k in keys if k in names}
-        if len(types) != 1 or any(k not in names for k in keys) or next(iter(types)) not in QUANT_TYPES:
+    def quantized(keys: list[str]) -> list[tuple[str, torch.Tensor]] | None:
+        if any(k not in names or gf.type_name(names[k]) not in QUANT_TYPES for k in keys):
             return None
-        type_name = types.pop()
-        parts = [gf.blocks(names[k], cfg)[1] for k in keys]
-        formats[type_name, "native"] += len(keys)
-        return type_name, parts[0] if len(parts) == 1 else torch.cat(parts)
+        parts: list[tuple[str, list[torch.Tensor]]] = []
+        for k in keys:
+            type_name, blocks = gf.blocks(names[k], cfg)
+            formats[type_name, "native"] += 1
+            if parts and parts[-1][0] == type_name:
+                parts[-1][1].append(blocks)
+            else:
+                parts.append((type_name, [blocks]))
+        return [(t, b[0] if len(b) == 1 else torch.cat(b)) for t, b in parts]
 
     return cfg, get, (quantized if weights == "auto" else None)
 
@@ -202,8 +206,9 @@ def _log_formats(formats: Counter, dtype: torch.dtype) -> None:
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str, weights: str = "auto"):
     """(ModelConfig, LlamaForCausalLM) from a .gguf file or a HF folder, weights in `dtype` on `device`.
 
-    weights: "auto" keeps GGUF tensors quantized where a native kernel exists (Q8_0, Q4_0, Q4_1, on the
-    CPU with bf16 or fp32 activations) and dequantizes the rest to `dtype`; "dequantize" dequantizes all.
+    weights: "auto" keeps GGUF tensors quantized where a native kernel exists (Q8_0, Q4_0, Q4_1, Q5_0,
+    Q5_1, Q4_K, Q5_K, Q6_K, on the CPU with bf16 or fp32 activations) and dequantizes the rest to
+    `dtype`; "dequantize" dequantizes all.
     """
     from pyengine.model.llama import LlamaForCausalLM
 

@@ -1,12 +1,18 @@
-"""Linear layers and embeddings on GGUF-quantized weights (Q8_0, Q4_0, Q4_1), kept quantized.
+"""Linear layers and embeddings on GGUF-quantized weights, kept quantized.
 
-QuantLinear repacks the file's blocks once into 16-row tiles (native/include/pyengine/ggml_blocks.h)
-and holds only that copy: the GGUF tensor's bytes plus at most 15 padding rows. Calls quantize the
-activations per 32-value block to int8 and run int8 dot products (native/cpu/qlinear.cpp), so a
-decode step streams 4.5-8.5 bits per weight instead of bf16's 16. The same copy serves the embedding
-lookup (rows dequantized on the fly) and, with tied embeddings, the lm_head. CPU only.
+Types with a native kernel: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (32-value blocks) and Q4_K, Q5_K,
+Q6_K, IQ4_XS (256-value super-blocks). QuantLinear repacks the file's blocks once into 16-row tiles
+(native/include/pyengine/ggml_blocks.h) and holds only that copy: the GGUF tensor's bytes (1.01-1.03x
+for Q4_K/Q5_K/IQ4_XS, whose 6-bit scales are spread to bytes) plus at most 15 padding rows. Calls quantize the
+activations per 32-value block to int8 and run int8 dot products (native/cpu/qlinear.cpp), so a decode
+step streams 4.5-8.5 bits per weight instead of bf16's 16. A weight may be row ranges of different
+types (a fused qkv whose v is Q8_0 and q/k Q5_0, as llama.cpp's Q4_K_M mixes them). The same copy
+serves the embedding lookup (rows dequantized on the fly) and, with tied embeddings, the lm_head.
+CPU only.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -14,11 +20,15 @@ import torch
 from pyengine.ops._common import DTYPE_CODES, check_tensor, native
 from pyengine.ops.linear import _check_out_dtype
 
-# GGML type name -> id, for the types with a native kernel
-QUANT_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-BLOCK_BYTES: dict[str, int] = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-BLOCK = 32
+# GGML type name -> (id, values per block, bytes per block), for the types with a native kernel
+QUANT_TYPES: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18),
+    "IQ4_XS": (23, 256, 136),
+}
 ALIGN = 64
+
+Blocks = np.ndarray | torch.Tensor
 
 
 def _aligned_empty(nbytes: int) -> torch.Tensor:
@@ -28,30 +38,49 @@ def _aligned_empty(nbytes: int) -> torch.Tensor:
     return buf[skip : skip + nbytes]
 
 
+def _in_features(blocks: torch.Tensor, type_name: str) -> int:
+    """K of a [rows, row bytes] tensor of `type_name` blocks (a clear error for unsupported or malformed)."""
+    if type_name not in QUANT_TYPES:
+        raise ValueError(f"no native kernel for GGML type {type_name}; supported: {', '.join(QUANT_TYPES)}")
+    check_tensor("blocks", blocks, dtypes=(torch.uint8,), ndim=2, device=torch.device("cpu"))
+    _, values, block_bytes = QUANT_TYPES[type_name]
+    row_bytes = blocks.shape[1]
+    if blocks.shape[0] == 0 or row_bytes == 0 or row_bytes % block_bytes:
+        raise ValueError(f"blocks must be [rows > 0, a multiple of {block_bytes} bytes] for {type_name}, "
+                         f"got {list(blocks.shape)}")
+    return row_bytes // block_bytes * values
+
+
 class QuantLinear:
     """y = x @ W.T + bias for x [M, K] bf16/fp32, W given as GGUF blocks.
 
-    blocks: uint8 [N, K / 32 * block_bytes] (row n's blocks, as in the file); bias [N] or None.
+    blocks: uint8 [N, K / values per block * block bytes] (row n's blocks, as in the file) of GGML type
+    `type_name`; or lists of both, W's row ranges in order (one type each, the same K). bias [N] or None.
     """
 
-    def __init__(self, blocks: np.ndarray | torch.Tensor, type_name: str, bias: torch.Tensor | None = None, *,
-                 out_dtype: torch.dtype = torch.bfloat16) -> None:
-        if type_name not in QUANT_TYPES:
-            raise ValueError(f"no native kernel for GGML type {type_name}; supported: {', '.join(QUANT_TYPES)}")
-        blocks = torch.as_tensor(np.ascontiguousarray(blocks)) if isinstance(blocks, np.ndarray) else blocks
-        check_tensor("blocks", blocks, dtypes=(torch.uint8,), ndim=2, device=torch.device("cpu"))
-        row_bytes = blocks.shape[1]
-        if blocks.shape[0] == 0 or row_bytes == 0 or row_bytes % BLOCK_BYTES[type_name]:
-            raise ValueError(f"blocks must be [rows > 0, a multiple of {BLOCK_BYTES[type_name]} bytes] for "
-                             f"{type_name}, got {list(blocks.shape)}")
-        in_features = row_bytes // BLOCK_BYTES[type_name] * BLOCK
-        self.type_name, self.type_id = type_name, QUANT_TYPES[type_name]
-        self.out_features, self.in_features = blocks.shape[0], in_features
+    def __init__(self, blocks: Blocks | Sequence[Blocks], type_name: str | Sequence[str],
+                 bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.bfloat16) -> None:
+        parts = list(zip(blocks, type_name)) if isinstance(type_name, (list, tuple)) else [(blocks, type_name)]
+        parts = [(torch.as_tensor(np.ascontiguousarray(b)) if isinstance(b, np.ndarray) else b, t) for b, t in parts]
+        ks = {_in_features(b, t) for b, t in parts}
+        if len(ks) != 1:
+            raise ValueError(f"row ranges of different in_features {sorted(ks)}")
+        self.in_features = ks.pop()
+        self.out_features = sum(b.shape[0] for b, _ in parts)
+        self.type_name = "+".join(dict.fromkeys(t for _, t in parts))  # e.g. "Q5_0+Q8_0" for a mixed qkv
+        self.type_id = QUANT_TYPES[parts[0][1]][0]  # of the first range: the embedding's (one range)
         self.out_dtype = _check_out_dtype(out_dtype)
         self.device = torch.device("cpu")
         c = native(self.device)
-        self.packed = _aligned_empty(c.qpacked_bytes(self.type_id, self.out_features, in_features))
-        c.qpack(self.type_id, blocks.data_ptr(), self.out_features, in_features, self.packed.data_ptr())
+        self.tiles: list[torch.Tensor] = []  # per row range: the tiled copy
+        table = [len(parts)]
+        for b, t in parts:
+            type_id, rows = QUANT_TYPES[t][0], b.shape[0]
+            packed = _aligned_empty(c.qpacked_bytes(type_id, rows, self.in_features))
+            c.qpack(type_id, b.data_ptr(), rows, self.in_features, packed.data_ptr())
+            self.tiles.append(packed)
+            table += [type_id, rows, packed.data_ptr()]
+        self.segments = torch.tensor(table, dtype=torch.int64)  # qlinear's segment table
         if bias is not None:
             check_tensor("bias", bias, dtypes=(torch.bfloat16, torch.float16, torch.float32),
                          shape=(self.out_features,), contiguous=False)
@@ -59,12 +88,12 @@ class QuantLinear:
         self.bias = bias
         self.has_bias = bias is not None
         self._kernel, self._embed = c.qlinear, c.qembedding
-        self._packed_ptr = self.packed.data_ptr()
+        self._segments_ptr = self.segments.data_ptr()
         self._bias_ptr = 0 if bias is None else bias.data_ptr()
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + (0 if self.bias is None else self.bias.numel() * 4)
+        return sum(t.numel() for t in self.tiles) + (0 if self.bias is None else self.bias.numel() * 4)
 
     def __call__(self, x: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] bf16/fp32 contiguous -> [M, N] in out_dtype (default: the one given at construction)."""
@@ -75,21 +104,23 @@ class QuantLinear:
         out_dtype = self.out_dtype if out_dtype is None else _check_out_dtype(out_dtype)
         m = x.shape[0]
         out = torch.empty(m, self.out_features, dtype=out_dtype)
-        self._kernel(x.data_ptr(), DTYPE_CODES[x.dtype], self._packed_ptr, self.type_id, self._bias_ptr,
-                     out.data_ptr(), m, self.out_features, self.in_features, DTYPE_CODES[out_dtype], 0)
+        self._kernel(x.data_ptr(), DTYPE_CODES[x.dtype], self._segments_ptr, self._bias_ptr, out.data_ptr(), m,
+                     self.out_features, self.in_features, DTYPE_CODES[out_dtype], 0)
         return out
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` (int64 [T]) of W, dequantized to `dtype` (bf16 or fp32): the embedding lookup."""
+        if len(self.tiles) != 1:
+            raise ValueError(f"embedding lookup on a weight of several row ranges ({self.type_name})")
         check_tensor("ids", ids, dtypes=(torch.int64,), ndim=1, device=self.device)
         out = torch.empty(ids.shape[0], self.in_features, dtype=dtype)
-        self._embed(ids.data_ptr(), ids.shape[0], self._packed_ptr, self.type_id, self.out_features,
+        self._embed(ids.data_ptr(), ids.shape[0], self.tiles[0].data_ptr(), self.type_id, self.out_features,
                     self.in_features, out.data_ptr(), DTYPE_CODES[dtype], 0)
         return out
 
     def native_pointers(self) -> tuple[int, int]:
-        """(tiled weight, fp32 bias or 0) addresses for decoder_layers."""
-        return self._packed_ptr, self._bias_ptr
+        """(segment table, fp32 bias or 0) addresses for decoder_layers."""
+        return self._segments_ptr, self._bias_ptr
 
     def __repr__(self) -> str:
         return (f"QuantLinear({self.type_name}, in_features={self.in_features}, "

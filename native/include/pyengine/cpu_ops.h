@@ -2,6 +2,7 @@
 // chains them (decoder.cpp). Pointers are raw addresses; dtype codes are DType values (dtype.h).
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "pyengine/dtype.h"
 
@@ -34,12 +35,14 @@ void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, i
 // Quantized weights (qlinear.cpp; types and layout in ggml_blocks.h).
 int64_t qpacked_bytes(int type, int64_t N, int64_t K);
 void qpack(int type, uintptr_t src, int64_t N, int64_t K, uintptr_t dst);
-void qlinear(uintptr_t x, int x_dtype, uintptr_t packed, int type, uintptr_t bias, uintptr_t out, int64_t M,
-             int64_t N, int64_t K, int out_dtype);
+// segments: int64 [1 + 3 n] = n, then (GGML type, rows, tiled weight address) per row range of W.
+void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintptr_t out, int64_t M, int64_t N,
+             int64_t K, int out_dtype);
 void qembedding(uintptr_t ids, int64_t T, uintptr_t packed, int type, int64_t N, int64_t K, uintptr_t out,
                 int out_dtype);
-void set_qlinear_portable(bool portable);
-const char* qlinear_isa();
+void set_qlinear_isa(const std::string& name);  // "scalar", "avx2", "avx512_vnni" (where built)
+std::string qlinear_isa();
+std::string qlinear_isas();
 void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t attn, uintptr_t gate_up, uintptr_t act,
                     const int64_t* layers, int64_t num_layers, uintptr_t positions, uintptr_t cos_sin_cache,
                     int64_t max_position, uintptr_t slot_mapping, uintptr_t block_tables, uintptr_t seq_lens,

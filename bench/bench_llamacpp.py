@@ -1,0 +1,95 @@
+"""pyengine vs llama.cpp on the same GGUF files, same run, same threads (never in CI: needs a llama.cpp
+build, given by its build folder).
+
+Files: the default model's Q4_1 file, its Q8_0 requantization (bench_quant.requantized), and a Q4_K_M
+written by llama.cpp's own `llama-quantize --allow-requantize` from the Q4_1 file (so both engines read
+llama.cpp's K-quant choices). Per file:
+  batch 1: decode tok/s, 128 tokens after a 128-token prompt: pyengine (bench_quant.one) vs
+           `llama-bench -p 0 -n 128` (tg128);
+  64 streams: output tok/s of 64 x 128 greedy tokens after 16-token prompts: pyengine's whole generate
+           (prefill included) vs `llama-batched-bench -npp 16 -ntg 128 -npl 64`'s S_TG (decode only,
+           llama.cpp's favour).
+
+    # llama.cpp from the llama-cpp-python sdist (its vendored copy), e.g.:
+    pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
+    cmake -S llama_cpp_python-*/vendor/llama.cpp -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+    cmake --build build -j2 --target llama-quantize llama-bench llama-batched-bench
+    python bench/bench_llamacpp.py build [--threads 2] [--repeats 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from bench_quant import GEN, PROMPT, STREAMS, measure, requantized
+from engine_common import default_gguf
+
+STREAM_PROMPT = 16
+
+
+def tool(build: str, name: str) -> str:
+    for sub in ("bin", ""):
+        path = os.path.join(build, sub, name)
+        if os.path.isfile(path):
+            return path
+    sys.exit(f"no {name} under {build} (build the llama-quantize, llama-bench and llama-batched-bench targets)")
+
+
+def llama_q4_k_m(build: str, src: str) -> str:
+    name = os.path.basename(src).replace("Q4_1", "Q4_K_M")
+    dst = os.path.join(tempfile.gettempdir(), "pyengine-bench-llamacpp-" + name)
+    if not os.path.exists(dst):
+        subprocess.run([tool(build, "llama-quantize"), "--allow-requantize", src, dst + ".part", "Q4_K_M"],
+                       check=True, capture_output=True)
+        os.replace(dst + ".part", dst)
+    return dst
+
+
+def llama_decode(build: str, path: str, threads: int) -> float:
+    """llama-bench tg128 tok/s."""
+    out = subprocess.run([tool(build, "llama-bench"), "-m", path, "-t", str(threads), "-p", "0", "-n", str(GEN),
+                          "-r", "2", "-o", "json"], check=True, capture_output=True, text=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def llama_streams(build: str, path: str, threads: int) -> float:
+    """llama-batched-bench S_TG tok/s at 64 streams."""
+    ctx = STREAMS * (STREAM_PROMPT + GEN) + 256
+    out = subprocess.run([tool(build, "llama-batched-bench"), "-m", path, "-t", str(threads), "-tb", str(threads),
+                          "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(STREAM_PROMPT), "-ntg", str(GEN),
+                          "-npl", str(STREAMS)], check=True, capture_output=True, text=True).stdout
+    rows = [line.split("|") for line in out.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
+    # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    return float(rows[-1][8])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build", help="llama.cpp build folder (with bin/llama-bench ...)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    folder, name = default_gguf()
+    q4 = os.path.join(folder, name)
+    files = {"Q4_1": q4, "Q8_0": requantized(q4, "Q8_0"), "Q4_K_M": llama_q4_k_m(args.build, q4)}
+    rows = []
+    for kind, path in files.items():
+        for _ in range(args.repeats):  # alternating engines, same file
+            ours = measure(path, "auto", args.threads)
+            rows.append((kind, ours["decode"], llama_decode(args.build, path, args.threads),
+                         ours["gen64"], llama_streams(args.build, path, args.threads)))
+    print(f"\n{args.threads} threads; batch 1: prompt {PROMPT}, {GEN} tokens; {STREAMS} streams: "
+          f"prompt {STREAM_PROMPT}, {GEN} tokens each (pyengine: whole generate; llama.cpp: S_TG)")
+    print(f"{'file':7s} {'ours b1':>8s} {'llama b1':>9s} {'ratio':>6s} {'ours x64':>9s} {'llama x64':>10s} "
+          f"{'ratio':>6s}")
+    for kind, d, ld, g, lg in rows:
+        print(f"{kind:7s} {d:8.1f} {ld:9.1f} {d / ld:5.2f}x {g:9.1f} {lg:10.1f} {g / lg:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
