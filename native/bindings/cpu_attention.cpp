@@ -19,9 +19,10 @@
 //     key/value [T, KVH, D] with the given token strides; slot_mapping [T] int64 (-1 = skip);
 //     k_scales/v_scales as above (0 for unquantized caches).
 //
-//   set_prefill_attention_portable(portable) -> None   (CPU only: tests)
-//     Prompts (>= 16 query tokens of a bf16 step) run the prefill kernel's portable loops instead of
-//     its AVX512-BF16 ones (prefill_attention.cpp).
+//   set_prefill_attention_path(name) -> None; prefill_attention_path() -> str   (CPU only)
+//     The prefill kernel's path for prompts (>= 16 query tokens of a bf16 step; native/cpu/
+//     prefill_attention.cpp): "amx", "avx512_bf16" or "portable". set caps it (tests run each path;
+//     default "amx": the best the build and machine have); get names the one that runs.
 //
 //   read_bandwidth(ptr, nbytes, stream) -> int       (CPU only: benchmark probe)
 //     Reads nbytes (a multiple of 64) once with the thread pool; returns a checksum.
@@ -125,8 +126,9 @@ void register_attention_ops(py::module_& m) {
       py::arg("head_dim"), py::arg("key_token_stride"), py::arg("value_token_stride"), py::arg("num_blocks"),
       py::arg("block_size"), py::arg("src_dtype"), py::arg("cache_dtype"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>(), "Write K/V rows into the paged cache at slot_mapping.");
-  m.def("set_prefill_attention_portable", &set_prefill_attention_portable, py::arg("portable"),
-        "Tests: run the prefill attention kernel's portable loops even where AVX512-BF16 ones are built.");
+  m.def("set_prefill_attention_path", &set_prefill_attention_path, py::arg("name"),
+        "Cap the prefill attention kernel's path: amx (default: the best available), avx512_bf16, portable.");
+  m.def("prefill_attention_path", &prefill_attention_path, "The prefill attention kernel's path in use.");
   m.def("read_bandwidth", &read_bandwidth, py::arg("ptr"), py::arg("nbytes"), py::arg("stream") = 0,
         py::call_guard<py::gil_scoped_release>(),
         "Benchmark probe: read nbytes once with the thread pool, return a checksum.");

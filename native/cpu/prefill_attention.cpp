@@ -22,7 +22,7 @@
 //     so each loaded K/V vector feeds kRows dot products and the chunk (8-16 KB) stays in L1 while
 //     all the item's rows pass over it. Probabilities are rounded to bf16 for PV (as flash attention
 //     on GPUs does); scores, sums and accumulators are fp32.
-// Without AVX512_BF16 (or after set_prefill_attention_portable(true)) plain loops over the same
+// Without AVX512_BF16 (or after set_prefill_attention_path("portable")) plain loops over the same
 // packed layout do the same arithmetic in fp32 (the compiler vectorizes them for AVX2).
 #include <algorithm>
 #include <array>
@@ -30,6 +30,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "prefill_attention.h"
@@ -40,6 +42,13 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PYENGINE_PREFILL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__AVX512BF16__)
 // GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -50,12 +59,16 @@ namespace {
 
 constexpr int kChunk = 64;              // kv tokens per online-softmax step: 4 groups of 16
 constexpr int kRows = 6;                // q rows per micro-kernel pass (6 x 4 accumulators)
+constexpr int kAmxRows = 16;            // q rows per AMX pass (a tile's rows)
 constexpr int64_t kItemRows = 96;       // q rows (query tokens x G heads) per work item
 constexpr int64_t kPackTokens = 1024;   // positions per packing task
 constexpr int64_t kPackBudget = 64 << 20;  // bytes of packed K/V per batch of pairs
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
 
-std::atomic<bool> g_portable{false};
+// The kernels a build has, best first; set_prefill_attention_path caps which one runs (tests).
+enum class Path { kAmx, kAvx512Bf16, kPortable };
+std::atomic<Path> g_cap{Path::kAmx};
 
 // One (sequence, kv head)'s packed K/V: positions [lo, lo + n), n a multiple of kChunk.
 struct Packed {
@@ -78,10 +91,11 @@ struct Scratch {
   std::vector<uint16_t> q, p;
   std::vector<float> o, m, l, s;
   void fit(int64_t rows, int64_t D) {
-    if (static_cast<int64_t>(q.size()) < rows * D) q.resize(rows * D), o.resize(rows * D);
-    if (static_cast<int64_t>(m.size()) < rows) m.resize(rows), l.resize(rows);
-    s.resize(kRows * kChunk);
-    p.resize(kRows * kChunk);
+    const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;  // whole AMX tiles of q rows
+    if (static_cast<int64_t>(q.size()) < padded * D) q.resize(padded * D), o.resize(padded * D);
+    if (static_cast<int64_t>(m.size()) < padded) m.resize(padded), l.resize(padded);
+    s.resize(kAmxRows * kChunk);
+    p.resize(kAmxRows * kChunk);
   }
 };
 
@@ -158,7 +172,7 @@ void pack(const AttentionStep& a, const Packed& P, int64_t t0, int64_t t1) {
 // [lo, hi)); returns alpha = exp(m_old - m_new), the factor for the row's accumulator.
 struct RowSoftmax {
   float scale, softcap;
-  const float* ks;
+  const float* ks;  // the chunk's per-token scales, null for a bf16 cache
   const float* vs;
 };
 
@@ -166,7 +180,7 @@ float softmax_row_portable(const RowSoftmax& c, const float* s, int lo, int hi, 
   float x[kChunk];
   float mx = kNegInf;
   for (int t = lo; t < hi; ++t) {
-    float v = s[t] * c.scale * c.ks[t];
+    float v = s[t] * c.scale * (c.ks ? c.ks[t] : 1.0f);
     if (c.softcap > 0.0f) v = c.softcap * std::tanh(v / c.softcap);
     x[t] = v;
     mx = std::max(mx, v);
@@ -176,7 +190,7 @@ float softmax_row_portable(const RowSoftmax& c, const float* s, int lo, int hi, 
   for (int t = 0; t < kChunk; ++t) {
     const float e = t >= lo && t < hi ? std::exp(x[t] - m_new) : 0.0f;
     sum += e;
-    p[t] = float_to_bf16(e * c.vs[t]);
+    p[t] = float_to_bf16(c.vs ? e * c.vs[t] : e);
   }
   l = l * alpha + sum;
   m = m_new;
@@ -226,29 +240,44 @@ inline __m512 tanh512(__m512 x) {
   return _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
 }
 
+// 2^x for x <= 0 (clamped at -126), degree-4 Taylor on [-0.5, 0.5]: ~4e-5 relative, enough for
+// probabilities that are rounded to bf16 (2^-9) right after; half the work of exp512.
+inline __m512 exp2_prob(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.6181291e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// As softmax_row_portable, with m in log2 units (scores times log2 e, so exp is exp2).
 float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
   __m512 x[4];
   __mmask16 keep[4];
   __m512 vmax = _mm512_set1_ps(kNegInf);
-  const __m512 scale = _mm512_set1_ps(c.scale);
+  const bool capped = c.softcap > 0.0f;
+  const __m512 scale = _mm512_set1_ps(capped ? c.scale / c.softcap : c.scale * kLog2e);
+  const __m512 cap = _mm512_set1_ps(c.softcap * kLog2e);
   for (int g = 0; g < 4; ++g) {
     keep[g] = tail_mask(hi - 16 * g) & static_cast<__mmask16>(~tail_mask(lo - 16 * g));
-    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(s + 16 * g), scale), _mm512_loadu_ps(c.ks + 16 * g));
-    if (c.softcap > 0.0f) {
-      const __m512 cap = _mm512_set1_ps(c.softcap);
-      v = _mm512_mul_ps(cap, tanh512(_mm512_div_ps(v, cap)));
-    }
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * g), scale);
+    if (c.ks) v = _mm512_mul_ps(v, _mm512_loadu_ps(c.ks + 16 * g));
+    if (capped) v = _mm512_mul_ps(cap, tanh512(v));
     x[g] = v;
     vmax = _mm512_mask_max_ps(vmax, keep[g], vmax, v);
   }
-  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax)), alpha = std::exp(m - m_new);
+  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax)), alpha = std::exp2(m - m_new);
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 sum = _mm512_setzero_ps();
   for (int g = 0; g < 4; ++g) {
-    const __m512 e = _mm512_maskz_mov_ps(keep[g], exp512(_mm512_sub_ps(x[g], vm)));
+    __m512 e = _mm512_maskz_mov_ps(keep[g], exp2_prob(_mm512_sub_ps(x[g], vm)));
     sum = _mm512_add_ps(sum, e);
-    const __m256bh pb = _mm512_cvtneps_pbh(_mm512_mul_ps(e, _mm512_loadu_ps(c.vs + 16 * g)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * g), (__m256i)pb);
+    if (c.vs) e = _mm512_mul_ps(e, _mm512_loadu_ps(c.vs + 16 * g));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * g), (__m256i)_mm512_cvtneps_pbh(e));
   }
   l = l * alpha + _mm512_reduce_add_ps(sum);
   m = m_new;
@@ -315,6 +344,100 @@ void row_group_avx(const RowSoftmax& c, const uint16_t* q, int64_t D, const uint
 
 #endif
 
+#if defined(PYENGINE_PREFILL_AMX)
+// AMX: 16 q rows per pass. Every tile is 16 rows x 64 bytes:
+//   QK: S tiles tmm0..3 (16 rows x 16 tokens fp32, one per 16-token group) += Q tile tmm4 (16 rows x
+//       32 dims) . K tile tmm5 (16 dims pairs x 16 tokens x 2: a packed group's pairs, as they lie)
+//   PV: O tiles tmm0..3 (16 rows x 16 dims, a 64-dim slice; O scaled by alpha first) += P tile tmm4
+//       (16 rows x 32 tokens) . V tile tmm5 (16 token pairs x 16 dims x 2: the packed V, as it lies)
+// Softmax between the two runs on the AVX-512 units, row by row, as in the vdpbf16ps path.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Asks Linux once for the AMX tile state (XFEATURE_XTILEDATA) for this process.
+bool amx_usable() {
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+void load_tile_config() {
+  TileConfig cfg;
+  for (int i = 0; i < 6; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+void row_group_amx(const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k, const uint16_t* v,
+                   const int* lo, const int* hi, float* m, float* l, float* o, Scratch& w) {
+  float* s = w.s.data();
+  uint16_t* p = w.p.data();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < D / 32; ++kb) {  // 32 dims (16 pairs) per step
+    _tile_loadd(4, q + kb * 32, D * 2);
+    const uint16_t* kt = k + kb * 16 * 32;
+    _tile_loadd(5, kt, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, kt + 16 * D, 64);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, kt + 32 * D, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, kt + 48 * D, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, s, kChunk * 4);
+  _tile_stored(1, s + 16, kChunk * 4);
+  _tile_stored(2, s + 32, kChunk * 4);
+  _tile_stored(3, s + 48, kChunk * 4);
+  float alpha[kAmxRows];
+  int maxhi = 0;
+  for (int r = 0; r < kAmxRows; ++r) {
+    if (lo[r] < hi[r]) {
+      alpha[r] = softmax_row_avx(c, s + r * kChunk, lo[r], hi[r], m[r], l[r], p + r * kChunk);
+      maxhi = std::max(maxhi, hi[r]);
+    } else {
+      alpha[r] = 1.0f;
+      std::memset(p + r * kChunk, 0, kChunk * 2);
+    }
+  }
+  for (int r = 0; r < kAmxRows; ++r) {
+    if (alpha[r] == 1.0f) continue;
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), a));
+  }
+  const int nblocks = (maxhi + 31) / 32;  // 32-token blocks holding a probability
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    _tile_loadd(0, o + d0, D * 4);
+    _tile_loadd(1, o + d0 + 16, D * 4);
+    _tile_loadd(2, o + d0 + 32, D * 4);
+    _tile_loadd(3, o + d0 + 48, D * 4);
+    for (int tb = 0; tb < nblocks; ++tb) {
+      _tile_loadd(4, p + tb * 32, kChunk * 2);
+      const uint16_t* vt = v + tb * 16 * 2 * D + 2 * d0;
+      _tile_loadd(5, vt, D * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, vt + 32, D * 4);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, vt + 64, D * 4);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, vt + 96, D * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, o + d0, D * 4);
+    _tile_stored(1, o + d0 + 16, D * 4);
+    _tile_stored(2, o + d0 + 32, D * 4);
+    _tile_stored(3, o + d0 + 48, D * 4);
+  }
+}
+#endif
+
 void row_group_portable(int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k,
                         const uint16_t* v, const int* lo, const int* hi, float* m, float* l, float* o, Scratch& w) {
   qk_portable(nr, q, D, k, w.s.data());
@@ -333,11 +456,14 @@ void row_group_portable(int nr, const RowSoftmax& c, const uint16_t* q, int64_t 
   pv_portable(nr, w.p.data(), v, D, (maxhi + 1) / 2, alpha, o);
 }
 
-// nr (<= kRows) rows of one chunk.
-void row_group(bool portable, int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k,
+// nr rows of one chunk (nr <= kRows; kAmxRows for the AMX path, padded with zero rows).
+void row_group(Path path, int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k,
                const uint16_t* v, const int* lo, const int* hi, float* m, float* l, float* o, Scratch& w) {
+#if defined(PYENGINE_PREFILL_AMX)
+  if (path == Path::kAmx) return row_group_amx(c, q, D, k, v, lo, hi, m, l, o, w);
+#endif
 #if defined(__AVX512BF16__)
-  if (!portable) {
+  if (path == Path::kAvx512Bf16) {
     switch (nr) {
       case 1: return row_group_avx<1>(c, q, D, k, v, lo, hi, m, l, o, w);
       case 2: return row_group_avx<2>(c, q, D, k, v, lo, hi, m, l, o, w);
@@ -354,25 +480,32 @@ void row_group(bool portable, int nr, const RowSoftmax& c, const uint16_t* q, in
 // ---------------------------------------------------------------------------------------------
 // One work item: query tokens [tok0, tok1) of pair P, all their visible positions.
 // ---------------------------------------------------------------------------------------------
-void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok1, bool portable, Scratch& w) {
+void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok1, Path path, Scratch& w) {
   const int64_t G = a.H / a.KVH, D = a.D, rows = (tok1 - tok0) * G;
   const int64_t q_start = a.qsl[P.seq], first = a.seq_lens[P.seq] - (a.qsl[P.seq + 1] - q_start);
+  const int group = path == Path::kAmx ? kAmxRows : kRows;
+  const int64_t padded = (rows + group - 1) / group * group;  // zero rows complete the last AMX tile
   w.fit(rows, D);
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < padded; ++r) {
     const int64_t tok = q_start + tok0 + r / G, head = P.kvh * G + r % G;
-    std::memcpy(w.q.data() + r * D, static_cast<const uint16_t*>(a.q) + tok * a.q_stride + head * D, D * 2);
+    if (r < rows) std::memcpy(w.q.data() + r * D, static_cast<const uint16_t*>(a.q) + tok * a.q_stride + head * D, D * 2);
+    else std::fill(w.q.data() + r * D, w.q.data() + (r + 1) * D, uint16_t{0});
     std::fill(w.o.data() + r * D, w.o.data() + (r + 1) * D, 0.0f);
     w.m[r] = kNegInf;
     w.l[r] = 0.0f;
   }
+#if defined(PYENGINE_PREFILL_AMX)
+  if (path == Path::kAmx) load_tile_config();
+#endif
   const int64_t pos0 = first + tok0, pos_end = first + tok1;  // the item's positions [pos0, pos_end)
   const int64_t kv_lo = a.window > 0 ? std::max<int64_t>(0, pos0 + 1 - a.window) : 0;
   for (int64_t c0 = kv_lo / kChunk * kChunk; c0 < pos_end; c0 += kChunk) {
     const int64_t t = c0 - P.lo;  // the chunk in the packed run
-    const RowSoftmax sm{a.scale, a.softcap, P.ks + t, P.vs + t};
-    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-      const int nr = static_cast<int>(std::min<int64_t>(kRows, rows - r0));
-      int lo[kRows], hi[kRows];
+    const bool quant = a.cdt != DType::kBFloat16;
+    const RowSoftmax sm{a.scale, a.softcap, quant ? P.ks + t : nullptr, quant ? P.vs + t : nullptr};
+    for (int64_t r0 = 0; r0 < rows; r0 += group) {
+      const int nr = static_cast<int>(std::min<int64_t>(group, rows - r0));
+      int lo[kAmxRows] = {}, hi[kAmxRows] = {};  // padding rows see nothing
       bool any = false;
       for (int r = 0; r < nr; ++r) {
         const int64_t end = first + tok0 + (r0 + r) / G + 1 - c0;  // the row's causal end in the chunk
@@ -381,10 +514,13 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
         any |= lo[r] < hi[r];
       }
       if (!any) continue;
-      row_group(portable, nr, sm, w.q.data() + r0 * D, D, P.k + t * D, P.v + t * D, lo, hi, w.m.data() + r0,
+      row_group(path, nr, sm, w.q.data() + r0 * D, D, P.k + t * D, P.v + t * D, lo, hi, w.m.data() + r0,
                 w.l.data() + r0, w.o.data() + r0 * D, w);
     }
   }
+#if defined(PYENGINE_PREFILL_AMX)
+  if (path == Path::kAmx) _tile_release();
+#endif
   uint16_t* out = static_cast<uint16_t*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_start + tok0 + r / G, head = P.kvh * G + r % G;
@@ -394,7 +530,7 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
 }
 
 // Packs the pairs [p0, p1) into buf, then runs all their items.
-void run_batch(const AttentionStep& a, std::vector<Packed>& pairs, int64_t p0, int64_t p1, bool portable) {
+void run_batch(const AttentionStep& a, std::vector<Packed>& pairs, int64_t p0, int64_t p1, Path path) {
   static thread_local std::vector<uint16_t> kv;
   static thread_local std::vector<float> scales;
   int64_t tokens = 0;
@@ -434,8 +570,20 @@ void run_batch(const AttentionStep& a, std::vector<Packed>& pairs, int64_t p0, i
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.work > y.work; });
   pool.parallel_for(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local Scratch w;
-    run_item(a, pairs[items[i].pair], items[i].tok0, items[i].tok1, portable, w);
+    run_item(a, pairs[items[i].pair], items[i].tok0, items[i].tok1, path, w);
   });
+}
+
+// The best path this build and machine have, at most g_cap.
+Path best_path() {
+  const Path cap = g_cap.load();
+#if defined(PYENGINE_PREFILL_AMX)
+  if (cap == Path::kAmx && amx_usable()) return Path::kAmx;
+#endif
+#if defined(__AVX512BF16__)
+  if (cap != Path::kPortable) return Path::kAvx512Bf16;
+#endif
+  return Path::kPortable;
 }
 
 }  // namespace
@@ -446,11 +594,7 @@ bool prefill_attention_supports(const AttentionStep& a) {
 }
 
 void prefill_attention_cpu(const AttentionStep& a, const int32_t* seqs, int64_t nseqs) {
-#if defined(__AVX512BF16__)
-  const bool portable = g_portable.load();
-#else
-  const bool portable = true;
-#endif
+  const Path path = best_path();
   std::vector<Packed> pairs;
   for (int64_t i = 0; i < nseqs; ++i) {
     const int32_t s = seqs[i];
@@ -467,10 +611,23 @@ void prefill_attention_cpu(const AttentionStep& a, const int32_t* seqs, int64_t 
       bytes += pairs[p1].n * pair_bytes_per_token;
       if (bytes > kPackBudget) break;
     }
-    run_batch(a, pairs, p0, p1, portable);
+    run_batch(a, pairs, p0, p1, path);
   }
 }
 
-void set_prefill_attention_portable(bool portable) { g_portable.store(portable); }
+void set_prefill_attention_path(const std::string& name) {
+  if (name == "amx") g_cap.store(Path::kAmx);
+  else if (name == "avx512_bf16") g_cap.store(Path::kAvx512Bf16);
+  else if (name == "portable") g_cap.store(Path::kPortable);
+  else throw std::invalid_argument("prefill attention path must be amx, avx512_bf16 or portable, got " + name);
+}
+
+std::string prefill_attention_path() {
+  switch (best_path()) {
+    case Path::kAmx: return "amx";
+    case Path::kAvx512Bf16: return "avx512_bf16";
+    default: return "portable";
+  }
+}
 
 }  // namespace pyengine

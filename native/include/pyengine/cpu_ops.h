@@ -2,6 +2,7 @@
 // chains them (decoder.cpp). Pointers are raw addresses; dtype codes are DType values (dtype.h).
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "pyengine/dtype.h"
 
@@ -22,8 +23,10 @@ void attention_step_cpu(void* out, const void* q, const void* k_cache, const voi
                         int64_t head_dim, int64_t q_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
                         int64_t max_blocks_per_seq, int64_t max_seq_len, float scale, DType q_dtype,
                         DType cache_dtype, int64_t window = 0, float softcap = 0.0f);
-// Tests: prompts run the prefill kernel's portable loops even where its AVX512-BF16 ones are built.
-void set_prefill_attention_portable(bool portable);
+// The prefill kernel's path: "amx", "avx512_bf16" or "portable" (prefill_attention.cpp). set caps it
+// (tests run each path; the default, "amx", means the best there is); get says which one runs.
+void set_prefill_attention_path(const std::string& name);
+std::string prefill_attention_path();
 
 void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, void* v_cache, float* k_scales,
                            float* v_scales, const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
