@@ -118,7 +118,7 @@ const std::array<uint16_t, 256>& code_table() {
   return table;
 }
 
-// Positions [lo + t0, lo + t1) of pair P (t0, t1 even) into its packed run.
+// Positions [lo + t0, lo + t1) of pair P (t0, t1 multiples of 16) into its packed run.
 template <DType CD>
 void pack_range(const AttentionStep& a, const Packed& P, int64_t t0, int64_t t1) {
   constexpr bool kQuant = CD != DType::kBFloat16;
@@ -128,29 +128,44 @@ void pack_range(const AttentionStep& a, const Packed& P, int64_t t0, int64_t t1)
     else return static_cast<const uint16_t*>(base)[i];
   };
   const int64_t D = a.D, half = D / 2, len = a.seq_lens[P.seq];
-  const size_t es = kQuant ? 1 : 2;
+  const size_t es = kQuant ? 1 : 2, tile_bytes = a.BS * D * es;
   const int32_t* blocks = a.block_tables + P.seq * a.MB;
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t pos = P.lo + t;
-    uint16_t* kd = P.k + (t / 16 * half * 16 + t % 16) * 2;  // dims pair j at kd[32 j], kd[32 j + 1]
-    uint16_t* vd = P.v + t / 2 * 2 * D + t % 2;              // dim d at vd[2 d]
-    if (pos >= len) {
-      for (int64_t j = 0; j < half; ++j) kd[32 * j] = kd[32 * j + 1] = 0;
-      for (int64_t d = 0; d < D; ++d) vd[2 * d] = 0;
-      P.ks[t] = P.vs[t] = 0.0f;
+  for (int64_t g0 = t0; g0 < t1; g0 += 16) {
+    const int64_t pos0 = P.lo + g0;
+    uint16_t* kg = P.k + g0 * D;  // the group: dims pair j of token u at kg[32 j + 2 u]
+    if (!kQuant && a.BS % 16 == 0 && pos0 + 16 <= len) {
+      // bf16, a whole group inside one block: the block's K lines and V pairs as they lie
+      const int64_t tile = static_cast<int64_t>(blocks[pos0 / a.BS]) * a.KVH + P.kvh, off = pos0 % a.BS;
+      const uint16_t* kt = reinterpret_cast<const uint16_t*>(static_cast<const char*>(a.k) + tile * tile_bytes);
+      const uint16_t* vt = reinterpret_cast<const uint16_t*>(static_cast<const char*>(a.v) + tile * tile_bytes);
+      for (int64_t j = 0; j < half; ++j) std::memcpy(kg + 32 * j, kt + (j * a.BS + off) * 2, 64);
+      std::memcpy(P.v + g0 * D, vt + off * D, 16 * D * 2);
+      std::fill(P.ks + g0, P.ks + g0 + 16, 1.0f);
+      std::fill(P.vs + g0, P.vs + g0 + 16, 1.0f);
       continue;
     }
-    const int64_t tile = static_cast<int64_t>(blocks[pos / a.BS]) * a.KVH + P.kvh, off = pos % a.BS;
-    const char* kt = static_cast<const char*>(a.k) + tile * a.BS * D * es;  // [D/2][BS][2]
-    const char* vt = static_cast<const char*>(a.v) + tile * a.BS * D * es;  // [BS/2][D][2]
-    for (int64_t j = 0; j < half; ++j) {
-      kd[32 * j] = bits(kt, (j * a.BS + off) * 2);
-      kd[32 * j + 1] = bits(kt, (j * a.BS + off) * 2 + 1);
+    for (int64_t t = g0; t < g0 + 16; ++t) {
+      const int64_t pos = P.lo + t;
+      uint16_t* kd = kg + (t - g0) * 2;            // dims pair j at kd[32 j], kd[32 j + 1]
+      uint16_t* vd = P.v + t / 2 * 2 * D + t % 2;  // dim d at vd[2 d]
+      if (pos >= len) {
+        for (int64_t j = 0; j < half; ++j) kd[32 * j] = kd[32 * j + 1] = 0;
+        for (int64_t d = 0; d < D; ++d) vd[2 * d] = 0;
+        P.ks[t] = P.vs[t] = 0.0f;
+        continue;
+      }
+      const int64_t tile = static_cast<int64_t>(blocks[pos / a.BS]) * a.KVH + P.kvh, off = pos % a.BS;
+      const char* kt = static_cast<const char*>(a.k) + tile * tile_bytes;  // [D/2][BS][2]
+      const char* vt = static_cast<const char*>(a.v) + tile * tile_bytes;  // [BS/2][D][2]
+      for (int64_t j = 0; j < half; ++j) {
+        kd[32 * j] = bits(kt, (j * a.BS + off) * 2);
+        kd[32 * j + 1] = bits(kt, (j * a.BS + off) * 2 + 1);
+      }
+      const int64_t v0 = off / 2 * D * 2 + off % 2;
+      for (int64_t d = 0; d < D; ++d) vd[2 * d] = bits(vt, v0 + 2 * d);
+      P.ks[t] = kQuant ? a.ks[tile * a.BS + off] : 1.0f;
+      P.vs[t] = kQuant ? a.vs[tile * a.BS + off] : 1.0f;
     }
-    const int64_t v0 = off / 2 * D * 2 + off % 2;
-    for (int64_t d = 0; d < D; ++d) vd[2 * d] = bits(vt, v0 + 2 * d);
-    P.ks[t] = kQuant ? a.ks[tile * a.BS + off] : 1.0f;
-    P.vs[t] = kQuant ? a.vs[tile * a.BS + off] : 1.0f;
   }
 }
 
