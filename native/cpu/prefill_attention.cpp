@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -65,6 +66,7 @@ constexpr int64_t kPackTokens = 1024;   // positions per packing task
 constexpr int64_t kPackBudget = 64 << 20;  // bytes of packed K/V per batch of pairs
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kMaxSlack = 8.0f;  // log2 units (softmax_row_avx)
 
 // The kernels a build has, best first; set_prefill_attention_path caps which one runs (tests).
 enum class Path { kAmx, kAvx512Bf16, kPortable };
@@ -95,7 +97,7 @@ struct Scratch {
     if (static_cast<int64_t>(q.size()) < padded * D) q.resize(padded * D), o.resize(padded * D);
     if (static_cast<int64_t>(m.size()) < padded) m.resize(padded), l.resize(padded);
     s.resize(kAmxRows * kChunk);
-    p.resize(kAmxRows * kChunk);
+    p.resize(2 * kAmxRows * kChunk);  // AMX: two row groups in flight
   }
 };
 
@@ -285,7 +287,12 @@ float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float
     x[g] = v;
     vmax = _mm512_mask_max_ps(vmax, keep[g], vmax, v);
   }
-  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax)), alpha = std::exp2(m - m_new);
+  // The running max moves only when a score passes it by more than kMaxSlack: until then the row's
+  // probabilities stay <= 2^kMaxSlack (harmless in fp32 and bf16) and alpha is exactly 1, so the
+  // accumulator is not rescaled (the AMX path then reads it back without waiting on vector stores).
+  float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+  if (m_new - m <= kMaxSlack) m_new = m;
+  const float alpha = m_new == m ? 1.0f : std::exp2(m - m_new);
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 sum = _mm512_setzero_ps();
   for (int g = 0; g < 4; ++g) {
@@ -387,10 +394,8 @@ void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
-void row_group_amx(const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k, const uint16_t* v,
-                   const int* lo, const int* hi, float* m, float* l, float* o, Scratch& w) {
-  float* s = w.s.data();
-  uint16_t* p = w.p.data();
+// S[16 rows][kChunk] = q . k (raw dot products).
+void qk_amx(const uint16_t* q, int64_t D, const uint16_t* k, float* s) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -411,23 +416,10 @@ void row_group_amx(const RowSoftmax& c, const uint16_t* q, int64_t D, const uint
   _tile_stored(1, s + 16, kChunk * 4);
   _tile_stored(2, s + 32, kChunk * 4);
   _tile_stored(3, s + 48, kChunk * 4);
-  float alpha[kAmxRows];
-  int maxhi = 0;
-  for (int r = 0; r < kAmxRows; ++r) {
-    if (lo[r] < hi[r]) {
-      alpha[r] = softmax_row_avx(c, s + r * kChunk, lo[r], hi[r], m[r], l[r], p + r * kChunk);
-      maxhi = std::max(maxhi, hi[r]);
-    } else {
-      alpha[r] = 1.0f;
-      std::memset(p + r * kChunk, 0, kChunk * 2);
-    }
-  }
-  for (int r = 0; r < kAmxRows; ++r) {
-    if (alpha[r] == 1.0f) continue;
-    const __m512 a = _mm512_set1_ps(alpha[r]);
-    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), a));
-  }
-  const int nblocks = (maxhi + 31) / 32;  // 32-token blocks holding a probability
+}
+
+// o[16 rows][D] += p[16 rows][32 * nblocks tokens] . v.
+void pv_amx(const uint16_t* p, const uint16_t* v, int64_t D, int nblocks, float* o) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     _tile_loadd(0, o + d0, D * 4);
     _tile_loadd(1, o + d0 + 16, D * 4);
@@ -451,6 +443,63 @@ void row_group_amx(const RowSoftmax& c, const uint16_t* q, int64_t D, const uint
     _tile_stored(3, o + d0 + 48, D * 4);
   }
 }
+
+// The PV of a row group whose softmax is done, run after the next group's QK (AmxPipeline).
+struct PendingPv {
+  const uint16_t* p = nullptr;
+  const uint16_t* v = nullptr;
+  float* o = nullptr;
+  int nblocks = 0;
+};
+
+// The AMX path's row groups in order, software-pipelined: group i's PV runs after group i+1's QK,
+// so its tile loads of the probabilities and accumulator (just written by vector stores, which tile
+// loads do not forward from) find them in L1 instead of stalling on the store drain.
+class AmxPipeline {
+ public:
+  explicit AmxPipeline(Scratch& w) : w_(w) { load_tile_config(); }
+  ~AmxPipeline() {
+    flush();
+    _tile_release();
+  }
+
+  void group(const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k, const uint16_t* v, const int* lo,
+             const int* hi, float* m, float* l, float* o) {
+    float* s = w_.s.data();
+    qk_amx(q, D, k, s);
+    flush();
+    uint16_t* p = w_.p.data() + buf_ * kAmxRows * kChunk;
+    buf_ ^= 1;
+    int maxhi = 0;
+    for (int r = 0; r < kAmxRows; ++r) {
+      float alpha = 1.0f;
+      if (lo[r] < hi[r]) {
+        alpha = softmax_row_avx(c, s + r * kChunk, lo[r], hi[r], m[r], l[r], p + r * kChunk);
+        maxhi = std::max(maxhi, hi[r]);
+      } else {
+        std::memset(p + r * kChunk, 0, kChunk * 2);
+      }
+      if (alpha != 1.0f) {
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), va));
+      }
+    }
+    pending_ = {p, v, o, (maxhi + 31) / 32};  // 32-token blocks holding a probability
+    D_ = D;
+  }
+
+  void flush() {
+    if (pending_.p) pv_amx(pending_.p, pending_.v, D_, pending_.nblocks, pending_.o);
+    pending_ = {};
+  }
+
+ private:
+  Scratch& w_;
+  PendingPv pending_;
+  int64_t D_ = 0;
+  int buf_ = 0;
+};
 #endif
 
 void row_group_portable(int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k,
@@ -471,12 +520,9 @@ void row_group_portable(int nr, const RowSoftmax& c, const uint16_t* q, int64_t 
   pv_portable(nr, w.p.data(), v, D, (maxhi + 1) / 2, alpha, o);
 }
 
-// nr rows of one chunk (nr <= kRows; kAmxRows for the AMX path, padded with zero rows).
+// nr (<= kRows) rows of one chunk, on the vdpbf16ps or portable path.
 void row_group(Path path, int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k,
                const uint16_t* v, const int* lo, const int* hi, float* m, float* l, float* o, Scratch& w) {
-#if defined(PYENGINE_PREFILL_AMX)
-  if (path == Path::kAmx) return row_group_amx(c, q, D, k, v, lo, hi, m, l, o, w);
-#endif
 #if defined(__AVX512BF16__)
   if (path == Path::kAvx512Bf16) {
     switch (nr) {
@@ -510,7 +556,8 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
     w.l[r] = 0.0f;
   }
 #if defined(PYENGINE_PREFILL_AMX)
-  if (path == Path::kAmx) load_tile_config();
+  std::optional<AmxPipeline> amx;
+  if (path == Path::kAmx) amx.emplace(w);
 #endif
   const int64_t pos0 = first + tok0, pos_end = first + tok1;  // the item's positions [pos0, pos_end)
   const int64_t kv_lo = a.window > 0 ? std::max<int64_t>(0, pos0 + 1 - a.window) : 0;
@@ -529,12 +576,19 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
         any |= lo[r] < hi[r];
       }
       if (!any) continue;
+#if defined(PYENGINE_PREFILL_AMX)
+      if (amx) {
+        amx->group(sm, w.q.data() + r0 * D, D, P.k + t * D, P.v + t * D, lo, hi, w.m.data() + r0, w.l.data() + r0,
+                   w.o.data() + r0 * D);
+        continue;
+      }
+#endif
       row_group(path, nr, sm, w.q.data() + r0 * D, D, P.k + t * D, P.v + t * D, lo, hi, w.m.data() + r0,
                 w.l.data() + r0, w.o.data() + r0 * D, w);
     }
   }
 #if defined(PYENGINE_PREFILL_AMX)
-  if (path == Path::kAmx) _tile_release();
+  amx.reset();  // the last group's PV
 #endif
   uint16_t* out = static_cast<uint16_t*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
