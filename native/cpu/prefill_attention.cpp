@@ -45,7 +45,7 @@
 #include "pyengine/parallel.h"
 #include "pyengine/vec_exp.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -53,7 +53,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -124,6 +124,33 @@ const std::array<uint16_t, 256>& code_table() {
   return table;
 }
 
+#if defined(__AVX512BW__)
+constexpr bool kHaveLut32 = true;
+#else
+constexpr bool kHaveLut32 = false;  // quantized groups go value by value
+#endif
+
+// 32 consecutive cache values at src -> 32 bf16 at dst: a copy (bf16), or, for fp8/int8 codes, four
+// 64-entry lookups in code_table (vpermt2w) picked by each code's top two bits.
+template <DType CD>
+inline void copy32(uint16_t* dst, const char* src) {
+  if constexpr (CD == DType::kBFloat16) {
+    std::memcpy(dst, src, 64);
+  } else {
+#if defined(__AVX512BW__)
+    const uint16_t* table = code_table<CD>().data();
+    const __m512i idx = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    __m512i part[4];
+    for (int i = 0; i < 4; ++i)
+      part[i] = _mm512_permutex2var_epi16(_mm512_loadu_si512(table + 64 * i), idx, _mm512_loadu_si512(table + 64 * i + 32));
+    const __mmask32 b6 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(64));
+    const __mmask32 b7 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(128));
+    const __m512i lo = _mm512_mask_blend_epi16(b6, part[0], part[1]), hi = _mm512_mask_blend_epi16(b6, part[2], part[3]);
+    _mm512_storeu_si512(dst, _mm512_mask_blend_epi16(b7, lo, hi));
+#endif
+  }
+}
+
 // Positions [lo + t0, lo + t1) of pair P (t0, t1 multiples of 16) into its packed run.
 template <DType CD>
 void pack_range(const AttentionStep& a, const Packed& P, int64_t t0, int64_t t1) {
@@ -139,15 +166,17 @@ void pack_range(const AttentionStep& a, const Packed& P, int64_t t0, int64_t t1)
   for (int64_t g0 = t0; g0 < t1; g0 += 16) {
     const int64_t pos0 = P.lo + g0;
     uint16_t* kg = P.k + g0 * D;  // the group: dims pair j of token u at kg[32 j + 2 u]
-    if (!kQuant && a.BS % 16 == 0 && pos0 + 16 <= len) {
-      // bf16, a whole group inside one block: the block's K lines and V pairs as they lie
+    if (a.BS % 16 == 0 && pos0 + 16 <= len && (!kQuant || kHaveLut32)) {
+      // a whole group inside one block: the block's K lines and V pairs as they lie, 32 values at a time
       const int64_t tile = static_cast<int64_t>(blocks[pos0 / a.BS]) * a.KVH + P.kvh, off = pos0 % a.BS;
-      const uint16_t* kt = reinterpret_cast<const uint16_t*>(static_cast<const char*>(a.k) + tile * tile_bytes);
-      const uint16_t* vt = reinterpret_cast<const uint16_t*>(static_cast<const char*>(a.v) + tile * tile_bytes);
-      for (int64_t j = 0; j < half; ++j) std::memcpy(kg + 32 * j, kt + (j * a.BS + off) * 2, 64);
-      std::memcpy(P.v + g0 * D, vt + off * D, 16 * D * 2);
-      std::fill(P.ks + g0, P.ks + g0 + 16, 1.0f);
-      std::fill(P.vs + g0, P.vs + g0 + 16, 1.0f);
+      const char* kt = static_cast<const char*>(a.k) + tile * tile_bytes;
+      const char* vt = static_cast<const char*>(a.v) + tile * tile_bytes;
+      for (int64_t j = 0; j < half; ++j) copy32<CD>(kg + 32 * j, kt + (j * a.BS + off) * 2 * es);
+      for (int64_t i = 0; i < 16 * D; i += 32) copy32<CD>(P.v + g0 * D + i, vt + (off * D + i) * es);
+      for (int64_t u = 0; u < 16; ++u) {
+        P.ks[g0 + u] = kQuant ? a.ks[tile * a.BS + off + u] : 1.0f;
+        P.vs[g0 + u] = kQuant ? a.vs[tile * a.BS + off + u] : 1.0f;
+      }
       continue;
     }
     for (int64_t t = g0; t < g0 + 16; ++t) {
