@@ -19,6 +19,11 @@
 //     key/value [T, KVH, D] with the given token strides; slot_mapping [T] int64 (-1 = skip);
 //     k_scales/v_scales as above (0 for unquantized caches).
 //
+//   set_prefill_attention_path(name) -> None; prefill_attention_path() -> str   (CPU only)
+//     The prefill kernel's path for prompts (>= 16 query tokens of a bf16 step; native/cpu/
+//     prefill_attention.cpp): "amx", "avx512_bf16" or "portable". set caps it (tests run each path;
+//     default "amx": the best the build and machine have); get names the one that runs.
+//
 //   read_bandwidth(ptr, nbytes, stream) -> int       (CPU only: benchmark probe)
 //     Reads nbytes (a multiple of 64) once with the thread pool; returns a checksum.
 #include <cstdint>
@@ -91,12 +96,12 @@ void register_attention_ops(py::module_& m) {
          int64_t num_kv_heads, int64_t head_dim, int64_t q_token_stride, int64_t num_blocks, int64_t block_size,
          int64_t num_seqs, int64_t max_blocks_per_seq, int64_t max_seq_len, double scale, int q_dtype,
          int cache_dtype, uintptr_t /*stream*/, int64_t window, double softcap) {
-        paged_attention_cpu(ptr<void>(out), ptr<const void>(q), ptr<const void>(k_cache), ptr<const void>(v_cache),
-                            ptr<const float>(k_scales), ptr<const float>(v_scales), ptr<const int32_t>(block_tables),
-                            ptr<const int32_t>(seq_lens), ptr<const int32_t>(query_start_loc), num_tokens, num_heads,
-                            num_kv_heads, head_dim, q_token_stride, num_blocks, block_size, num_seqs,
-                            max_blocks_per_seq, max_seq_len, static_cast<float>(scale), to_dtype(q_dtype),
-                            to_dtype(cache_dtype), window, static_cast<float>(softcap));
+        attention_step_cpu(ptr<void>(out), ptr<const void>(q), ptr<const void>(k_cache), ptr<const void>(v_cache),
+                           ptr<const float>(k_scales), ptr<const float>(v_scales), ptr<const int32_t>(block_tables),
+                           ptr<const int32_t>(seq_lens), ptr<const int32_t>(query_start_loc), num_tokens, num_heads,
+                           num_kv_heads, head_dim, q_token_stride, num_blocks, block_size, num_seqs,
+                           max_blocks_per_seq, max_seq_len, static_cast<float>(scale), to_dtype(q_dtype),
+                           to_dtype(cache_dtype), window, static_cast<float>(softcap));
       },
       py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scales"), py::arg("v_scales"),
       py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("num_tokens"),
@@ -104,7 +109,7 @@ void register_attention_ops(py::module_& m) {
       py::arg("num_blocks"), py::arg("block_size"), py::arg("num_seqs"), py::arg("max_blocks_per_seq"),
       py::arg("max_seq_len"), py::arg("scale"), py::arg("q_dtype"), py::arg("cache_dtype"), py::arg("stream"),
       py::arg("window") = 0, py::arg("softcap") = 0.0, py::call_guard<py::gil_scoped_release>(),
-      "Causal paged attention over a mixed step (see cpu_attention.cpp).");
+      "Causal paged attention over a mixed step (see native/cpu/attention_step.cpp).");
   m.def(
       "reshape_and_cache",
       [](uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
@@ -121,6 +126,9 @@ void register_attention_ops(py::module_& m) {
       py::arg("head_dim"), py::arg("key_token_stride"), py::arg("value_token_stride"), py::arg("num_blocks"),
       py::arg("block_size"), py::arg("src_dtype"), py::arg("cache_dtype"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>(), "Write K/V rows into the paged cache at slot_mapping.");
+  m.def("set_prefill_attention_path", &set_prefill_attention_path, py::arg("name"),
+        "Cap the prefill attention kernel's path: amx (default: the best available), avx512_bf16, portable.");
+  m.def("prefill_attention_path", &prefill_attention_path, "The prefill attention kernel's path in use.");
   m.def("read_bandwidth", &read_bandwidth, py::arg("ptr"), py::arg("nbytes"), py::arg("stream") = 0,
         py::call_guard<py::gil_scoped_release>(),
         "Benchmark probe: read nbytes once with the thread pool, return a checksum.");

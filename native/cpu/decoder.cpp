@@ -61,13 +61,13 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
                           reinterpret_cast<float*>(at(kKScales)), reinterpret_cast<float*>(at(kVScales)),
                           reinterpret_cast<const int64_t*>(slot_mapping), T, KVH, D, nqkv, nqkv, num_blocks,
                           block_size, DType::kBFloat16, static_cast<DType>(cache_dtype));
-    paged_attention_cpu(reinterpret_cast<void*>(attn), reinterpret_cast<const void*>(q),
-                        reinterpret_cast<const void*>(at(kKCache)), reinterpret_cast<const void*>(at(kVCache)),
-                        reinterpret_cast<const float*>(at(kKScales)), reinterpret_cast<const float*>(at(kVScales)),
-                        reinterpret_cast<const int32_t*>(block_tables), reinterpret_cast<const int32_t*>(seq_lens),
-                        reinterpret_cast<const int32_t*>(query_start_loc), T, H, KVH, D, nqkv, num_blocks,
-                        block_size, num_seqs, max_blocks, max_seq_len, static_cast<float>(scale), DType::kBFloat16,
-                        static_cast<DType>(cache_dtype), window);
+    attention_step_cpu(reinterpret_cast<void*>(attn), reinterpret_cast<const void*>(q),
+                       reinterpret_cast<const void*>(at(kKCache)), reinterpret_cast<const void*>(at(kVCache)),
+                       reinterpret_cast<const float*>(at(kKScales)), reinterpret_cast<const float*>(at(kVScales)),
+                       reinterpret_cast<const int32_t*>(block_tables), reinterpret_cast<const int32_t*>(seq_lens),
+                       reinterpret_cast<const int32_t*>(query_start_loc), T, H, KVH, D, nqkv, num_blocks,
+                       block_size, num_seqs, max_blocks, max_seq_len, static_cast<float>(scale), DType::kBFloat16,
+                       static_cast<DType>(cache_dtype), window);
     project(attn, at(kO), w[kOType], at(kOBias), x, T, hidden, H * D);
     add_rms_norm(x, residual, at(kPostNorm), T, hidden, eps, bf16, norm_dtype);
     project(x, at(kGateUp), w[kGateUpType], 0, gate_up, T, 2 * inter, hidden);

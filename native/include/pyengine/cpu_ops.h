@@ -15,6 +15,19 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
                          int64_t max_blocks_per_seq, int64_t max_seq_len, float scale, DType q_dtype,
                          DType cache_dtype, int64_t window = 0, float softcap = 0.0f);
 
+// One step's attention: paged_attention_cpu's arguments; prompts (>= 16 query tokens) go to the
+// prefill kernel, the rest to paged_attention_cpu (attention_step.cpp). What the bindings call.
+void attention_step_cpu(void* out, const void* q, const void* k_cache, const void* v_cache, const float* k_scales,
+                        const float* v_scales, const int32_t* block_tables, const int32_t* seq_lens,
+                        const int32_t* query_start_loc, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t q_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
+                        int64_t max_blocks_per_seq, int64_t max_seq_len, float scale, DType q_dtype,
+                        DType cache_dtype, int64_t window = 0, float softcap = 0.0f);
+// The prefill kernel's path: "amx", "avx512_bf16" or "portable" (prefill_attention.cpp). set caps it
+// (tests run each path; the default, "amx", means the best there is); get says which one runs.
+void set_prefill_attention_path(const std::string& name);
+std::string prefill_attention_path();
+
 void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, void* v_cache, float* k_scales,
                            float* v_scales, const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
                            int64_t head_dim, int64_t key_stride, int64_t value_stride, int64_t num_blocks,

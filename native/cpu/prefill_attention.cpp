@@ -1,0 +1,735 @@
+// prefill_attention (CPU): causal attention of prompt chunks (sequences with many query tokens) over
+// the paged KV cache, flash-attention style, built to run at the bf16 dot-product rate of the GEMMs.
+//
+// Two phases per batch of (sequence, kv head) pairs:
+//  1. Pack. Each pair's cache positions [lo, len) (lo = 0, or the earliest window start, rounded down
+//     to a chunk) are gathered from the scattered block tiles into one contiguous bf16 run:
+//       K [n/16][D/2][16][2]  16-token groups; a group's dims pair j is one 64-byte vector (16 tokens)
+//       V [n/2][D][2]         token pair (2p, 2p+1) at dims d..d+15 is one 64-byte vector
+//       ks, vs [n] fp32       per-token scales (fp8/int8 caches), 1 for bf16
+//     n rounded up to a whole chunk with zeros (never NaN: 0 * NaN would leak into the output).
+//     fp8/int8 codes become bf16 exactly (256-entry table); the scales stay fp32 and are applied to
+//     the scores (K) and to the probabilities before their bf16 rounding (V), as the decode kernel does.
+//     Packing once per pair costs one read of the K/V; every query block of the pair then reads the
+//     packed copy (any block size, any cache dtype, no per-block pointer chasing in the hot loops).
+//  2. Attend. Work items are (pair, block of about kItemRows / G query tokens), heaviest first. An
+//     item's rows (query tokens x the G q heads of its kv head) walk the kv range in chunks of kChunk
+//     tokens; per chunk, groups of kRows rows do
+//       QK  s[r][t] = q_r . k_t            kRows x 4 accumulators, vdpbf16ps(K group vector, q pair)
+//       online softmax in fp32 (scale, optional softcap, causal/window masks, running max and sum)
+//       PV  o_r = o_r * alpha_r + sum_t p_rt v_t   kRows x 4 accumulators per 64 dims,
+//                                                  vdpbf16ps(V pair vector, p pair)
+//     so each loaded K/V vector feeds kRows dot products and the chunk (8-16 KB) stays in L1 while
+//     all the item's rows pass over it. Probabilities are rounded to bf16 for PV (as flash attention
+//     on GPUs does); scores, sums and accumulators are fp32.
+// Paths, best first (set_prefill_attention_path caps the choice, for tests):
+//   amx          AMX tiles where the build (-march with AMX-TILE/BF16) and Linux (arch_prctl) allow:
+//                the same chunk loop with groups of 16 rows, QK and PV as tile products (see
+//                AmxPipeline), softmax on AVX-512; ~3x the vdpbf16ps path on the same core.
+//   avx512_bf16  the vdpbf16ps micro-kernels above.
+//   portable     plain loops over the same packed layout, same arithmetic in fp32 (every build).
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "prefill_attention.h"
+#include "pyengine/cpu_ops.h"
+#include "pyengine/kv_quant.h"
+#include "pyengine/parallel.h"
+#include "pyengine/vec_exp.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PYENGINE_PREFILL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__AVX512F__)
+// GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace pyengine {
+namespace {
+
+constexpr int kChunk = 64;              // kv tokens per online-softmax step: 4 groups of 16
+constexpr int kRows = 6;                // q rows per micro-kernel pass (6 x 4 accumulators)
+constexpr int kAmxRows = 16;            // q rows per AMX pass (a tile's rows)
+constexpr int64_t kItemRows = 96;       // q rows (query tokens x G heads) per work item
+constexpr int64_t kPackTokens = 1024;   // positions per packing task
+constexpr int64_t kPackBudget = 64 << 20;  // bytes of packed K/V per batch of pairs
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kMaxSlack = 8.0f;  // log2 units (softmax_row_avx)
+
+// The kernels a build has, best first; set_prefill_attention_path caps which one runs (tests).
+enum class Path { kAmx, kAvx512Bf16, kPortable };
+std::atomic<Path> g_cap{Path::kAmx};
+
+// One (sequence, kv head)'s packed K/V: positions [lo, lo + n), n a multiple of kChunk.
+struct Packed {
+  int32_t seq, kvh;
+  int64_t lo, n;
+  uint16_t* k;
+  uint16_t* v;
+  float* ks;
+  float* vs;
+};
+
+struct Item {
+  int32_t pair, tok0, tok1;  // query tokens [tok0, tok1) of the pair's sequence
+  int64_t work;
+};
+
+// Per-thread scratch of an item: its q rows (bf16), accumulators, running max/sum, one row group's
+// scores and bf16 probabilities.
+struct Scratch {
+  std::vector<uint16_t> q, p;
+  std::vector<float> o, m, l, s;
+  void fit(int64_t rows, int64_t D) {
+    const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;  // whole AMX tiles of q rows
+    if (static_cast<int64_t>(q.size()) < padded * D) q.resize(padded * D), o.resize(padded * D);
+    if (static_cast<int64_t>(m.size()) < padded) m.resize(padded), l.resize(padded);
+    s.resize(kAmxRows * kChunk);
+    p.resize(2 * kAmxRows * kChunk);  // AMX: two row groups in flight
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Packing.
+// ---------------------------------------------------------------------------------------------
+
+// bf16 bits of every fp8 e4m3 / int8 code (both convert exactly: <= 4 / 7 significant bits).
+template <DType CD>
+const std::array<uint16_t, 256>& code_table() {
+  static const std::array<uint16_t, 256> table = [] {
+    std::array<uint16_t, 256> t{};
+    for (int c = 0; c < 256; ++c) {
+      const float f = CD == DType::kFloat8E4M3 ? fp8e4m3_to_float(static_cast<uint8_t>(c))
+                                              : int8_to_float(static_cast<int8_t>(static_cast<uint8_t>(c)));
+      t[c] = static_cast<uint16_t>(kvq_bits(f) >> 16);
+    }
+    return t;
+  }();
+  return table;
+}
+
+#if defined(__AVX512BW__)
+constexpr bool kHaveLut32 = true;
+#else
+constexpr bool kHaveLut32 = false;  // quantized groups go value by value
+#endif
+
+// 32 consecutive cache values at src -> 32 bf16 at dst: a copy (bf16), or, for fp8/int8 codes, four
+// 64-entry lookups in code_table (vpermt2w) picked by each code's top two bits.
+template <DType CD>
+inline void copy32(uint16_t* dst, const char* src) {
+  if constexpr (CD == DType::kBFloat16) {
+    std::memcpy(dst, src, 64);
+  } else {
+#if defined(__AVX512BW__)
+    const uint16_t* table = code_table<CD>().data();
+    const __m512i idx = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    __m512i part[4];
+    for (int i = 0; i < 4; ++i)
+      part[i] = _mm512_permutex2var_epi16(_mm512_loadu_si512(table + 64 * i), idx, _mm512_loadu_si512(table + 64 * i + 32));
+    const __mmask32 b6 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(64));
+    const __mmask32 b7 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(128));
+    const __m512i lo = _mm512_mask_blend_epi16(b6, part[0], part[1]), hi = _mm512_mask_blend_epi16(b6, part[2], part[3]);
+    _mm512_storeu_si512(dst, _mm512_mask_blend_epi16(b7, lo, hi));
+#endif
+  }
+}
+
+// Positions [lo + t0, lo + t1) of pair P (t0, t1 multiples of 16) into its packed run.
+template <DType CD>
+void pack_range(const AttentionStep& a, const Packed& P, int64_t t0, int64_t t1) {
+  constexpr bool kQuant = CD != DType::kBFloat16;
+  const auto* table = kQuant ? code_table<CD>().data() : nullptr;
+  auto bits = [table](const void* base, int64_t i) -> uint16_t {
+    if constexpr (kQuant) return table[static_cast<const uint8_t*>(base)[i]];
+    else return static_cast<const uint16_t*>(base)[i];
+  };
+  const int64_t D = a.D, half = D / 2, len = a.seq_lens[P.seq];
+  const size_t es = kQuant ? 1 : 2, tile_bytes = a.BS * D * es;
+  const int32_t* blocks = a.block_tables + P.seq * a.MB;
+  for (int64_t g0 = t0; g0 < t1; g0 += 16) {
+    const int64_t pos0 = P.lo + g0;
+    uint16_t* kg = P.k + g0 * D;  // the group: dims pair j of token u at kg[32 j + 2 u]
+    if (a.BS % 16 == 0 && pos0 + 16 <= len && (!kQuant || kHaveLut32)) {
+      // a whole group inside one block: the block's K lines and V pairs as they lie, 32 values at a time
+      const int64_t tile = static_cast<int64_t>(blocks[pos0 / a.BS]) * a.KVH + P.kvh, off = pos0 % a.BS;
+      const char* kt = static_cast<const char*>(a.k) + tile * tile_bytes;
+      const char* vt = static_cast<const char*>(a.v) + tile * tile_bytes;
+      for (int64_t j = 0; j < half; ++j) copy32<CD>(kg + 32 * j, kt + (j * a.BS + off) * 2 * es);
+      for (int64_t i = 0; i < 16 * D; i += 32) copy32<CD>(P.v + g0 * D + i, vt + (off * D + i) * es);
+      for (int64_t u = 0; u < 16; ++u) {
+        P.ks[g0 + u] = kQuant ? a.ks[tile * a.BS + off + u] : 1.0f;
+        P.vs[g0 + u] = kQuant ? a.vs[tile * a.BS + off + u] : 1.0f;
+      }
+      continue;
+    }
+    for (int64_t t = g0; t < g0 + 16; ++t) {
+      const int64_t pos = P.lo + t;
+      uint16_t* kd = kg + (t - g0) * 2;            // dims pair j at kd[32 j], kd[32 j + 1]
+      uint16_t* vd = P.v + t / 2 * 2 * D + t % 2;  // dim d at vd[2 d]
+      if (pos >= len) {
+        for (int64_t j = 0; j < half; ++j) kd[32 * j] = kd[32 * j + 1] = 0;
+        for (int64_t d = 0; d < D; ++d) vd[2 * d] = 0;
+        P.ks[t] = P.vs[t] = 0.0f;
+        continue;
+      }
+      const int64_t tile = static_cast<int64_t>(blocks[pos / a.BS]) * a.KVH + P.kvh, off = pos % a.BS;
+      const char* kt = static_cast<const char*>(a.k) + tile * tile_bytes;  // [D/2][BS][2]
+      const char* vt = static_cast<const char*>(a.v) + tile * tile_bytes;  // [BS/2][D][2]
+      for (int64_t j = 0; j < half; ++j) {
+        kd[32 * j] = bits(kt, (j * a.BS + off) * 2);
+        kd[32 * j + 1] = bits(kt, (j * a.BS + off) * 2 + 1);
+      }
+      const int64_t v0 = off / 2 * D * 2 + off % 2;
+      for (int64_t d = 0; d < D; ++d) vd[2 * d] = bits(vt, v0 + 2 * d);
+      P.ks[t] = kQuant ? a.ks[tile * a.BS + off] : 1.0f;
+      P.vs[t] = kQuant ? a.vs[tile * a.BS + off] : 1.0f;
+    }
+  }
+}
+
+void pack(const AttentionStep& a, const Packed& P, int64_t t0, int64_t t1) {
+  switch (a.cdt) {
+    case DType::kFloat8E4M3: pack_range<DType::kFloat8E4M3>(a, P, t0, t1); break;
+    case DType::kInt8: pack_range<DType::kInt8>(a, P, t0, t1); break;
+    default: pack_range<DType::kBFloat16>(a, P, t0, t1); break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Micro-kernels over one chunk: k points at the chunk's packed K (4 groups), v at its packed V
+// (kChunk / 2 pairs), q at nr rows of D bf16, s / p at nr rows of kChunk scores / probabilities.
+// ---------------------------------------------------------------------------------------------
+
+// The softmax of one row's chunk: scores s (raw dot products) of the visible tokens [lo, hi) are
+// scaled (and capped), the running max m and sum l updated; p gets bf16(prob * vs) (zero outside
+// [lo, hi)); returns alpha = exp(m_old - m_new), the factor for the row's accumulator.
+struct RowSoftmax {
+  float scale, softcap;
+  const float* ks;  // the chunk's per-token scales, null for a bf16 cache
+  const float* vs;
+};
+
+float softmax_row_portable(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
+  float x[kChunk];
+  float mx = kNegInf;
+  for (int t = lo; t < hi; ++t) {
+    float v = s[t] * c.scale * (c.ks ? c.ks[t] : 1.0f);
+    if (c.softcap > 0.0f) v = c.softcap * std::tanh(v / c.softcap);
+    x[t] = v;
+    mx = std::max(mx, v);
+  }
+  const float m_new = std::max(m, mx), alpha = std::exp(m - m_new);
+  float sum = 0.0f;
+  for (int t = 0; t < kChunk; ++t) {
+    const float e = t >= lo && t < hi ? std::exp(x[t] - m_new) : 0.0f;
+    sum += e;
+    p[t] = float_to_bf16(c.vs ? e * c.vs[t] : e);
+  }
+  l = l * alpha + sum;
+  m = m_new;
+  return alpha;
+}
+
+void qk_portable(int nr, const uint16_t* q, int64_t D, const uint16_t* k, float* s) {
+  const int64_t half = D / 2;
+  for (int r = 0; r < nr; ++r) {
+    float acc[kChunk] = {};
+    for (int64_t j = 0; j < half; ++j) {
+      const float q0 = bf16_to_float(q[r * D + 2 * j]), q1 = bf16_to_float(q[r * D + 2 * j + 1]);
+      for (int t = 0; t < kChunk; ++t) {
+        const uint16_t* kp = k + (t / 16 * half * 16 + j * 16 + t % 16) * 2;
+        acc[t] += q0 * bf16_to_float(kp[0]) + q1 * bf16_to_float(kp[1]);
+      }
+    }
+    std::copy(acc, acc + kChunk, s + r * kChunk);
+  }
+}
+
+void pv_portable(int nr, const uint16_t* p, const uint16_t* v, int64_t D, int npairs, const float* alpha, float* o) {
+  for (int r = 0; r < nr; ++r) {
+    float* orow = o + r * D;
+    for (int64_t d = 0; d < D; ++d) orow[d] *= alpha[r];
+    for (int pp = 0; pp < npairs; ++pp) {
+      const float p0 = bf16_to_float(p[r * kChunk + 2 * pp]), p1 = bf16_to_float(p[r * kChunk + 2 * pp + 1]);
+      const uint16_t* vp = v + pp * 2 * D;
+      for (int64_t d = 0; d < D; ++d) orow[d] += p0 * bf16_to_float(vp[2 * d]) + p1 * bf16_to_float(vp[2 * d + 1]);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+
+inline __mmask16 tail_mask(int n) { return n <= 0 ? 0 : n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1); }
+
+inline __m512bh bcast_pair(const uint16_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  return (__m512bh)_mm512_set1_epi32(w);
+}
+
+// tanh(x) = 1 - 2 / (e^2x + 1) (exp512 saturates, so large |x| give +-1).
+inline __m512 tanh512(__m512 x) {
+  const __m512 e = exp512(_mm512_add_ps(x, x));
+  return _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+}
+
+// 2^x for x <= 0 (clamped at -126), degree-4 Taylor on [-0.5, 0.5]: ~4e-5 relative, enough for
+// probabilities that are rounded to bf16 (2^-9) right after; half the work of exp512.
+inline __m512 exp2_prob(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(9.6181291e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// As softmax_row_portable, with m in log2 units (scores times log2 e, so exp is exp2).
+float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
+  __m512 x[4];
+  __mmask16 keep[4];
+  __m512 vmax = _mm512_set1_ps(kNegInf);
+  const bool capped = c.softcap > 0.0f;
+  const __m512 scale = _mm512_set1_ps(capped ? c.scale / c.softcap : c.scale * kLog2e);
+  const __m512 cap = _mm512_set1_ps(c.softcap * kLog2e);
+  for (int g = 0; g < 4; ++g) {
+    keep[g] = tail_mask(hi - 16 * g) & static_cast<__mmask16>(~tail_mask(lo - 16 * g));
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * g), scale);
+    if (c.ks) v = _mm512_mul_ps(v, _mm512_loadu_ps(c.ks + 16 * g));
+    if (capped) v = _mm512_mul_ps(cap, tanh512(v));
+    x[g] = v;
+    vmax = _mm512_mask_max_ps(vmax, keep[g], vmax, v);
+  }
+  // The running max moves only when a score passes it by more than kMaxSlack: until then the row's
+  // probabilities stay <= 2^kMaxSlack (harmless in fp32 and bf16) and alpha is exactly 1, so the
+  // accumulator is not rescaled (the AMX path then reads it back without waiting on vector stores).
+  float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+  if (m_new - m <= kMaxSlack) m_new = m;
+  const float alpha = m_new == m ? 1.0f : std::exp2(m - m_new);
+  const __m512 vm = _mm512_set1_ps(m_new);
+  __m512 sum = _mm512_setzero_ps();
+  for (int g = 0; g < 4; ++g) {
+    __m512 e = _mm512_maskz_mov_ps(keep[g], exp2_prob(_mm512_sub_ps(x[g], vm)));
+    sum = _mm512_add_ps(sum, e);
+    if (c.vs) e = _mm512_mul_ps(e, _mm512_loadu_ps(c.vs + 16 * g));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * g), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  l = l * alpha + _mm512_reduce_add_ps(sum);
+  m = m_new;
+  return alpha;
+}
+
+template <int NR>
+void qk_avx(const uint16_t* q, int64_t D, const uint16_t* k, float* s) {
+  __m512 acc[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
+  const int64_t half = D / 2, group = 16 * D;
+  for (int64_t j = 0; j < half; ++j) {
+    __m512bh kv[4];
+    for (int g = 0; g < 4; ++g) kv[g] = (__m512bh)_mm512_loadu_si512(k + g * group + 32 * j);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh qb = bcast_pair(q + r * D + 2 * j);
+      for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], kv[g], qb);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int g = 0; g < 4; ++g) _mm512_storeu_ps(s + r * kChunk + 16 * g, acc[r][g]);
+}
+
+template <int NR>
+void pv_avx(const uint16_t* p, const uint16_t* v, int64_t D, int npairs, const float* alpha, float* o) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 x[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i)
+        x[r][i] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d0 + 16 * i), _mm512_set1_ps(alpha[r]));
+    for (int pp = 0; pp < npairs; ++pp) {
+      const uint16_t* vp = v + pp * 2 * D + 2 * d0;
+      __m512bh vv[4];
+      for (int i = 0; i < 4; ++i) vv[i] = (__m512bh)_mm512_loadu_si512(vp + 32 * i);
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh pr = bcast_pair(p + r * kChunk + 2 * pp);
+        for (int i = 0; i < 4; ++i) x[r][i] = _mm512_dpbf16_ps(x[r][i], vv[i], pr);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(o + r * D + d0 + 16 * i, x[r][i]);
+  }
+}
+
+template <int NR>
+void row_group_avx(const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k, const uint16_t* v,
+                   const int* lo, const int* hi, float* m, float* l, float* o, Scratch& w) {
+  qk_avx<NR>(q, D, k, w.s.data());
+  float alpha[NR];
+  int maxhi = 0;
+  for (int r = 0; r < NR; ++r) {
+    uint16_t* p = w.p.data() + r * kChunk;
+    if (lo[r] < hi[r]) {
+      alpha[r] = softmax_row_avx(c, w.s.data() + r * kChunk, lo[r], hi[r], m[r], l[r], p);
+      maxhi = std::max(maxhi, hi[r]);
+    } else {
+      alpha[r] = 1.0f;
+      std::memset(p, 0, kChunk * 2);
+    }
+  }
+  pv_avx<NR>(w.p.data(), v, D, (maxhi + 1) / 2, alpha, o);
+}
+
+#endif
+
+#if defined(PYENGINE_PREFILL_AMX)
+// AMX: 16 q rows per pass. Every tile is 16 rows x 64 bytes:
+//   QK: S tiles tmm0..3 (16 rows x 16 tokens fp32, one per 16-token group) += Q tile tmm4 (16 rows x
+//       32 dims) . K tile tmm5 (16 dims pairs x 16 tokens x 2: a packed group's pairs, as they lie)
+//   PV: O tiles tmm0..3 (16 rows x 16 dims, a 64-dim slice; O scaled by alpha first) += P tile tmm4
+//       (16 rows x 32 tokens) . V tile tmm5 (16 token pairs x 16 dims x 2: the packed V, as it lies)
+// Softmax between the two runs on the AVX-512 units, row by row, as in the vdpbf16ps path.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Asks Linux once for the AMX tile state (XFEATURE_XTILEDATA) for this process.
+bool amx_usable() {
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+void load_tile_config() {
+  TileConfig cfg;
+  for (int i = 0; i < 6; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+// S[16 rows][kChunk] = q . k (raw dot products).
+void qk_amx(const uint16_t* q, int64_t D, const uint16_t* k, float* s) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < D / 32; ++kb) {  // 32 dims (16 pairs) per step
+    _tile_loadd(4, q + kb * 32, D * 2);
+    const uint16_t* kt = k + kb * 16 * 32;
+    _tile_loadd(5, kt, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, kt + 16 * D, 64);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, kt + 32 * D, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, kt + 48 * D, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, s, kChunk * 4);
+  _tile_stored(1, s + 16, kChunk * 4);
+  _tile_stored(2, s + 32, kChunk * 4);
+  _tile_stored(3, s + 48, kChunk * 4);
+}
+
+// o[16 rows][D] += p[16 rows][32 * nblocks tokens] . v.
+void pv_amx(const uint16_t* p, const uint16_t* v, int64_t D, int nblocks, float* o) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    _tile_loadd(0, o + d0, D * 4);
+    _tile_loadd(1, o + d0 + 16, D * 4);
+    _tile_loadd(2, o + d0 + 32, D * 4);
+    _tile_loadd(3, o + d0 + 48, D * 4);
+    for (int tb = 0; tb < nblocks; ++tb) {
+      _tile_loadd(4, p + tb * 32, kChunk * 2);
+      const uint16_t* vt = v + tb * 16 * 2 * D + 2 * d0;
+      _tile_loadd(5, vt, D * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, vt + 32, D * 4);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, vt + 64, D * 4);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, vt + 96, D * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, o + d0, D * 4);
+    _tile_stored(1, o + d0 + 16, D * 4);
+    _tile_stored(2, o + d0 + 32, D * 4);
+    _tile_stored(3, o + d0 + 48, D * 4);
+  }
+}
+
+// The PV of a row group whose softmax is done, run after the next group's QK (AmxPipeline).
+struct PendingPv {
+  const uint16_t* p = nullptr;
+  const uint16_t* v = nullptr;
+  float* o = nullptr;
+  int nblocks = 0;
+};
+
+// The AMX path's row groups in order, software-pipelined: group i's PV runs after group i+1's QK,
+// so its tile loads of the probabilities and accumulator (just written by vector stores, which tile
+// loads do not forward from) find them in L1 instead of stalling on the store drain.
+class AmxPipeline {
+ public:
+  explicit AmxPipeline(Scratch& w) : w_(w) { load_tile_config(); }
+  ~AmxPipeline() {
+    flush();
+    _tile_release();
+  }
+
+  void group(const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k, const uint16_t* v, const int* lo,
+             const int* hi, float* m, float* l, float* o) {
+    float* s = w_.s.data();
+    qk_amx(q, D, k, s);
+    flush();
+    uint16_t* p = w_.p.data() + buf_ * kAmxRows * kChunk;
+    buf_ ^= 1;
+    int maxhi = 0;
+    for (int r = 0; r < kAmxRows; ++r) {
+      float alpha = 1.0f;
+      if (lo[r] < hi[r]) {
+        alpha = softmax_row_avx(c, s + r * kChunk, lo[r], hi[r], m[r], l[r], p + r * kChunk);
+        maxhi = std::max(maxhi, hi[r]);
+      } else {
+        std::memset(p + r * kChunk, 0, kChunk * 2);
+      }
+      if (alpha != 1.0f) {
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), va));
+      }
+    }
+    pending_ = {p, v, o, (maxhi + 31) / 32};  // 32-token blocks holding a probability
+    D_ = D;
+  }
+
+  void flush() {
+    if (pending_.p) pv_amx(pending_.p, pending_.v, D_, pending_.nblocks, pending_.o);
+    pending_ = {};
+  }
+
+ private:
+  Scratch& w_;
+  PendingPv pending_;
+  int64_t D_ = 0;
+  int buf_ = 0;
+};
+#endif
+
+void row_group_portable(int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k,
+                        const uint16_t* v, const int* lo, const int* hi, float* m, float* l, float* o, Scratch& w) {
+  qk_portable(nr, q, D, k, w.s.data());
+  float alpha[kRows];
+  int maxhi = 0;
+  for (int r = 0; r < nr; ++r) {
+    uint16_t* p = w.p.data() + r * kChunk;
+    if (lo[r] < hi[r]) {
+      alpha[r] = softmax_row_portable(c, w.s.data() + r * kChunk, lo[r], hi[r], m[r], l[r], p);
+      maxhi = std::max(maxhi, hi[r]);
+    } else {
+      alpha[r] = 1.0f;
+      std::memset(p, 0, kChunk * 2);
+    }
+  }
+  pv_portable(nr, w.p.data(), v, D, (maxhi + 1) / 2, alpha, o);
+}
+
+// nr (<= kRows) rows of one chunk, on the vdpbf16ps or portable path.
+void row_group(Path path, int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k,
+               const uint16_t* v, const int* lo, const int* hi, float* m, float* l, float* o, Scratch& w) {
+#if defined(__AVX512BF16__)
+  if (path == Path::kAvx512Bf16) {
+    switch (nr) {
+      case 1: return row_group_avx<1>(c, q, D, k, v, lo, hi, m, l, o, w);
+      case 2: return row_group_avx<2>(c, q, D, k, v, lo, hi, m, l, o, w);
+      case 3: return row_group_avx<3>(c, q, D, k, v, lo, hi, m, l, o, w);
+      case 4: return row_group_avx<4>(c, q, D, k, v, lo, hi, m, l, o, w);
+      case 5: return row_group_avx<5>(c, q, D, k, v, lo, hi, m, l, o, w);
+      default: return row_group_avx<6>(c, q, D, k, v, lo, hi, m, l, o, w);
+    }
+  }
+#endif
+  row_group_portable(nr, c, q, D, k, v, lo, hi, m, l, o, w);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One work item: query tokens [tok0, tok1) of pair P, all their visible positions.
+// ---------------------------------------------------------------------------------------------
+void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok1, Path path, Scratch& w) {
+  const int64_t G = a.H / a.KVH, D = a.D, rows = (tok1 - tok0) * G;
+  const int64_t q_start = a.qsl[P.seq], first = a.seq_lens[P.seq] - (a.qsl[P.seq + 1] - q_start);
+  const int group = path == Path::kAmx ? kAmxRows : kRows;
+  const int64_t padded = (rows + group - 1) / group * group;  // zero rows complete the last AMX tile
+  w.fit(rows, D);
+  for (int64_t r = 0; r < padded; ++r) {
+    const int64_t tok = q_start + tok0 + r / G, head = P.kvh * G + r % G;
+    if (r < rows) std::memcpy(w.q.data() + r * D, static_cast<const uint16_t*>(a.q) + tok * a.q_stride + head * D, D * 2);
+    else std::fill(w.q.data() + r * D, w.q.data() + (r + 1) * D, uint16_t{0});
+    std::fill(w.o.data() + r * D, w.o.data() + (r + 1) * D, 0.0f);
+    w.m[r] = kNegInf;
+    w.l[r] = 0.0f;
+  }
+#if defined(PYENGINE_PREFILL_AMX)
+  std::optional<AmxPipeline> amx;
+  if (path == Path::kAmx) amx.emplace(w);
+#endif
+  const int64_t pos0 = first + tok0, pos_end = first + tok1;  // the item's positions [pos0, pos_end)
+  const int64_t kv_lo = a.window > 0 ? std::max<int64_t>(0, pos0 + 1 - a.window) : 0;
+  for (int64_t c0 = kv_lo / kChunk * kChunk; c0 < pos_end; c0 += kChunk) {
+    const int64_t t = c0 - P.lo;  // the chunk in the packed run
+    const bool quant = a.cdt != DType::kBFloat16;
+    const RowSoftmax sm{a.scale, a.softcap, quant ? P.ks + t : nullptr, quant ? P.vs + t : nullptr};
+    for (int64_t r0 = 0; r0 < rows; r0 += group) {
+      const int nr = static_cast<int>(std::min<int64_t>(group, rows - r0));
+      int lo[kAmxRows] = {}, hi[kAmxRows] = {};  // padding rows see nothing
+      bool any = false;
+      for (int r = 0; r < nr; ++r) {
+        const int64_t end = first + tok0 + (r0 + r) / G + 1 - c0;  // the row's causal end in the chunk
+        hi[r] = static_cast<int>(std::clamp<int64_t>(end, 0, kChunk));
+        lo[r] = a.window > 0 ? static_cast<int>(std::clamp<int64_t>(end - a.window, 0, kChunk)) : 0;
+        any |= lo[r] < hi[r];
+      }
+      if (!any) continue;
+#if defined(PYENGINE_PREFILL_AMX)
+      if (amx) {
+        amx->group(sm, w.q.data() + r0 * D, D, P.k + t * D, P.v + t * D, lo, hi, w.m.data() + r0, w.l.data() + r0,
+                   w.o.data() + r0 * D);
+        continue;
+      }
+#endif
+      row_group(path, nr, sm, w.q.data() + r0 * D, D, P.k + t * D, P.v + t * D, lo, hi, w.m.data() + r0,
+                w.l.data() + r0, w.o.data() + r0 * D, w);
+    }
+  }
+#if defined(PYENGINE_PREFILL_AMX)
+  amx.reset();  // the last group's PV
+#endif
+  uint16_t* out = static_cast<uint16_t*>(a.out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = q_start + tok0 + r / G, head = P.kvh * G + r % G;
+    const float inv = 1.0f / w.l[r];
+    for (int64_t d = 0; d < D; ++d) out[(tok * a.H + head) * D + d] = float_to_bf16(w.o[r * D + d] * inv);
+  }
+}
+
+// Packs the pairs [p0, p1) into buf, then runs all their items.
+void run_batch(const AttentionStep& a, std::vector<Packed>& pairs, int64_t p0, int64_t p1, Path path) {
+  static thread_local std::vector<uint16_t> kv;
+  static thread_local std::vector<float> scales;
+  int64_t tokens = 0;
+  for (int64_t i = p0; i < p1; ++i) tokens += pairs[i].n;
+  kv.resize(tokens * a.D * 2 + 32);
+  scales.resize(tokens * 2);
+  uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(kv.data()) + 63) & ~uintptr_t{63});
+  int64_t off = 0;
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (pair, first position) of each packing task
+  for (int64_t i = p0; i < p1; ++i) {
+    Packed& P = pairs[i];
+    P.k = base + off * a.D * 2;
+    P.v = P.k + P.n * a.D;
+    P.ks = scales.data() + off * 2;
+    P.vs = P.ks + P.n;
+    off += P.n;
+    for (int64_t t = 0; t < P.n; t += kPackTokens) tasks.emplace_back(i, t);
+  }
+  auto& pool = ThreadPool::instance();
+  pool.parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Packed& P = pairs[tasks[i].first];
+    pack(a, P, tasks[i].second, std::min(P.n, tasks[i].second + kPackTokens));
+  });
+
+  const int64_t G = a.H / a.KVH, item_tokens = std::max<int64_t>(1, kItemRows / G);
+  std::vector<Item> items;
+  for (int64_t i = p0; i < p1; ++i) {
+    const Packed& P = pairs[i];
+    const int64_t q_len = a.qsl[P.seq + 1] - a.qsl[P.seq], first = a.seq_lens[P.seq] - q_len;
+    for (int64_t t0 = 0; t0 < q_len; t0 += item_tokens) {
+      const int64_t t1 = std::min(q_len, t0 + item_tokens);
+      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, first + t0 + 1 - a.window) : 0;
+      items.push_back({static_cast<int32_t>(i), static_cast<int32_t>(t0), static_cast<int32_t>(t1),
+                       (first + t1 - lo) * (t1 - t0)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.work > y.work; });
+  pool.parallel_for(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    thread_local Scratch w;
+    run_item(a, pairs[items[i].pair], items[i].tok0, items[i].tok1, path, w);
+  });
+}
+
+// The best path this build and machine have, at most g_cap.
+Path best_path() {
+  [[maybe_unused]] const Path cap = g_cap.load();
+#if defined(PYENGINE_PREFILL_AMX)
+  if (cap == Path::kAmx && amx_usable()) return Path::kAmx;
+#endif
+#if defined(__AVX512BF16__)
+  if (cap != Path::kPortable) return Path::kAvx512Bf16;
+#endif
+  return Path::kPortable;
+}
+
+}  // namespace
+
+bool prefill_attention_supports(const AttentionStep& a) {
+  const bool cache_ok = a.cdt == DType::kBFloat16 || a.cdt == DType::kFloat8E4M3 || a.cdt == DType::kInt8;
+  return a.qdt == DType::kBFloat16 && cache_ok && a.D % 64 == 0 && a.D <= 256;
+}
+
+void prefill_attention_cpu(const AttentionStep& a, const int32_t* seqs, int64_t nseqs) {
+  const Path path = best_path();
+  std::vector<Packed> pairs;
+  for (int64_t i = 0; i < nseqs; ++i) {
+    const int32_t s = seqs[i];
+    const int64_t len = a.seq_lens[s], first = len - (a.qsl[s + 1] - a.qsl[s]);
+    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, first + 1 - a.window) / kChunk * kChunk : 0;
+    const int64_t n = (len - lo + kChunk - 1) / kChunk * kChunk;
+    for (int32_t h = 0; h < a.KVH; ++h) pairs.push_back({s, h, lo, n, nullptr, nullptr, nullptr, nullptr});
+  }
+  // batches of pairs whose packed K/V fit the budget (at least one pair each)
+  const int64_t pair_bytes_per_token = a.D * 4 + 8;
+  for (int64_t p0 = 0, p1; p0 < static_cast<int64_t>(pairs.size()); p0 = p1) {
+    int64_t bytes = pairs[p0].n * pair_bytes_per_token;
+    for (p1 = p0 + 1; p1 < static_cast<int64_t>(pairs.size()); ++p1) {
+      bytes += pairs[p1].n * pair_bytes_per_token;
+      if (bytes > kPackBudget) break;
+    }
+    run_batch(a, pairs, p0, p1, path);
+  }
+}
+
+void set_prefill_attention_path(const std::string& name) {
+  if (name == "amx") g_cap.store(Path::kAmx);
+  else if (name == "avx512_bf16") g_cap.store(Path::kAvx512Bf16);
+  else if (name == "portable") g_cap.store(Path::kPortable);
+  else throw std::invalid_argument("prefill attention path must be amx, avx512_bf16 or portable, got " + name);
+}
+
+std::string prefill_attention_path() {
+  switch (best_path()) {
+    case Path::kAmx: return "amx";
+    case Path::kAvx512Bf16: return "avx512_bf16";
+    default: return "portable";
+  }
+}
+
+}  // namespace pyengine

@@ -1,0 +1,38 @@
+// The prompt side of paged attention (prefill_attention.cpp) and the step entry that splits a mixed
+// step between it and the decode kernel (attention_step.cpp).
+#pragma once
+#include <cstdint>
+
+#include "pyengine/dtype.h"
+
+namespace pyengine {
+
+// One attention step's arguments: paged_attention_cpu's list (cpu_ops.h), as a struct.
+struct AttentionStep {
+  void* out;
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* ks;
+  const float* vs;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* qsl;
+  int64_t T, H, KVH, D, q_stride, NB, BS, S, MB, max_seq_len;
+  float scale;
+  DType qdt, cdt;
+  int64_t window;  // 0 = unlimited
+  float softcap;   // 0 = none
+};
+
+// Sequences with at least this many query tokens in a step go to the prefill kernel (when it takes
+// the step's dtypes and head_dim); shorter ones, decodes included, to paged_attention_cpu.
+constexpr int64_t kPrefillMinQueries = 16;
+
+// bf16 q over a bf16, fp8 or int8 cache, head_dim a multiple of 64 (<= 256).
+bool prefill_attention_supports(const AttentionStep& a);
+
+// Attention of the sequences seqs[0, nseqs) of a validated step (the others are not touched).
+void prefill_attention_cpu(const AttentionStep& a, const int32_t* seqs, int64_t nseqs);
+
+}  // namespace pyengine

@@ -1,0 +1,114 @@
+"""The prefill attention kernel (native/cpu/prefill_attention.cpp) against the torch reference, on each
+of its paths: prompts (>= 16 query tokens) of bf16 steps go to it, the rest of a step to the decode
+kernel (native/cpu/attention_step.cpp splits the step)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pyengine import _C
+from pyengine.ops.attention import from_cache_layout, paged_attention, to_cache_layout
+from tests.test_attention import make_batch, reference
+
+PATHS = ["amx", "avx512_bf16", "portable"]
+
+# Prompts and prompt chunks of ragged lengths (partial last blocks, a chunk after a cached prefix, one
+# ending on a block boundary, the 16-query threshold), decodes and a sequence with no query this step.
+PROMPTS = [(17, 17), (300, 300), (650, 70), (64, 16), (5, 1), (200, 15), (10, 0), (129, 129)]
+
+
+@pytest.fixture(params=PATHS)
+def path(request):
+    """Runs the test with the prefill kernel capped at one path; skips paths this build/CPU lacks."""
+    threads = _C.num_threads()
+    _C.set_prefill_attention_path(request.param)
+    _C.set_num_threads(2)  # items run in parallel
+    try:
+        if _C.prefill_attention_path() != request.param:
+            pytest.skip(f"no {request.param} path here (the best is {_C.prefill_attention_path()})")
+        yield request.param
+    finally:
+        _C.set_prefill_attention_path("amx")
+        _C.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("gqa,kv_heads,head_dim,block_size", [
+    (3, 3, 64, 16),   # the default model's shape (GQA 3:1)
+    (4, 2, 64, 8),    # GQA 4:1, blocks of 8
+    (4, 2, 128, 32),  # head_dim 128
+    (3, 1, 128, 16),
+    (1, 2, 64, 24),   # no GQA; a block size that is no multiple of 16
+])
+def test_prompts_match_reference(path, gqa, kv_heads, head_dim, block_size):
+    q, kc, vc, bt, sl, qsl, _ = make_batch(PROMPTS, gqa * kv_heads, kv_heads, head_dim, block_size, torch.bfloat16)
+    scale = 1.0 / math.sqrt(head_dim)
+    out = paged_attention(q, kc, vc, bt, sl, qsl, scale)
+    torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, scale), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 128)])
+def test_quantized_cache(path, cache_dtype, block_size, head_dim):
+    q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(PROMPTS, 9, 3, head_dim, block_size, torch.bfloat16,
+                                                  cache_dtype=cache_dtype, seed=2)
+    out = paged_attention(q, kc, vc, bt, sl, qsl, 0.1, k_scales=ks, v_scales=vs)
+    torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.1, ks, vs), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (40, 0.0), (64, 0.0), (100, 0.0), (0, 5.0), (33, 2.0)])
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_window_and_softcap(path, window, softcap, cache_dtype):
+    """Sliding windows shorter than a chunk, equal to it and spanning several; Gemma 2's soft-cap."""
+    q, kc, vc, bt, sl, qsl, scales = make_batch(PROMPTS, 8, 2, 64, 16, torch.bfloat16, cache_dtype=cache_dtype,
+                                                seed=3)
+    ks, vs = scales or (None, None)
+    q = q * 3  # large scores, so the cap changes them
+    out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125, k_scales=ks, v_scales=vs, window=window, softcap=softcap)
+    ref = reference(q, kc, vc, bt, sl, qsl, 0.125, ks, vs, window=window, softcap=softcap)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_long_prompt_and_nan_in_unowned_slots(path):
+    """A 2k-token prompt (several kv chunks per query block, items of unequal causal work) beside a
+    shorter chunk; NaN in every slot no sequence owns must not leak."""
+    specs = [(2048, 2048), (1100, 100)]
+    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, 16, torch.bfloat16, seed=4)
+    k, v = from_cache_layout(kc, vc)
+    owned = torch.zeros(k.shape[0], 16, dtype=torch.bool)
+    for s, (L, _) in enumerate(specs):
+        for pos in range(L):
+            owned[bt[s, pos // 16], pos % 16] = True
+    k[~owned[:, None, :, None].expand_as(k)] = float("nan")
+    v[~owned[:, None, :, None].expand_as(v)] = float("nan")
+    kc, vc = to_cache_layout(k, v, "cpu")
+    out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
+    ref = reference(q, kc.nan_to_num(), vc.nan_to_num(), bt, sl, qsl, 0.125)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_strided_q_in_a_mixed_step(path):
+    """q as a view of a fused QKV output, prompts beside decodes (whose rows the step gathers)."""
+    q, kc, vc, bt, sl, qsl, _ = make_batch([(40, 1), (90, 33), (9, 1)], 4, 2, 64, 8, torch.bfloat16, seed=5)
+    T = q.shape[0]
+    qkv = torch.cat([q.reshape(T, -1), torch.randn(T, 2 * 2 * 64).bfloat16()], dim=1)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(qkv[:, : 4 * 64].view(T, 4, 64), kc, vc, bt, sl, qsl, 0.3, out=out)
+    torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.3), atol=2e-2, rtol=2e-2)
+
+
+def test_bad_argument_changes_nothing():
+    """The step is validated before either kernel runs: a bad block id in a decode leaves the prompt's
+    output rows untouched."""
+    q, kc, vc, bt, sl, qsl, _ = make_batch([(64, 64), (20, 1)], 4, 2, 64, 16, torch.bfloat16)
+    bt[1, 0] = 10**6
+    out = torch.zeros_like(q)
+    with pytest.raises(ValueError, match="block_tables\\[1, 0\\]"):
+        paged_attention(q, kc, vc, bt, sl, qsl, 0.125, out=out)
+    assert not out.any()
+
+
+def test_unknown_path_name():
+    with pytest.raises(ValueError, match="amx, avx512_bf16 or portable"):
+        _C.set_prefill_attention_path("sse")
