@@ -15,10 +15,9 @@ import argparse
 import random
 import time
 
+import engine_common  # noqa: F401  (puts the checkout first on sys.path)
 import pyengine  # noqa: F401  (before torch: it sets the OpenMP spin policy)
 import torch
-
-import engine_common  # noqa: F401  (puts the checkout first on sys.path)
 
 KV_DTYPES = ("auto", "int8", "fp8")
 
@@ -38,8 +37,8 @@ def decode_tok_s(parts, kv: str, prompts: list[list[int]], steps: int, threads: 
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params, prompt_token_ids=p)
-    sched = engine.scheduler
-    while len(sched.waiting) or any(r.num_output_tokens == 0 for r in sched.running):  # prefills
+    requests = [engine.groups[str(i)].children[0] for i in range(len(prompts))]
+    while any(r.num_output_tokens == 0 for r in requests):  # the prefills
         engine.step()
     t0 = time.perf_counter()
     for _ in range(steps):
