@@ -614,10 +614,14 @@ inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const uint16_t* 
         for (int r = 0; r < NR; ++r) x[r][k] = dot2<CD>(x[r][k], v, pr[r]);
       }
     };
-    const int full = std::min(npairs, c.n / 2);
-    for (int p = 0; p < full; ++p) pair(p, 0xffffffffu);
-    // the odd token of a half pair at the chunk's end may be any slot: zero it (0 * NaN is NaN)
-    if (full < npairs) pair(full, 0x55555555u);
+    if constexpr (CD == DType::kInt8) {  // integer products: a zero weight zeroes whatever a slot holds
+      for (int p = 0; p < npairs; ++p) pair(p, 0xffffffffu);
+    } else {
+      const int full = std::min(npairs, c.n / 2);
+      for (int p = 0; p < full; ++p) pair(p, 0xffffffffu);
+      // the odd token of a half pair at the chunk's end may be any slot: zero it (0 * NaN is NaN)
+      if (full < npairs) pair(full, 0x55555555u);
+    }
     for (int r = 0; r < NR; ++r)
       for (int k = 0; k < 4; ++k) {
         float* o = acc + r * D + d0 + 16 * k;
