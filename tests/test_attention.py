@@ -153,17 +153,19 @@ def test_quantized_cache_matches_dequantized_reference(cache_dtype, dtype, block
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("block_size", [2, 16])  # 16 with bf16 q: the bf16 path's own conversions
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_quantized_code_decodes_exactly(cache_dtype, dtype):
+def test_every_quantized_code_decodes_exactly(cache_dtype, dtype, block_size):
     """With one cached token the output is that token's V row: every code (x 0.5) must come back exactly."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     if cache_dtype == torch.float8_e4m3fn:
         codes[(codes & 0x7F) == 0x7F] = 0  # NaN codes are never written
     v_rows = codes.view(cache_dtype).view(2, 1, 1, 128)
-    v_logical = torch.cat([v_rows, torch.zeros_like(v_rows)], dim=2)  # block size 2, the token at offset 0
+    pad = torch.zeros(2, 1, block_size - 1, 128).to(cache_dtype)
+    v_logical = torch.cat([v_rows, pad], dim=2)  # the token at offset 0
     k_cache, v_cache = to_cache_layout(torch.zeros_like(v_logical), v_logical, "cpu")
-    scales = torch.full((2, 1, 2), 0.5)
+    scales = torch.full((2, 1, block_size), 0.5)
     bt = torch.tensor([[0], [1]], dtype=torch.int32)
     ones = torch.ones(2, dtype=torch.int32)
     q = torch.randn(2, 2, 128).to(dtype)
