@@ -1,19 +1,24 @@
 """Decode and prefill attention at the default model's shape, beside the machine's read bandwidth, the
 GEMMs and torch SDPA.
 
-Run: python -m pytest bench/bench_attention.py -q --benchmark-columns=mean,stddev,rounds
+Run: python -m pytest bench/bench_attention.py -q --benchmark-columns=min,mean,rounds
+     BENCH_ATTENTION_FULL=1 python -m pytest bench/bench_attention.py ...   (the full decode grid)
      (-k decode / -k prefill for one half; the prefill half takes a few minutes: 8k-token prompts)
 
 Decode.
-Shape: 9 q heads, 3 kv heads, head_dim 64, block 16, bf16 cache; batch 1/8/32 x context 512/2048/8192;
-2 threads for both pyengine and torch. Per point, in the same run:
-  paged  pyengine paged_attention over a shuffled paged cache (one decode token per sequence)
-  read   pyengine read_bandwidth over a buffer of the same size as the K/V the kernel reads
-  sdpa   torch scaled_dot_product_attention (enable_gqa) on already-gathered contiguous K/V
-GB/s = K/V bytes / time. Every round starts from a cold last-level cache, as each layer's K/V does in a
-model step. A table of the fastest round of each (min: the most robust figure on a shared machine; the
-means are in pytest-benchmark's own table) is printed at the end of the module. The three kinds of a
-point run back to back: this host's memory bandwidth drifts by +-30% over minutes.
+Shape: 9 q heads, 3 kv heads, head_dim 64, block 16, bf16 q; KV cache bf16, int8 and fp8 (one fp32
+scale per token and kv head); batch 8/32 x context 2k/8k and batch 1 x 8k by default, batch
+1/8/32/64 x context 512/2k/8k/32k with BENCH_ATTENTION_FULL=1; 2 threads for pyengine and torch.
+Per point, in the same run:
+  bf16, int8, fp8  pyengine paged_attention over a shuffled paged cache (one decode token per sequence)
+  read2, read1     pyengine read_bandwidth over a buffer of as many bytes as the bf16 (read2) or the
+                   int8/fp8 (read1: codes and scales) kernel reads
+  sdpa             torch scaled_dot_product_attention (enable_gqa) on already-gathered contiguous bf16 K/V
+GB/s = bytes read / time; %read = the plain read's time over the kernel's (100%: as fast as a read of
+the same bytes). Every round starts from a cold last-level cache, as each layer's K/V does in a model
+step. A table of the fastest round of each (min: the most robust figure on a shared machine; the means
+are in pytest-benchmark's own table) is printed at the end of the module. The kinds of a point run
+back to back: this host's memory bandwidth drifts by +-30% over minutes.
 
 Prefill (one prompt of 512 / 2048 / 8192 tokens, bf16, same heads, 2 threads), GFLOP/s of the causal
 attention (4 H D L (L + 1) / 2 flops) per path of the prefill kernel (native/cpu/prefill_attention.cpp:
@@ -24,6 +29,8 @@ context), default model and settings (prefix caching off), prompt tokens/s of th
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,7 +39,12 @@ from pyengine import _C
 from pyengine.ops.attention import paged_attention, to_cache_layout
 
 H, KVH, D, BS, DTYPE = 9, 3, 64, 16, torch.bfloat16
-BATCHES, CONTEXTS = (1, 8, 32), (512, 2048, 8192)
+if os.environ.get("BENCH_ATTENTION_FULL") == "1":
+    POINTS = [(b, c) for b in (1, 8, 32, 64) for c in (512, 2048, 8192, 32768)]
+else:
+    POINTS = [(1, 8192), (8, 2048), (8, 8192), (32, 2048), (32, 8192)]
+CACHES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+READ_OF = {"bf16": "read2", "int8": "read1", "fp8": "read1"}
 RESULTS: dict[tuple[int, int, str], float] = {}
 PROMPTS = (512, 2048, 8192)
 PREFILL_KINDS = ("amx", "avx512_bf16", "sdpa", "gemm", "gemm_torch")
@@ -40,8 +52,10 @@ PREFILL: dict[tuple[int, str], float] = {}  # (prompt length, kind): GFLOP/s, or
 GATE_UP = (3072, 576)
 
 
-def kv_bytes(batch: int, ctx: int) -> int:
-    return 2 * batch * ctx * KVH * D * DTYPE.itemsize
+def kv_bytes(batch: int, ctx: int, kind: str) -> int:
+    """Bytes of K and V the kernel reads: bf16 elements, or 1-byte codes plus an fp32 scale per row."""
+    rows = 2 * batch * ctx * KVH
+    return rows * D * 2 if kind in ("bf16", "read2", "sdpa") else rows * (D + 4)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,18 +66,20 @@ def two_threads_and_table(request):
     yield
     torch.set_num_threads(threads[0])
     _C.set_num_threads(threads[1])
-    lines = ["", "decode attention (bf16, 9/3 heads, D 64, block 16, 2 threads): min us, GB/s of K/V read",
-             f"{'batch':>5} {'ctx':>5} {'paged us':>9} {'GB/s':>6} {'read us':>8} {'GB/s':>6} {'%read':>6} "
-             f"{'sdpa us':>8} {'x sdpa':>7}"]
-    for b in BATCHES:
-        for c in CONTEXTS:
-            t = {k: RESULTS.get((b, c, k)) for k in ("paged", "read", "sdpa")}
-            if None in t.values():
-                continue
-            gb = kv_bytes(b, c) / 1e9
-            lines.append(f"{b:>5} {c:>5} {t['paged'] * 1e6:>9.1f} {gb / t['paged']:>6.1f} {t['read'] * 1e6:>8.1f} "
-                         f"{gb / t['read']:>6.1f} {100 * t['read'] / t['paged']:>5.0f}% {t['sdpa'] * 1e6:>8.1f} "
-                         f"{t['sdpa'] / t['paged']:>6.1f}x")
+    head = f"{'batch':>5} {'ctx':>5} {'read2 GB/s':>10} {'read1 GB/s':>10}"
+    for c in CACHES:
+        head += f" | {c + ' us':>8} {'GB/s':>5} {'%read':>5}"
+    lines = ["", "decode attention (9/3 heads, D 64, block 16, bf16 q, 2 threads): min us, GB/s of K/V read, "
+             "% of a plain read of the same bytes", head + f" | {'sdpa us':>8} {'bf16 x':>6}"]
+    for b, c in POINTS:
+        t = {k: RESULTS.get((b, c, k)) for k in (*CACHES, "read2", "read1", "sdpa")}
+        if None in t.values():
+            continue
+        line = f"{b:>5} {c:>5} {kv_bytes(b, c, 'read2') / t['read2'] / 1e9:>10.1f} " \
+               f"{kv_bytes(b, c, 'read1') / t['read1'] / 1e9:>10.1f}"
+        for k in CACHES:
+            line += f" | {t[k] * 1e6:>8.0f} {kv_bytes(b, c, k) / t[k] / 1e9:>5.1f} {100 * t[READ_OF[k]] / t[k]:>4.0f}%"
+        lines.append(line + f" | {t['sdpa'] * 1e6:>8.0f} {t['sdpa'] / t['bf16']:>5.1f}x")
     lines += ["", "prefill (bf16, 9/3 heads, D 64, 2 threads): GFLOP/s at min time; GEMMs at M = L on gate_up "
               "(3072 x 576); end-to-end tok/s",
               f"{'L':>5} " + " ".join(f"{k:>11}" for k in PREFILL_KINDS) + f" {'e2e tok/s':>10}"]
@@ -79,58 +95,79 @@ def two_threads_and_table(request):
 def record(benchmark, batch: int, ctx: int, kind: str) -> None:
     best = benchmark.stats.stats.min
     RESULTS[(batch, ctx, kind)] = best
-    benchmark.extra_info["kv_GBps_at_min"] = kv_bytes(batch, ctx) / best / 1e9
+    benchmark.extra_info["kv_GBps_at_min"] = kv_bytes(batch, ctx, kind) / best / 1e9
 
 
-def decode_batch(batch: int, ctx: int):
-    """q, logical [NB, KVH, BS, D] K/V caches over shuffled blocks, and the step's metadata."""
+def decode_batch(batch: int, ctx: int, cache: str):
+    """q, logical [NB, KVH, BS, D] K/V caches (and scales) over shuffled blocks, and the step's metadata."""
     g = torch.Generator().manual_seed(0)
     nb = ctx // BS
-    k_cache = torch.randn(batch * nb, KVH, BS, D, generator=g).to(DTYPE)
-    v_cache = torch.randn(batch * nb, KVH, BS, D, generator=g).to(DTYPE)
+    k_cache = torch.randn(batch * nb, KVH, BS, D, generator=g, dtype=torch.bfloat16)
+    v_cache = torch.randn(batch * nb, KVH, BS, D, generator=g, dtype=torch.bfloat16)
+    scales = None
+    if cache != "bf16":  # per (block, head, token) row, as the engine's cache writes do
+        qmax = 127.0 if cache == "int8" else 448.0
+        scales = [c.float().abs().amax(-1) / qmax for c in (k_cache, v_cache)]
+        codes = [c.float() / s[..., None] for c, s in zip((k_cache, v_cache), scales)]
+        k_cache, v_cache = (x.round().to(torch.int8) if cache == "int8" else x.to(torch.float8_e4m3fn) for x in codes)
     block_tables = torch.randperm(batch * nb, generator=g).int().view(batch, nb)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    q = torch.randn(batch, H, D, generator=g).to(DTYPE)
-    return q, k_cache, v_cache, block_tables, seq_lens, qsl
+    q = torch.randn(batch, H, D, generator=g).to(torch.bfloat16)
+    return q, k_cache, v_cache, scales, block_tables, seq_lens, qsl
 
 
-def paged_call(batch: int, ctx: int):
-    q, kc, vc, bt, sl, qsl = decode_batch(batch, ctx)
+def paged_call(batch: int, ctx: int, cache: str):
+    q, kc, vc, scales, bt, sl, qsl = decode_batch(batch, ctx, cache)
     kc, vc = to_cache_layout(kc, vc, "cpu")
+    ks, vs = scales or (None, None)
     out = torch.empty_like(q)
-    return lambda: paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, max_seq_len=ctx, out=out)
+    return lambda: paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, k_scales=ks, v_scales=vs, max_seq_len=ctx, out=out)
 
 
-def read_call(batch: int, ctx: int):
-    buf = torch.ones(kv_bytes(batch, ctx), dtype=torch.uint8)
+def read_call(batch: int, ctx: int, kind: str):
+    buf = torch.ones(kv_bytes(batch, ctx, kind) // 64 * 64, dtype=torch.uint8)
     return lambda: _C.read_bandwidth(buf.data_ptr(), buf.numel(), 0)
 
 
 def sdpa_call(batch: int, ctx: int):
-    q, kc, vc, bt, _, _ = decode_batch(batch, ctx)
+    q, kc, vc, _, bt, _, _ = decode_batch(batch, ctx, "bf16")
     k = kc[bt.long()].permute(0, 2, 1, 3, 4).reshape(batch, KVH, ctx, D).contiguous()
     v = vc[bt.long()].permute(0, 2, 1, 3, 4).reshape(batch, KVH, ctx, D).contiguous()
     qq = q.view(batch, H, 1, D)
     return lambda: F.scaled_dot_product_attention(qq, k, v, enable_gqa=True)
 
 
-# kind varies fastest, so the three measurements of a point run back to back (the machine's memory
+# kind varies fastest, so the measurements of a point run back to back (the machine's memory
 # bandwidth drifts over minutes on a shared host)
-@pytest.mark.parametrize("kind", ["paged", "read", "sdpa"])
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("ctx", CONTEXTS)
-def test_decode_attention(benchmark, kind, ctx, batch):
-    fn = {"paged": paged_call, "read": read_call, "sdpa": sdpa_call}[kind](batch, ctx)
-    # Each round starts from a cold last-level cache (a 3 x L3 read in setup, untimed): otherwise
-    # whatever part of the operands the L3 keeps between rounds flatters some kinds more than
+@pytest.mark.parametrize("kind", ["bf16", "read2", "int8", "fp8", "read1", "sdpa"])
+@pytest.mark.parametrize("batch,ctx", POINTS)
+def test_decode_attention(benchmark, kind, batch, ctx):
+    if kind in CACHES:
+        fn = paged_call(batch, ctx, kind)
+    elif kind == "sdpa":
+        fn = sdpa_call(batch, ctx)
+    else:
+        fn = read_call(batch, ctx, kind)
+    # Each round starts from a cold last-level cache (a read of twice its size in setup, untimed):
+    # otherwise whatever part of the operands it keeps between rounds flatters some kinds more than
     # others (a sequential re-read of 50 MB kept 30-80% hits, varying run to run).
-    rounds = max(5, min(100, int(2e8 / kv_bytes(batch, ctx))))
+    rounds = max(5, min(100, int(2e8 / kv_bytes(batch, ctx, kind))))
     benchmark.pedantic(fn, setup=flush_caches, rounds=rounds, warmup_rounds=1)
     record(benchmark, batch, ctx, kind)
 
 
-_FLUSH = torch.ones(96 << 20, dtype=torch.uint8)
+def llc_bytes() -> int:
+    """This machine's last-level cache size (sysfs), 32 MiB if unknown."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            size = f.read().strip()
+        return int(size[:-1]) << {"K": 10, "M": 20}[size[-1]]
+    except (OSError, ValueError, KeyError):
+        return 32 << 20
+
+
+_FLUSH = torch.ones(max(96 << 20, 2 * llc_bytes()), dtype=torch.uint8)
 
 
 def flush_caches() -> None:

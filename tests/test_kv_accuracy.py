@@ -1,16 +1,24 @@
 """Teacher-forced top-1 agreement on a fixed natural text (tests/model_helpers.py: natural_text_ids):
-the bf16 engine against the fp32 one, and fp8/int8 KV caches against the bf16 cache, through `LLM`
-and through the server. Each position's argmax (prompt_logprobs / echo+logprobs top 1) is compared;
-agreement is what greedy decoding would see, position by position, without drifting apart.
+the bf16 engine against the fp32 one, fp8/int8 KV caches against an fp32 cache (fp32 model: only the
+cache's rounding differs) and against the bf16 cache (bf16 model, the kernels bf16 models run), through
+`LLM` and through the server. Each position's argmax (prompt_logprobs / echo+logprobs top 1) is
+compared; agreement is what greedy decoding would see, position by position, without drifting apart.
 
 Thresholds sit a little below what was measured on this text (2,047 positions, AVX512-BF16 CPU):
-bf16 vs fp32 98.9%, fp8 96.0%, int8 98.2%. They depend on the text: on a code-heavy one our bf16
-got 98.6% where transformers' own bf16 forward got 97.1% (both against fp32), so bf16 itself,
-not our kernels, sets this ceiling. Where it goes: bf16 rounding injected one place at a time into
-the fp32 op-by-op path (the first 384 tokens) moves the text tokens' logprobs by a mean of 0.018 when
+bf16 vs fp32 98.7%; against an fp32 cache int8 98.6%, fp8 96.5%; against a bf16 cache int8 97.8%,
+fp8 96.2%. They depend on the text: on a code-heavy one our bf16 got 98.6% where transformers' own
+bf16 forward got 97.1% (both against fp32), so bf16 itself, not our kernels, sets that ceiling.
+Where it goes: bf16 rounding injected one place at a time into the fp32 op-by-op path (the first 384 tokens) moves the text tokens' logprobs by a mean of 0.018 when
 it rounds the residual stream, 0.008 the norm outputs (the projections' inputs), 0.006 the K/V
 cache, 0.005 attention's q and output, 0.003 the MLP activation; 0.022 all at once. Keeping the
 residual stream in fp32 (the native decoder layers, CPU and CUDA) has the most to gain.
+
+What holds int8 and fp8 below 99% / 97.5%: K, not V, nor the kernels' arithmetic (the fp32 path
+dequantizes exactly). Rounding only K or only V of transformers' fp32 forward (the same per (token,
+kv head) scales) gives int8 98.7% / 99.9% and fp8 96.2% / 98.9%. K has a few large channels, so a
+per-token scale leaves the others few levels; dividing K by a per-channel scale from the k_proj
+weights before rounding (and multiplying q by it) raised int8 to 99.1% there, and did nothing for
+fp8, whose 3 mantissa bits are the limit (e4m3 rounds relatively, whatever the scale).
 """
 from __future__ import annotations
 
@@ -26,7 +34,8 @@ from pyengine.sampling_params import SamplingParams
 from test_server_e2e import ServerProcess
 
 N = 2048
-MIN_AGREEMENT = {"bf16": 0.985, "fp8": 0.955, "int8": 0.975}
+MIN_AGREEMENT = {"bf16": 0.985, "fp8": 0.955, "int8": 0.975}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
+MIN_VS_FP32_CACHE = {"fp8": 0.96, "int8": 0.98}
 CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
@@ -62,9 +71,21 @@ def bf16_top1(bf16_parts, text) -> list[int]:
     return top1(real_engine(bf16_parts, N + 16, dtype="bfloat16"), text)
 
 
-def test_bf16_engine_agrees_with_fp32(real_parts, text, bf16_top1):
-    fp32 = top1(real_engine(real_parts, N + 16), text)
-    assert agreement(bf16_top1, fp32) >= MIN_AGREEMENT["bf16"]
+@pytest.fixture(scope="module")
+def fp32_top1(real_parts, text) -> list[int]:
+    return top1(real_engine(real_parts, N + 16), text)
+
+
+def test_bf16_engine_agrees_with_fp32(fp32_top1, bf16_top1):
+    assert agreement(bf16_top1, fp32_top1) >= MIN_AGREEMENT["bf16"]
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_quantized_kv_against_an_fp32_cache(kv, real_parts, text, fp32_top1):
+    """The fp32 model with a quantized cache against its fp32 cache: the cache's rounding alone."""
+    engine = real_engine(real_parts, N + 16, kv_cache_dtype=kv)
+    assert engine.runner.kv_caches[0].k.dtype == CACHE_DTYPES[kv]
+    assert agreement(top1(engine, text), fp32_top1) >= MIN_VS_FP32_CACHE[kv]
 
 
 @pytest.mark.parametrize("kv", ["fp8", "int8"])

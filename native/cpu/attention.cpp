@@ -24,9 +24,9 @@
 //
 // Paths (chosen at compile time by the -march of the build, PYENGINE_CPU_ARCH):
 //   bf16 q with a bf16/fp8/int8 cache, head_dim 64/128, block size 8 or a multiple of 16,
-//     AVX512_BF16: run_item_bf16 (vdpbf16ps straight from the cache tiles; see its comment). This is
-//     the hot path of bf16 models.
-//   everything else (fp32/fp16, other head dims, no AVX512_BF16): run_item, which dequantizes each K/V
+//     AVX512_BF16 and AVX512_VNNI: run_item_bf16 (vdpbf16ps, or vpdpwssd for int8, straight from the
+//     cache tiles; see its comment). This is the hot path of bf16 models.
+//   everything else (fp32/fp16, other head dims, no AVX512_BF16/VNNI): run_item, which dequantizes each K/V
 //     chunk once into fp32 scratch; AVX-512 intrinsics under __AVX512F__, otherwise portable loops in
 //     16-lane strips that GCC vectorizes for AVX2 (-march=x86-64-v3) and leaves scalar elsewhere.
 #include <algorithm>
@@ -99,6 +99,7 @@ struct Partials {
 struct Workspace {
   std::vector<float> qf, acc, m, l, kf, vf, sc;
   std::vector<uint16_t> qb, pb;  // bf16 path: q rows, bf16 probabilities
+  std::vector<float> qs;         // bf16 path, int8 cache: the q rows' scales
   void fit(int64_t rows, int64_t Dp, int64_t chunk) {
     const int64_t chunk16 = (chunk + 15) / 16 * 16;
     if (static_cast<int64_t>(qf.size()) < rows * Dp) qf.resize(rows * Dp), acc.resize(rows * Dp);
@@ -380,53 +381,56 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
     finish_row(a, it, parts, q_start + it.tok0 + r / G, it.kvh * G + r % G, ws.acc.data() + r * Dp, ws.m[r], ws.l[r]);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 // ---------------------------------------------------------------------------------------------
-// bf16 q over a bf16, fp8 or int8 cache, head_dim D = 32 * NC32 (64 or 128), using vdpbf16ps with
-// the CPU cache layouts (cache.cpp), where both products need no shuffles:
-//   K tile [D/2][BS][2]: dims pair j of 16 consecutive tokens is one 64-byte vector, so QK is
-//     acc = sum_j dpbf16(acc, K_j, broadcast(q dims pair j)), the 16 tokens' scores in the lanes.
+// bf16 q over a bf16, fp8 or int8 cache, head_dim D = 32 * NC32 (64 or 128), with two-element dot
+// products (vdpbf16ps, or vpdpwssd for int8) on the CPU cache layouts (cache.cpp), where both
+// products need no shuffles:
+//   K tile [D/2][BS][2]: dims pair j of 16 consecutive tokens is one vector, so QK is
+//     acc = sum_j dot(acc, K_j, broadcast(q dims pair j)), the 16 tokens' scores in the lanes.
 //   V tile [BS/2][D][2]: token pair (2p, 2p+1) at dims d..d+15 is one vector, so PV is
-//     acc_d = sum_p dpbf16(acc_d, V_p, broadcast(prob 2p, prob 2p+1)), the dims in the lanes.
-// fp8/int8 codes are widened to bf16 first (exact). Probabilities (times the per-token V scale) are
-// rounded to bf16, as flash attention does on GPUs; for a bf16 cache the softmax sum uses the same
-// rounded values. The rows of an item (query tokens x the G q heads of its kv head) go through in
-// groups of up to 4 that share every K/V load. Tokens go in chunks of 64 (4 tiles of 16 tokens;
-// with block size 8 a tile spans two blocks) per online-softmax update.
+//     acc_d = sum_p dot(acc_d, V_p, broadcast(weight 2p, weight 2p+1)), the dims in the lanes.
+// Operands by cache dtype (the weight of token t is its probability times its V scale):
+//   bf16  bf16 x bf16 -> fp32 (vdpbf16ps); q as is, weights rounded to bf16 (as flash attention
+//         does on GPUs), and the softmax sum uses the same rounded values.
+//   fp8   codes widened to bf16 (exact), then as bf16.
+//   int8  int16 x int16 -> int32 (vpdpwssd), the codes sign-extended (one instruction per vector,
+//         where widening to bf16 took five): q rounded to int16 per row (scale absmax / 32767)
+//         once per item, the weights to int16 per row and chunk (scale max / 32767). Both roundings
+//         are finer than bf16's. (int8 q and u8 weights with vpdpbusd would halve the products but
+//         measured 5x the output error of this on the kernel tests: not worth it.)
+// The rows of an item (query tokens x the G q heads of its kv head) go through in groups of up to
+// 4 that share every K/V load. Tokens go in chunks of 64 (4 tiles of 16 tokens; with block size 8
+// a tile spans two blocks) per online-softmax update.
 // ---------------------------------------------------------------------------------------------
 // 64-token chunks: 128 measured 7% faster with the cache in L3 but 5-10% slower from DRAM (the
 // prefetch of the next chunk starts later and arrives in a longer burst).
 constexpr int kChunk = 64, kTiles = kChunk / 16, kGroup = 4;
+constexpr float kInt16Max = 32767.0f;
 
-// 32 cache codes -> 32 bf16 (exact for every fp8 e4m3 and int8 code).
-template <DType CD>
-inline __m512i widen_bf16(__m256i raw) {
-  if constexpr (CD == DType::kFloat8E4M3) {
-    alignas(64) static const uint16_t kSub[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};  // m * 2^-9
-    const __m512i x = _mm512_cvtepu8_epi16(raw);
-    const __m512i em = _mm512_and_si512(x, _mm512_set1_epi16(0x7f));
-    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
-    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
-    const __m512i sub = _mm512_permutexvar_epi16(em, _mm512_load_si512(kSub));
-    const __mmask32 is_normal = _mm512_cmpge_epu16_mask(em, _mm512_set1_epi16(8));
-    return _mm512_or_si512(_mm512_mask_blend_epi16(is_normal, sub, normal), sign);
-  } else {  // int8
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-  }
+// 32 fp8 e4m3 codes -> 32 bf16 (exact for every code): the magnitude of a normal code by rebiasing
+// its exponent, a subnormal one (exponent field 0) from a table, then the sign.
+inline __m512i fp8_to_bf16(__m256i raw) {
+  alignas(64) static const uint16_t kSub[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};  // m * 2^-9
+  const __m512i x = _mm512_cvtepu8_epi16(raw);
+  __m512i mag = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x7f0)),
+                                 _mm512_set1_epi16(120 << 7));  // exponent bias 7 -> 127
+  mag = _mm512_mask_permutexvar_epi16(mag, _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78)), x,
+                                      _mm512_load_si512(kSub));  // the index: x's low 5 bits, the mantissa here
+  return _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(x, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)),
+                                   0xf8);  // mag | (sign bit 7 moved to 15)
 }
 
-// One 32-element bf16 vector of cache data: 64 bytes at p (bf16) or 32 codes at p (fp8/int8); with
-// SPLIT (block size 8) the two halves come from p and p1.
+// One 32-element vector of 16-bit operands from the cache: 64 bytes at p (bf16) or 32 codes at p
+// (fp8: widened to bf16; int8: to int16); with SPLIT (block size 8) the two halves come from p and p1.
 template <DType CD, bool SPLIT>
-inline __m512bh load_bf16x32(const char* p, const char* p1 = nullptr) {
+inline __m512i load_operand(const char* p, const char* p1 = nullptr) {
   if constexpr (CD == DType::kBFloat16) {
     if constexpr (SPLIT)
-      return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p)),
-                                         _mm256_loadu_si256((const __m256i*)p1), 1);
+      return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)p)),
+                                _mm256_loadu_si256((const __m256i*)p1), 1);
     else
-      return (__m512bh)_mm512_loadu_si512(p);
+      return _mm512_loadu_si512(p);
   } else {
     __m256i raw;
     if constexpr (SPLIT)
@@ -434,14 +438,62 @@ inline __m512bh load_bf16x32(const char* p, const char* p1 = nullptr) {
                                     _mm_loadu_si128((const __m128i*)p1), 1);
     else
       raw = _mm256_loadu_si256((const __m256i*)p);
-    return (__m512bh)widen_bf16<CD>(raw);
+    if constexpr (CD == DType::kInt8) return _mm512_cvtepi8_epi16(raw);
+    else return fp8_to_bf16(raw);
   }
 }
 
-inline __m512bh bcast_pair(const uint16_t* p) {
+// The dot product of the cache dtype: acc += a.b over lane pairs (fp32 acc, or int32 for int8).
+template <DType CD>
+struct DotAccOf {
+  using type = __m512;
+};
+template <>
+struct DotAccOf<DType::kInt8> {
+  using type = __m512i;
+};
+template <DType CD>
+using DotAcc = typename DotAccOf<CD>::type;
+
+template <DType CD>
+inline DotAcc<CD> dot2(DotAcc<CD> acc, __m512i a, __m512i b) {
+  if constexpr (CD == DType::kInt8) return _mm512_dpwssd_epi32(acc, a, b);
+  else return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+template <DType CD>
+inline DotAcc<CD> dot_zero() {
+  if constexpr (CD == DType::kInt8) return _mm512_setzero_si512();
+  else return _mm512_setzero_ps();
+}
+
+template <DType CD>
+inline __m512 dot_to_ps(DotAcc<CD> acc) {
+  if constexpr (CD == DType::kInt8) return _mm512_cvtepi32_ps(acc);
+  else return acc;
+}
+
+inline __m512i bcast_pair(const uint16_t* p) {
   int32_t w;
   std::memcpy(&w, p, 4);
-  return (__m512bh)_mm512_set1_epi32(w);
+  return _mm512_set1_epi32(w);
+}
+
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One q row for the int8 cache: bf16 -> int16 codes in place; returns the scale (0: a zero row).
+inline float quantize_q_int16(uint16_t* q, int64_t D) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(q + d)));
+  const float m = _mm512_reduce_max_ps(amax);
+  const __m512 inv = _mm512_set1_ps(m > 0.0f ? kInt16Max / m : 0.0f);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(q + d), inv));  // nearest even
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + d), _mm512_cvtsepi32_epi16(c));
+  }
+  return m / kInt16Max;
 }
 
 // Where one chunk's data lives: per tile the K pair-0 address of its (up to two) halves, per token
@@ -455,18 +507,18 @@ struct ChunkPtrs {
 };
 
 // QK of NR rows over the chunk's tiles, 4 tiles (NR x 4 accumulators) at a time:
-// sc[r * kChunk + t] = q_r . k_t * scale (log2 units).
+// sc[r * kChunk + t] = q_r . k_t * scale (log2 units); qs: the rows' q scales (int8 cache).
 template <DType CD, int NC32, int NR, bool SPLIT>
-inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_stride, const uint16_t* q, float* sc,
-                     __m512 qscale) {
+inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_stride, const uint16_t* q,
+                     const float* qs, float* sc, float scale) {
   constexpr int64_t D = 32 * NC32;
   const int ntiles = (c.n + 15) / 16;
   for (int i0 = 0; i0 < ntiles; i0 += 4) {
-    __m512 acc[NR][4];
+    DotAcc<CD> acc[NR][4];
     for (int r = 0; r < NR; ++r)
-      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+      for (int i = 0; i < 4; ++i) acc[r][i] = dot_zero<CD>();
     for (int j = 0; j < 16 * NC32; ++j) {
-      __m512bh qb[NR];
+      __m512i qb[NR];
       for (int r = 0; r < NR; ++r) qb[r] = bcast_pair(q + r * D + 2 * j);
       for (int i = i0; i < i0 + 4; ++i) {  // the next chunk's K, a line per tile per step
         _mm_prefetch(next.k0[i] + j * pair_stride, _MM_HINT_T1);
@@ -475,92 +527,125 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_str
       for (int i = 0; i < 4; ++i) {
         if (i0 + i >= ntiles) break;
         const char* k0 = c.k0[i0 + i] + j * pair_stride;
-        const __m512bh k = load_bf16x32<CD, SPLIT>(k0, SPLIT ? c.k1[i0 + i] + j * pair_stride : nullptr);
-        for (int r = 0; r < NR; ++r) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], k, qb[r]);
+        const __m512i k = load_operand<CD, SPLIT>(k0, SPLIT ? c.k1[i0 + i] + j * pair_stride : nullptr);
+        for (int r = 0; r < NR; ++r) acc[r][i] = dot2<CD>(acc[r][i], k, qb[r]);
       }
     }
     for (int i = 0; i < 4 && i0 + i < ntiles; ++i) {
-      __m512 s = qscale;
+      __m512 s = _mm512_set1_ps(scale);
       if constexpr (CD != DType::kBFloat16) s = _mm512_mul_ps(s, _mm512_loadu_ps(c.ks + 16 * (i0 + i)));
-      for (int r = 0; r < NR; ++r) _mm512_storeu_ps(sc + r * kChunk + 16 * (i0 + i), _mm512_mul_ps(acc[r][i], s));
+      for (int r = 0; r < NR; ++r) {
+        const __m512 sr = CD == DType::kInt8 ? _mm512_mul_ps(s, _mm512_set1_ps(qs[r])) : s;
+        _mm512_storeu_ps(sc + r * kChunk + 16 * (i0 + i), _mm512_mul_ps(dot_to_ps<CD>(acc[r][i]), sr));
+      }
     }
   }
 }
 
 // Online-softmax update of one row with the scores sc[lo, nv) (lo > 0: before its window): writes
-// the bf16 probabilities (times the V scale) to pb[0, round_up(n, 2)) (zeros outside [lo, nv)),
-// updates m and l; returns alpha for acc.
+// the 16-bit weights (bf16, or int16 codes of scale *wscale for int8) to pw[0, round_up(n, 16))
+// (zeros outside [lo, nv)), updates m and l; returns alpha for acc.
 template <DType CD>
-inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs& c, uint16_t* pb, float& m,
-                         float& l) {
+inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs& c, uint16_t* pw, float& m,
+                         float& l, float& wscale) {
+  wscale = 0.0f;
   if (nv <= lo) {
-    std::memset(pb, 0, kChunk * 2);
+    std::memset(pw, 0, kChunk * 2);
     return 1.0f;
   }
   float alpha;
   const float m_new = online_max(sc + lo, nv - lo, m, alpha);
   const __m512 vm = _mm512_set1_ps(m_new);
-  __m512 vsum = _mm512_setzero_ps();
+  __m512 vsum = _mm512_setzero_ps(), wmax = _mm512_setzero_ps();
+  alignas(64) float w[kChunk];  // int8: the fp32 weights, rounded once their max is known
   for (int t0 = 0; t0 < n; t0 += 16) {
     const __mmask16 keep = tail_mask(nv - t0) & static_cast<__mmask16>(~tail_mask(lo - t0));
     const __m512 p = _mm512_maskz_mov_ps(keep, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
-    __m256bh ph;
-    if constexpr (CD != DType::kBFloat16) {
-      ph = _mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(c.vs + t0)));
+    if constexpr (CD == DType::kInt8) {
+      const __m512 wt = _mm512_mul_ps(p, _mm512_loadu_ps(c.vs + t0));
+      _mm512_store_ps(w + t0, wt);
+      wmax = _mm512_max_ps(wmax, wt);
+      vsum = _mm512_add_ps(vsum, p);
+    } else if constexpr (CD == DType::kFloat8E4M3) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t0),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(c.vs + t0))));
       vsum = _mm512_add_ps(vsum, p);
     } else {
-      ph = _mm512_cvtneps_pbh(p);
+      const __m256bh ph = _mm512_cvtneps_pbh(p);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t0), (__m256i)ph);
       vsum = _mm512_add_ps(vsum, _mm512_cvtpbh_ps(ph));
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t0), (__m256i)ph);
+  }
+  if constexpr (CD == DType::kInt8) {
+    const float mx = _mm512_reduce_max_ps(wmax);
+    const __m512 inv = _mm512_set1_ps(mx > 0.0f ? kInt16Max / mx : 0.0f);
+    for (int t0 = 0; t0 < n; t0 += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t0),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(w + t0), inv))));
+    wscale = mx / kInt16Max;
   }
   l = l * alpha + _mm512_reduce_add_ps(vsum);
   m = m_new;
   return alpha;
 }
 
-// acc_r = acc_r * alpha_r + sum_t p_rt V_t for NR rows, 64 dims (4 vectors) at a time.
+// acc_r = acc_r * alpha_r + sum_t w_rt V_t (times wscale_r for int8) for NR rows, 64 dims (4
+// vectors) at a time.
 template <DType CD, int NC32, int NR>
-inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const uint16_t* pb, const float* alpha, float* acc,
-                     int npairs) {
+inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const uint16_t* pw, const float* alpha,
+                     const float* wscale, float* acc, int npairs) {
   constexpr int64_t D = 32 * NC32;
   constexpr int64_t es = CD == DType::kBFloat16 ? 2 : 1;
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    __m512 x[NR][4];
+    DotAcc<CD> x[NR][4];
     for (int r = 0; r < NR; ++r)
-      for (int k = 0; k < 4; ++k) x[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0 + 16 * k), _mm512_set1_ps(alpha[r]));
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (CD == DType::kInt8) x[r][k] = _mm512_setzero_si512();  // folded into acc at the end
+        else x[r][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0 + 16 * k), _mm512_set1_ps(alpha[r]));
+      }
     // pair p of the chunk: tokens (2p, 2p+1), at pair (p mod BS/2) of the block of tile 2p / 16
     auto pair = [&](int p, __mmask32 keep) {
-      __m512bh pr[NR];
-      for (int r = 0; r < NR; ++r) pr[r] = bcast_pair(pb + r * kChunk + 2 * p);
+      __m512i pr[NR];
+      for (int r = 0; r < NR; ++r) pr[r] = bcast_pair(pw + r * kChunk + 2 * p);
       if (d0 == 0)  // the next chunk's V pair p
         for (int64_t b = 0; b < D * 2 * es; b += 64) _mm_prefetch(next.v[p] + b, _MM_HINT_T1);
       for (int k = 0; k < 4; ++k) {
-        __m512i v = (__m512i)load_bf16x32<CD, false>(c.v[p] + (d0 + 16 * k) * 2 * es);
+        __m512i v = load_operand<CD, false>(c.v[p] + (d0 + 16 * k) * 2 * es);
         if (keep != 0xffffffffu) v = _mm512_maskz_mov_epi16(keep, v);
-        for (int r = 0; r < NR; ++r) x[r][k] = _mm512_dpbf16_ps(x[r][k], (__m512bh)v, pr[r]);
+        for (int r = 0; r < NR; ++r) x[r][k] = dot2<CD>(x[r][k], v, pr[r]);
       }
     };
-    const int full = std::min(npairs, c.n / 2);
-    for (int p = 0; p < full; ++p) pair(p, 0xffffffffu);
-    // the odd token of a half pair at the chunk's end may be any slot: zero it (0 * NaN is NaN)
-    if (full < npairs) pair(full, 0x55555555u);
+    if constexpr (CD == DType::kInt8) {  // integer products: a zero weight zeroes whatever a slot holds
+      for (int p = 0; p < npairs; ++p) pair(p, 0xffffffffu);
+    } else {
+      const int full = std::min(npairs, c.n / 2);
+      for (int p = 0; p < full; ++p) pair(p, 0xffffffffu);
+      // the odd token of a half pair at the chunk's end may be any slot: zero it (0 * NaN is NaN)
+      if (full < npairs) pair(full, 0x55555555u);
+    }
     for (int r = 0; r < NR; ++r)
-      for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + r * D + d0 + 16 * k, x[r][k]);
+      for (int k = 0; k < 4; ++k) {
+        float* o = acc + r * D + d0 + 16 * k;
+        if constexpr (CD == DType::kInt8)
+          _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(x[r][k]), _mm512_set1_ps(wscale[r]),
+                                              _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(alpha[r]))));
+        else
+          _mm512_storeu_ps(o, x[r][k]);
+      }
   }
 }
 
 template <DType CD, int NC32, int NR, bool SPLIT>
-void group_chunk(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_stride, const uint16_t* q, const int* lo,
-                 const int* nv, float* m, float* l, float* acc, float* sc, uint16_t* pb, __m512 qscale) {
-  qk_group<CD, NC32, NR, SPLIT>(c, next, pair_stride, q, sc, qscale);
-  float alpha[NR];
+void group_chunk(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_stride, const uint16_t* q, const float* qs,
+                 const int* lo, const int* nv, float* m, float* l, float* acc, float* sc, uint16_t* pw, float scale) {
+  qk_group<CD, NC32, NR, SPLIT>(c, next, pair_stride, q, qs, sc, scale);
+  float alpha[NR], wscale[NR];
   int maxnv = 0;
   for (int r = 0; r < NR; ++r) {
-    alpha[r] = softmax_row<CD>(sc + r * kChunk, lo[r], nv[r], c.n, c, pb + r * kChunk, m[r], l[r]);
+    alpha[r] = softmax_row<CD>(sc + r * kChunk, lo[r], nv[r], c.n, c, pw + r * kChunk, m[r], l[r], wscale[r]);
     maxnv = std::max(maxnv, nv[r]);
   }
-  pv_group<CD, NC32, NR>(c, next, pb, alpha, acc, (maxnv + 1) / 2);
+  pv_group<CD, NC32, NR>(c, next, pw, alpha, wscale, acc, (maxnv + 1) / 2);
 }
 
 // The cache positions [kv_lo, kv_end) an item reads (its causal end, within its split).
@@ -611,14 +696,16 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
   if (static_cast<int64_t>(ws.acc.size()) < rows * D) ws.acc.resize(rows * D), ws.qb.resize(rows * D);
   if (static_cast<int64_t>(ws.m.size()) < rows) ws.m.resize(rows), ws.l.resize(rows);
   if (static_cast<int64_t>(ws.sc.size()) < kGroup * kChunk) ws.sc.resize(kGroup * kChunk), ws.pb.resize(kGroup * kChunk);
+  if (static_cast<int64_t>(ws.qs.size()) < rows) ws.qs.resize(rows);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_start + it.tok0 + r / G, head = it.kvh * G + r % G;
     std::memcpy(ws.qb.data() + r * D, static_cast<const uint16_t*>(a.q) + tok * a.q_stride + head * D, D * 2);
+    if (CD == DType::kInt8) ws.qs[r] = quantize_q_int16(ws.qb.data() + r * D, D);
     std::fill(ws.acc.data() + r * D, ws.acc.data() + (r + 1) * D, 0.0f);
     ws.m[r] = kNegInf;
     ws.l[r] = 0.0f;
   }
-  const __m512 qscale = _mm512_set1_ps(a.scale * kLog2e);
+  const float qscale = a.scale * kLog2e;
   const int64_t pair_stride = a.BS * 2 * es;
   const int64_t kv_end = item_kv_end(a, it);
   // Two chunks' pointers: this one's, and the next one's, whose lines are prefetched into L2 while
@@ -658,8 +745,8 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
       float* acc = ws.acc.data() + r0 * D;
       const uint16_t* q = ws.qb.data() + r0 * D;
       auto run = [&](auto nr_const) {
-        group_chunk<CD, NC32, decltype(nr_const)::value, SPLIT>(c, next, pair_stride, q, lo, nv, m, l, acc,
-                                                                 ws.sc.data(), ws.pb.data(), qscale);
+        group_chunk<CD, NC32, decltype(nr_const)::value, SPLIT>(c, next, pair_stride, q, ws.qs.data() + r0, lo, nv,
+                                                                 m, l, acc, ws.sc.data(), ws.pb.data(), qscale);
       };
       switch (nr) {
         case 1: run(std::integral_constant<int, 1>()); break;

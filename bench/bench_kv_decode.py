@@ -1,0 +1,81 @@
+"""Decode with a quantized KV cache: 16 sequences x 4,000-token prompts, then 64 decode steps
+(greedy, EOS ignored), bf16 model, KV cache bf16 / int8 / fp8, one after another in the same run.
+
+    python bench/bench_kv_decode.py [--threads 2] [--seqs 16] [--prompt 4000] [--steps 64] [--rounds 2]
+
+The prefills run untimed; the decode phase is timed from the first step in which every sequence
+decodes (seqs tokens per step) for --steps steps. At this size a step reads about five times more
+K/V (1.5 GB in bf16) than weights, so the cache's bytes set the pace when attention streams at
+memory speed. --rounds repeats the three caches in turn (the machine's bandwidth drifts); the
+table shows each cache's best round and its ratio to bf16.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import engine_common  # noqa: F401  (puts the checkout first on sys.path)
+import pyengine  # noqa: F401  (before torch: it sets the OpenMP spin policy)
+import torch
+
+KV_DTYPES = ("auto", "int8", "fp8")
+
+
+def decode_tok_s(parts, kv: str, prompts: list[list[int]], steps: int, threads: int) -> float:
+    from pyengine.config import EngineConfig
+    from pyengine.engine.engine import Engine
+    from pyengine.model.metadata import kv_bytes_per_token
+    from pyengine.sampling_params import SamplingParams
+
+    max_len = len(prompts[0]) + steps + 32
+    cache_dtype = {"auto": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]
+    config = EngineConfig(dtype="bfloat16", kv_cache_dtype=kv, max_model_len=max_len, max_num_seqs=len(prompts),
+                          enable_prefix_caching=False, num_threads=threads,
+                          kv_cache_memory=len(prompts) * (max_len + 16) * kv_bytes_per_token(parts[0], cache_dtype))
+    engine = Engine(config, parts=parts)
+    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params, prompt_token_ids=p)
+    requests = [engine.groups[str(i)].children[0] for i in range(len(prompts))]
+    while any(r.num_output_tokens == 0 for r in requests):  # the prefills
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    dt = time.perf_counter() - t0
+    for i in range(len(prompts)):
+        engine.abort_request(str(i))
+    return len(prompts) * steps / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seqs", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=4000)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    from pyengine.model.loader import load_model, resolve_model_path
+    from pyengine.tokenizer import Tokenizer
+
+    path = resolve_model_path(None)
+    cfg, model = load_model(path, torch.bfloat16, torch.device("cpu"))
+    parts = (cfg, model, Tokenizer.from_model_path(path), "smollm2-135m")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt)] for _ in range(args.seqs)]
+    best = {kv: 0.0 for kv in KV_DTYPES}
+    for r in range(args.rounds):
+        for kv in KV_DTYPES:
+            tps = decode_tok_s(parts, kv, prompts, args.steps, args.threads)
+            best[kv] = max(best[kv], tps)
+            print(f"round {r}: kv {kv:>4}: decode {tps:7.1f} tok/s", flush=True)
+    print(f"\n{args.seqs} x {args.prompt}-token prompts, {args.steps} decode steps, {args.threads} threads, bf16 model")
+    print(f"{'KV cache':>8} {'decode tok/s':>13} {'x bf16':>7}")
+    for kv in KV_DTYPES:
+        print(f"{'bf16' if kv == 'auto' else kv:>8} {best[kv]:>13.1f} {best[kv] / best['auto']:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
