@@ -345,8 +345,14 @@ async def sse_texts(session: aiohttp.ClientSession, url: str, body: dict) -> tup
 def test_multibyte_characters_stream_whole(server, model, prompt, max_tokens, char):
     """Emoji and CJK characters take several byte-level tokens each: the stream holds a partial
     character back until it is complete, so every delta is valid UTF-8 text without U+FFFD and the
-    deltas add up to the non-streamed text. (max_tokens ends each on a whole character.)"""
+    deltas add up to the non-streamed text. (max_tokens ends each on a whole character.)
+
+    The plain request runs twice first, so that it and the streamed one both find the prompt's full
+    blocks in the prefix cache: a prompt computed whole and one computed from cached blocks go
+    through different attention kernels (prefill tiles vs the decode kernel), and in bf16 a near-tie
+    (this CJK prompt has one, 0.0015 nats apart at token 14) can then go either way."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    server.post("/v1/completions", json_body=body)
     plain = server.post("/v1/completions", json_body=body).json()["choices"][0]["text"]
 
     async def run():

@@ -40,6 +40,7 @@
 
 #include "pyengine/dtype.h"
 #include "pyengine/kv_quant.h"
+#include "prefill_attention.h"
 #include "pyengine/parallel.h"
 
 #if defined(__AVX512F__)
@@ -62,7 +63,6 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kMinSplitTokens = 256;
 
 struct Args {
@@ -832,39 +832,6 @@ void dispatch_head_dim(const Args& a, const std::vector<Item>& items, Partials& 
   else run_all<CD, 0>(a, items, parts);
 }
 
-void check_args(const Args& a, int64_t max_seq_len) {
-  auto fail = [](const std::string& msg) { throw std::invalid_argument("paged_attention: " + msg); };
-  if (a.KVH <= 0 || a.H % a.KVH != 0)
-    fail("num_heads (" + std::to_string(a.H) + ") must be a multiple of num_kv_heads (" + std::to_string(a.KVH) + ")");
-  if (a.D <= 0 || a.D > kMaxHeadDim) fail("head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "]");
-  if (a.BS <= 0 || a.BS % 2 || a.D % 2) fail("block_size and head_dim must be positive and even (the CPU cache layout)");
-  const bool quant = a.cdt == DType::kFloat8E4M3 || a.cdt == DType::kInt8;
-  if (!quant && a.cdt != a.qdt) fail("the cache dtype must match q's dtype (or be fp8/int8)");
-  if (quant && (a.ks == nullptr || a.vs == nullptr)) fail("fp8/int8 caches need k_scales and v_scales");
-  if (a.qdt != DType::kFloat32 && a.qdt != DType::kBFloat16 && a.qdt != DType::kFloat16)
-    fail("q must be fp32, bf16 or fp16");
-  if (a.window < 0) fail("window must be >= 0 (0: no window)");
-  if (!(a.softcap >= 0.0f) || !std::isfinite(a.softcap)) fail("softcap must be a finite value >= 0 (0: none)");
-  if (a.qsl[0] != 0 || a.qsl[a.S] != a.T)
-    fail("query_start_loc must start at 0 and end at num_tokens (" + std::to_string(a.T) + "), got " +
-         std::to_string(a.qsl[0]) + " .. " + std::to_string(a.qsl[a.S]));
-  for (int64_t s = 0; s < a.S; ++s) {
-    const int64_t q_len = a.qsl[s + 1] - a.qsl[s], len = a.seq_lens[s];
-    const std::string who = "sequence " + std::to_string(s) + ": ";
-    if (q_len < 0) fail(who + "query_start_loc must be non-decreasing");
-    if (len < q_len) fail(who + "seq_len " + std::to_string(len) + " < its query length " + std::to_string(q_len));
-    if (len > a.MB * a.BS || len > max_seq_len)
-      fail(who + "seq_len " + std::to_string(len) + " exceeds the block table capacity (" +
-           std::to_string(a.MB * a.BS) + ") or max_seq_len (" + std::to_string(max_seq_len) + ")");
-    for (int64_t b = 0; b < (len + a.BS - 1) / a.BS; ++b) {
-      const int64_t blk = a.bt[s * a.MB + b];
-      if (blk < 0 || blk >= a.NB)
-        fail(who + "block_tables[" + std::to_string(s) + ", " + std::to_string(b) + "] = " + std::to_string(blk) +
-             " is outside [0, " + std::to_string(a.NB) + ")");
-    }
-  }
-}
-
 }  // namespace
 
 void paged_attention_cpu(void* out, const void* q, const void* k_cache, const void* v_cache, const float* k_scales,
@@ -876,7 +843,9 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
   Args a{out, q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc,
          num_tokens, num_heads, num_kv_heads, head_dim, q_stride, num_blocks, block_size, num_seqs,
          max_blocks_per_seq, scale, q_dtype, cache_dtype, window, softcap, 0, 0, 0, 0};
-  check_args(a, max_seq_len);
+  check_attention_step({out, q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc,
+                        num_tokens, num_heads, num_kv_heads, head_dim, q_stride, num_blocks, block_size, num_seqs,
+                        max_blocks_per_seq, max_seq_len, scale, q_dtype, cache_dtype, window, softcap});
   a.G = a.H / a.KVH;
   a.Dp = (a.D + 63) / 64 * 64;
   a.chunk = std::max<int64_t>(a.BS, 4096 / a.Dp / a.BS * a.BS);

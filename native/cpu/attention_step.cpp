@@ -20,7 +20,9 @@ namespace {
 
 constexpr int64_t kMaxHeadDim = 512;
 
-void check_step(const AttentionStep& a) {
+}  // namespace
+
+void check_attention_step(const AttentionStep& a) {
   auto fail = [](const std::string& msg) { throw std::invalid_argument("paged_attention: " + msg); };
   if (a.KVH <= 0 || a.H % a.KVH != 0)
     fail("num_heads (" + std::to_string(a.H) + ") must be a multiple of num_kv_heads (" + std::to_string(a.KVH) + ")");
@@ -52,6 +54,8 @@ void check_step(const AttentionStep& a) {
     }
   }
 }
+
+namespace {
 
 // paged_attention_cpu over the sequences `seqs` of the step, in place when that is all of them.
 void run_decode_kernel(const AttentionStep& a, const std::vector<int32_t>& seqs) {
@@ -100,7 +104,7 @@ void attention_step_cpu(void* out, const void* q, const void* k_cache, const voi
   const AttentionStep a{out, q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc,
                         num_tokens, num_heads, num_kv_heads, head_dim, q_stride, num_blocks, block_size, num_seqs,
                         max_blocks_per_seq, max_seq_len, scale, q_dtype, cache_dtype, window, softcap};
-  check_step(a);
+  check_attention_step(a);
   std::vector<int32_t> prompts, others;
   const bool prefill_ok = prefill_attention_supports(a);
   for (int32_t s = 0; s < a.S; ++s)

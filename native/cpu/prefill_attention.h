@@ -25,6 +25,10 @@ struct AttentionStep {
   float softcap;   // 0 = none
 };
 
+// Throws std::invalid_argument naming the first bad argument of a step (shapes, dtypes, block ids),
+// before any kernel writes: both attention_step_cpu and paged_attention_cpu validate through it.
+void check_attention_step(const AttentionStep& a);
+
 // Sequences with at least this many query tokens in a step go to the prefill kernel (when it takes
 // the step's dtypes and head_dim); shorter ones, decodes included, to paged_attention_cpu.
 constexpr int64_t kPrefillMinQueries = 16;
