@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("build", help="llama.cpp build folder (with bin/llama-bench ...)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--batch1-only", action="store_true",
+                    help="skip the 64-stream column (llama-batched-bench dies with SIGILL on some builds)")
     args = ap.parse_args()
     folder, name = default_gguf()
     q4 = os.path.join(folder, name)
@@ -81,8 +83,8 @@ def main() -> None:
     for kind, path in files.items():
         for _ in range(args.repeats):  # alternating engines, same file
             ours = measure(path, "auto", args.threads)
-            rows.append((kind, ours["decode"], llama_decode(args.build, path, args.threads),
-                         ours["gen64"], llama_streams(args.build, path, args.threads)))
+            streams = float("nan") if args.batch1_only else llama_streams(args.build, path, args.threads)
+            rows.append((kind, ours["decode"], llama_decode(args.build, path, args.threads), ours["gen64"], streams))
     print(f"\n{args.threads} threads; batch 1: prompt {PROMPT}, {GEN} tokens; {STREAMS} streams: "
           f"prompt {STREAM_PROMPT}, {GEN} tokens each (pyengine: whole generate; llama.cpp: S_TG)")
     print(f"{'file':7s} {'ours b1':>8s} {'llama b1':>9s} {'ratio':>6s} {'ours x64':>9s} {'llama x64':>10s} "
