@@ -50,14 +50,6 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-
-
-
-
-
-
-
-
 namespace pyengine {
 namespace {
 
@@ -65,22 +57,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kMinSplitTokens = 256;
 
-struct Args {
-  void* out;
-  const void* q;
-  const void* k;
-  const void* v;
-  const float* ks;
-  const float* vs;
-  const int32_t* bt;
-  const int32_t* seq_lens;
-  const int32_t* qsl;
-  int64_t T, H, KVH, D, q_stride, NB, BS, S, MB;
-  float scale;
-  DType qdt, cdt;
-  int64_t window;  // 0 = unlimited
-  float softcap;   // 0 = none
-  int64_t G, Dp, chunk, QT;  // derived
+// One step's arguments (AttentionStep, prefill_attention.h) and what the decode kernel derives from them.
+struct Args : AttentionStep {
+  int64_t G, Dp, chunk, QT;
 };
 
 struct Item {
@@ -346,7 +325,7 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
   }
 
   const size_t es = elem_size(CD);
-  const int32_t* table = a.bt + it.seq * a.MB;
+  const int32_t* table = a.block_tables + it.seq * a.MB;
   const int64_t kv_end = std::min<int64_t>(it.kv_hi, first_pos + it.tok1);  // causal end of the tile
   // the window's start for the tile's first token: nothing before it is read
   const int64_t kv_start = a.window > 0 ? std::max<int64_t>(it.kv_lo, first_pos + it.tok0 + 1 - a.window) : it.kv_lo;
@@ -660,7 +639,7 @@ void fill_chunk(const Args& a, const Item& it, int64_t c0, int64_t kv_end, Chunk
   constexpr int64_t D = 32 * NC32;
   constexpr int64_t es = CD == DType::kBFloat16 ? 2 : 1;
   const int64_t tile_bytes = a.BS * D * es;
-  const int32_t* table = a.bt + it.seq * a.MB;
+  const int32_t* table = a.block_tables + it.seq * a.MB;
   c.n = static_cast<int>(std::min<int64_t>(kChunk, kv_end - c0));
   int t = 0;  // block sizes are even and c0 is, so token pairs never straddle blocks
   for (int64_t blk = c0 / a.BS, off = c0 % a.BS; t < c.n; ++blk, off = 0) {
@@ -840,12 +819,11 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
                          int64_t head_dim, int64_t q_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
                          int64_t max_blocks_per_seq, int64_t max_seq_len, float scale, DType q_dtype,
                          DType cache_dtype, int64_t window, float softcap) {
-  Args a{out, q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc,
-         num_tokens, num_heads, num_kv_heads, head_dim, q_stride, num_blocks, block_size, num_seqs,
-         max_blocks_per_seq, scale, q_dtype, cache_dtype, window, softcap, 0, 0, 0, 0};
-  check_attention_step({out, q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc,
-                        num_tokens, num_heads, num_kv_heads, head_dim, q_stride, num_blocks, block_size, num_seqs,
-                        max_blocks_per_seq, max_seq_len, scale, q_dtype, cache_dtype, window, softcap});
+  Args a{{out, q, k_cache, v_cache, k_scales, v_scales, block_tables, seq_lens, query_start_loc, num_tokens,
+          num_heads, num_kv_heads, head_dim, q_stride, num_blocks, block_size, num_seqs, max_blocks_per_seq,
+          max_seq_len, scale, q_dtype, cache_dtype, window, softcap},
+         0, 0, 0, 0};
+  check_attention_step(a);
   a.G = a.H / a.KVH;
   a.Dp = (a.D + 63) / 64 * 64;
   a.chunk = std::max<int64_t>(a.BS, 4096 / a.Dp / a.BS * a.BS);
