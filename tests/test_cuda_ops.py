@@ -63,6 +63,24 @@ def test_add_rms_norm(dtype, rows, dim):
     torch.testing.assert_close(xd.cpu(), want_x, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weight_dtype", ["act", torch.float32])
+def test_norms_of_an_fp32_residual_stream(dtype, weight_dtype):
+    rows, dim = 300, 576
+    g = gen(rows)
+    x = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    res = torch.randn(rows, dim, generator=g) * 20
+    w = (torch.rand(dim, generator=g) + 0.5).to(dtype if weight_dtype == "act" else weight_dtype)
+    xd, rd, wd = x.to(DEV), res.to(DEV), w.to(DEV)
+    normed = rms_norm(rd, wd, 1e-6, dtype=dtype)
+    assert normed.dtype == dtype
+    torch.testing.assert_close(normed.cpu(), ref_rms_norm(res, w, 1e-6, dtype), **TOL[dtype])
+    want_res = x.float() + res
+    add_rms_norm(xd, rd, wd, 1e-6)
+    torch.testing.assert_close(rd.cpu(), want_res, atol=0, rtol=0)
+    torch.testing.assert_close(xd.cpu(), ref_rms_norm(want_res, w, 1e-6, dtype), **TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 96])
 @pytest.mark.parametrize("tokens", [1, 200])

@@ -34,7 +34,7 @@ from pyengine.sampling_params import SamplingParams
 from test_server_e2e import ServerProcess
 
 N = 2048
-MIN_AGREEMENT = {"bf16": 0.985, "fp8": 0.955, "int8": 0.975}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
+MIN_AGREEMENT = {"bf16": 0.99, "fp8": 0.955, "int8": 0.975}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
 MIN_VS_FP32_CACHE = {"fp8": 0.96, "int8": 0.98}
 CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 

@@ -10,9 +10,9 @@ DTYPES = list(TOL)
 ROWS = [1, 7, 300]  # 300 rows x 576 is large enough to run on the thread pool
 
 
-def ref_rms_norm(x, w, eps):
+def ref_rms_norm(x, w, eps, dtype=None):
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(dtype or x.dtype)
 
 
 def cos_sin_cache(max_pos, head_dim, base=10000.0):
@@ -62,6 +62,32 @@ def test_add_rms_norm(dtype, rows, dim):
     want_res = (x.float() + res.float()).to(dtype)
     want_x = ref_rms_norm(want_res, w, 1e-6)
     add_rms_norm(x, res, w, 1e-6)
+    torch.testing.assert_close(res, want_res, atol=0, rtol=0)
+    torch.testing.assert_close(x, want_x, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weight_dtype", ["act", torch.float32])
+@pytest.mark.parametrize("rows", ROWS)
+def test_norms_of_an_fp32_residual_stream(dtype, weight_dtype, rows):
+    """A model's fp32 residual stream beside bf16/fp16 activations: the sum stays fp32 (exactly torch's),
+    the normed x is rounded once to the activation dtype."""
+    dim = 576
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    res = torch.randn(rows, dim, generator=g) * 20
+    w = (torch.rand(dim, generator=g) + 0.5).to(dtype if weight_dtype == "act" else weight_dtype)
+
+    normed = rms_norm(res, w, 1e-6, dtype=dtype)
+    assert normed.dtype == dtype
+    torch.testing.assert_close(normed, ref_rms_norm(res, w, 1e-6, dtype), **TOL[dtype])
+    out = torch.empty(rows, dim, dtype=dtype)
+    assert rms_norm(res, w, 1e-6, out=out) is out and torch.equal(out, normed)
+
+    want_res = x.float() + res
+    want_x = ref_rms_norm(want_res, w, 1e-6, dtype)
+    add_rms_norm(x, res, w, 1e-6)
+    assert res.dtype == torch.float32
     torch.testing.assert_close(res, want_res, atol=0, rtol=0)
     torch.testing.assert_close(x, want_x, **TOL[dtype])
 
@@ -150,6 +176,12 @@ def test_bad_arguments():
         add_rms_norm(x, torch.randn(3, 64), w, 1e-6)
     with pytest.raises(TypeError, match="residual"):
         add_rms_norm(x, x.bfloat16(), w, 1e-6)
+    with pytest.raises(TypeError, match="residual"):  # fp32 or x's dtype
+        add_rms_norm(x.bfloat16(), x.half(), w, 1e-6)
+    with pytest.raises(TypeError, match="its own dtype"):  # only an fp32 x may change dtype
+        rms_norm(x.bfloat16(), w, 1e-6, dtype=torch.float16)
+    with pytest.raises(TypeError, match="weight"):  # the result's dtype or fp32
+        rms_norm(x, w.half(), 1e-6, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="even"):
         silu_and_mul(torch.randn(2, 5))
     with pytest.raises(ValueError, match="out"):

@@ -26,8 +26,8 @@ void register_decoder_ops(py::module_& m) {
       },
       py::call_guard<py::gil_scoped_release>(),
       "All decoder layers of a Llama-family model for one step of T tokens (native/cpu/decoder.cpp says "
-      "what each argument is; window: every layer's attention window, 0 for none); bf16 activations, packed bf16 "
-      "weights.");
+      "what each argument is; window: every layer's attention window, 0 for none); bf16 activations, an fp32 "
+      "residual stream, packed bf16 or quantized weights.");
 }
 
 }  // namespace

@@ -16,17 +16,22 @@ void register_layer_ops(py::module_& m) {
   m.def(
       "rms_norm",
       [](uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows, int64_t dim, double eps, int dtype,
-         int weight_dtype, uintptr_t) { rms_norm(x, weight, out, rows, dim, eps, dtype, weight_dtype); },
+         int weight_dtype, int out_dtype, uintptr_t) {
+        rms_norm(x, weight, out, rows, dim, eps, dtype, weight_dtype, out_dtype);
+      },
       py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("rows"), py::arg("dim"), py::arg("eps"),
-      py::arg("dtype"), py::arg("weight_dtype"), py::arg("stream"), nogil,
-      "out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight; x, out [rows, dim] contiguous (out may be x).");
+      py::arg("dtype"), py::arg("weight_dtype"), py::arg("out_dtype"), py::arg("stream"), nogil,
+      "out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight; x, out [rows, dim] contiguous (out may be x); "
+      "an fp32 x may be normed into a bf16/fp16 out.");
   m.def(
       "add_rms_norm",
       [](uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t dim, double eps, int dtype,
-         int weight_dtype, uintptr_t) { add_rms_norm(x, residual, weight, rows, dim, eps, dtype, weight_dtype); },
+         int weight_dtype, int residual_dtype, uintptr_t) {
+        add_rms_norm(x, residual, weight, rows, dim, eps, dtype, weight_dtype, residual_dtype);
+      },
       py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("rows"), py::arg("dim"), py::arg("eps"),
-      py::arg("dtype"), py::arg("weight_dtype"), py::arg("stream"), nogil,
-      "In place: residual += x; x = rms_norm(residual) * weight.");
+      py::arg("dtype"), py::arg("weight_dtype"), py::arg("residual_dtype"), py::arg("stream"), nogil,
+      "In place: residual += x; x = rms_norm(residual) * weight (residual x's dtype or fp32).");
   m.def(
       "rotary_embedding",
       [](uintptr_t positions, uintptr_t q, uintptr_t k, uintptr_t cache, int64_t tokens, int64_t q_heads,

@@ -8,7 +8,9 @@
 //     cos_sin_cache [max_position, head_dim] fp32 = [cos | sin] halves.
 //   silu_and_mul: x [rows, 2*inter] -> out [rows, inter].
 // Element types: fp32, bf16, fp16 activations (weight: the activation type or fp32); all
-// arithmetic in fp32, one rounding on store.
+// arithmetic in fp32, one rounding on store. The residual stream may be fp32 under bf16/fp16
+// activations (a model's residual, kept unrounded): rms_norm's x (then out is the activation type)
+// and add_rms_norm's residual.
 // Parallel shape: rows (silu_and_mul: rows x 2048-column tiles) split into chunks on the
 // ThreadPool, only when rows*row_work >= kMinParallelWork elements; smaller calls (a decode
 // step's single row) run inline on the caller and never wake a worker.
@@ -145,12 +147,12 @@ void for_units(int64_t units, int64_t unit_work, F&& fn) {
   pool.parallel_for(chunks, [&](int64_t c) { fn(c * per, std::min(units, (c + 1) * per)); });
 }
 
-template <class T, class W>
-void rms_norm_impl(const T* x, const W* w, T* out, int64_t rows, int64_t dim, float eps) {
+template <class X, class W, class O>
+void rms_norm_impl(const X* x, const W* w, O* out, int64_t rows, int64_t dim, float eps) {
   for_units(rows, dim, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * dim;
-      T* orow = out + r * dim;
+      const X* xr = x + r * dim;
+      O* orow = out + r * dim;
       vfloat acc = vset(0.0f);
       int64_t i = 0;
       for (; i + kLanes <= dim; i += kLanes) {
@@ -167,13 +169,13 @@ void rms_norm_impl(const T* x, const W* w, T* out, int64_t rows, int64_t dim, fl
   });
 }
 
-// residual += x (rounded to T); x = rms_norm(residual) * w, normalizing the stored residual.
-template <class T, class W>
-void add_rms_norm_impl(T* x, T* residual, const W* w, int64_t rows, int64_t dim, float eps) {
+// residual += x (rounded to R); x = rms_norm(residual) * w, normalizing the stored residual.
+template <class T, class R, class W>
+void add_rms_norm_impl(T* x, R* residual, const W* w, int64_t rows, int64_t dim, float eps) {
   for_units(rows, 2 * dim, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       T* xr = x + r * dim;
-      T* rr = residual + r * dim;
+      R* rr = residual + r * dim;
       vfloat acc = vset(0.0f);
       int64_t i = 0;
       for (; i + kLanes <= dim; i += kLanes) {
@@ -262,15 +264,13 @@ void dispatch_act(const char* op, int code, F&& fn) {
   }
 }
 
-// Calls fn(T{}, W{}): weights are either the activation type or fp32.
-template <class F>
-void dispatch_act_weight(const char* op, int code, int weight_code, F&& fn) {
-  dispatch_act(op, code, [&](auto t) {
-    using T = decltype(t);
-    if (weight_code == code) return fn(t, T{});
-    if (static_cast<DType>(weight_code) == DType::kFloat32) return fn(t, float{});
-    bad_dtype(op, weight_code);
-  });
+// Calls fn(T{}) where `code` is the activation's (`act_code`, tag type T), fn(float{}) where it is fp32:
+// weights and the residual stream are either.
+template <class T, class F>
+void dispatch_act_or_float(const char* op, int code, int act_code, F&& fn) {
+  if (code == act_code) return fn(T{});
+  if (static_cast<DType>(code) == DType::kFloat32) return fn(float{});
+  bad_dtype(op, code);
 }
 
 template <class T> T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
@@ -278,20 +278,30 @@ template <class T> T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 }  // namespace
 
 void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows, int64_t dim, double eps, int dtype,
-              int weight_dtype) {
-  dispatch_act_weight("rms_norm", dtype, weight_dtype, [&](auto t, auto w) {
-    using T = decltype(t);
-    using W = decltype(w);
-    rms_norm_impl(ptr<const T>(x), ptr<const W>(weight), ptr<T>(out), rows, dim, static_cast<float>(eps));
+              int weight_dtype, int out_dtype) {
+  dispatch_act("rms_norm", out_dtype, [&](auto o) {
+    using O = decltype(o);
+    dispatch_act_or_float<O>("rms_norm", dtype, out_dtype, [&](auto xt) {
+      dispatch_act_or_float<O>("rms_norm", weight_dtype, out_dtype, [&](auto w) {
+        using X = decltype(xt);
+        using W = decltype(w);
+        rms_norm_impl(ptr<const X>(x), ptr<const W>(weight), ptr<O>(out), rows, dim, static_cast<float>(eps));
+      });
+    });
   });
 }
 
 void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t dim, double eps,
-                  int dtype, int weight_dtype) {
-  dispatch_act_weight("add_rms_norm", dtype, weight_dtype, [&](auto t, auto w) {
+                  int dtype, int weight_dtype, int residual_dtype) {
+  dispatch_act("add_rms_norm", dtype, [&](auto t) {
     using T = decltype(t);
-    using W = decltype(w);
-    add_rms_norm_impl(ptr<T>(x), ptr<T>(residual), ptr<const W>(weight), rows, dim, static_cast<float>(eps));
+    dispatch_act_or_float<T>("add_rms_norm", residual_dtype, dtype, [&](auto r) {
+      dispatch_act_or_float<T>("add_rms_norm", weight_dtype, dtype, [&](auto w) {
+        using R = decltype(r);
+        using W = decltype(w);
+        add_rms_norm_impl(ptr<T>(x), ptr<R>(residual), ptr<const W>(weight), rows, dim, static_cast<float>(eps));
+      });
+    });
   });
 }
 

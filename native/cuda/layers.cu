@@ -1,8 +1,9 @@
 // RMSNorm, fused residual-add + RMSNorm, SiLU-and-mul, neox rotary embedding.
 //
 // Layouts (row-major; T tokens; same as native/cpu/layers.cpp):
-//   rms_norm      x [T, D], weight [D] (x's dtype or fp32), out [T, D]
-//   add_rms_norm  x, residual [T, D] in place; weight as above
+//   rms_norm      x [T, D], weight [D] (out's dtype or fp32), out [T, D] (x's dtype, or any where x
+//                 is fp32: a model's fp32 residual stream normed into bf16/fp16 activations)
+//   add_rms_norm  x, residual [T, D] in place (residual x's dtype or fp32); weight x's dtype or fp32
 //   silu_and_mul  x [T, 2I] -> out [T, I]
 //   rotary        q [T, H, D], k [T, KVH, D] in place (token rows q_stride /
 //                 k_stride elements apart, heads contiguous), cos_sin
@@ -18,11 +19,11 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <typename T, typename W>
-__global__ void rms_norm_kernel(const T* x, const W* __restrict__ w, T* out, int D,
+template <typename X, typename W, typename T>
+__global__ void rms_norm_kernel(const X* x, const W* __restrict__ w, T* out, int D,
                                 float eps) {
   __shared__ float scratch[32];
-  const T* row = x + static_cast<int64_t>(blockIdx.x) * D;
+  const X* row = x + static_cast<int64_t>(blockIdx.x) * D;
   float ss = 0.f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
     const float v = to_float(row[i]);
@@ -33,15 +34,15 @@ __global__ void rms_norm_kernel(const T* x, const W* __restrict__ w, T* out, int
   for (int i = threadIdx.x; i < D; i += blockDim.x) o[i] = from_float<T>(to_float(row[i]) * inv * to_float(w[i]));
 }
 
-template <typename T, typename W>
-__global__ void add_rms_norm_kernel(T* __restrict__ x, T* __restrict__ residual, const W* __restrict__ w, int D,
+template <typename T, typename R, typename W>
+__global__ void add_rms_norm_kernel(T* __restrict__ x, R* __restrict__ residual, const W* __restrict__ w, int D,
                                     float eps) {
   __shared__ float scratch[32];
   T* xr = x + static_cast<int64_t>(blockIdx.x) * D;
-  T* rr = residual + static_cast<int64_t>(blockIdx.x) * D;
+  R* rr = residual + static_cast<int64_t>(blockIdx.x) * D;
   float ss = 0.f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    const T r = from_float<T>(to_float(rr[i]) + to_float(xr[i]));  // residual keeps its dtype
+    const R r = from_float<R>(to_float(rr[i]) + to_float(xr[i]));  // residual keeps its dtype
     rr[i] = r;
     const float v = to_float(r);
     ss += v * v;
@@ -87,43 +88,48 @@ T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-// Runs the body with weight_t = scalar_t or float (weights are the activation type or fp32).
-#define DISPATCH_WEIGHT(weight_dtype, act_dtype, op, ...)                      \
+// Runs the body with `name` = scalar_t or float: weights and the residual stream are the activation
+// type or fp32.
+#define DISPATCH_ACT_OR_FLOAT(code, act_dtype, name, op, ...)                  \
   do {                                                                         \
-    if ((weight_dtype) == (act_dtype)) {                                       \
-      using weight_t = scalar_t;                                               \
+    if ((code) == (act_dtype)) {                                               \
+      using name = scalar_t;                                                   \
       __VA_ARGS__;                                                             \
-    } else if (static_cast<DType>(weight_dtype) == DType::kFloat32) {          \
-      using weight_t = float;                                                  \
+    } else if (static_cast<DType>(code) == DType::kFloat32) {                  \
+      using name = float;                                                      \
       __VA_ARGS__;                                                             \
     } else {                                                                   \
-      bad_dtype(op, weight_dtype);                                             \
+      bad_dtype(op, code);                                                     \
     }                                                                          \
   } while (0)
 
 }  // namespace
 
 void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows, int64_t dim, double eps, int dtype,
-              int weight_dtype, uintptr_t stream) {
+              int weight_dtype, int out_dtype, uintptr_t stream) {
   if (rows == 0) return;
   DeviceGuard guard(reinterpret_cast<void*>(x), "rms_norm");
-  PYENGINE_DISPATCH_FLOAT(dtype, "rms_norm", {
-    DISPATCH_WEIGHT(weight_dtype, dtype, "rms_norm", {
-      rms_norm_kernel<scalar_t, weight_t><<<rows, kThreads, 0, as_stream(stream)>>>(
-          ptr<const scalar_t>(x), ptr<const weight_t>(weight), ptr<scalar_t>(out), dim, static_cast<float>(eps));
+  PYENGINE_DISPATCH_FLOAT(out_dtype, "rms_norm", {
+    DISPATCH_ACT_OR_FLOAT(dtype, out_dtype, x_t, "rms_norm", {
+      DISPATCH_ACT_OR_FLOAT(weight_dtype, out_dtype, weight_t, "rms_norm", {
+        rms_norm_kernel<x_t, weight_t, scalar_t><<<rows, kThreads, 0, as_stream(stream)>>>(
+            ptr<const x_t>(x), ptr<const weight_t>(weight), ptr<scalar_t>(out), dim, static_cast<float>(eps));
+      });
     });
   });
   check_launch("rms_norm");
 }
 
 void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t dim, double eps,
-                  int dtype, int weight_dtype, uintptr_t stream) {
+                  int dtype, int weight_dtype, int residual_dtype, uintptr_t stream) {
   if (rows == 0) return;
   DeviceGuard guard(reinterpret_cast<void*>(x), "add_rms_norm");
   PYENGINE_DISPATCH_FLOAT(dtype, "add_rms_norm", {
-    DISPATCH_WEIGHT(weight_dtype, dtype, "add_rms_norm", {
-      add_rms_norm_kernel<scalar_t, weight_t><<<rows, kThreads, 0, as_stream(stream)>>>(
-          ptr<scalar_t>(x), ptr<scalar_t>(residual), ptr<const weight_t>(weight), dim, static_cast<float>(eps));
+    DISPATCH_ACT_OR_FLOAT(residual_dtype, dtype, residual_t, "add_rms_norm", {
+      DISPATCH_ACT_OR_FLOAT(weight_dtype, dtype, weight_t, "add_rms_norm", {
+        add_rms_norm_kernel<scalar_t, residual_t, weight_t><<<rows, kThreads, 0, as_stream(stream)>>>(
+            ptr<scalar_t>(x), ptr<residual_t>(residual), ptr<const weight_t>(weight), dim, static_cast<float>(eps));
+      });
     });
   });
   check_launch("add_rms_norm");

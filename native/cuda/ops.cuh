@@ -15,12 +15,13 @@ namespace cuda {
 
 // --- layers.cu -------------------------------------------------------------
 // Same argument lists as the CPU kernels (native/cpu/layers.cpp) plus the stream.
-// x, residual, out [rows, dim] contiguous; weight [dim] of dtype or fp32 (weight_dtype).
+// x, residual, out [rows, dim] contiguous; weight [dim] of the activation dtype or fp32 (weight_dtype).
+// x in `dtype`, out in `out_dtype` (x's, or any where x is fp32: an fp32 residual stream).
 void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows, int64_t dim, double eps, int dtype,
-              int weight_dtype, uintptr_t stream);
-// In place: residual += x (rounded to dtype); x = rms_norm(residual) * weight.
+              int weight_dtype, int out_dtype, uintptr_t stream);
+// In place: residual += x (rounded to residual_dtype: dtype or fp32); x = rms_norm(residual) * weight.
 void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t dim, double eps,
-                  int dtype, int weight_dtype, uintptr_t stream);
+                  int dtype, int weight_dtype, int residual_dtype, uintptr_t stream);
 // In place neox rotary. positions [tokens] int64; q rows of q_heads*head_dim, k rows of
 // kv_heads*head_dim, rows q_row_stride / k_row_stride elements apart; cos_sin_cache
 // [max_position, head_dim] fp32. Tokens whose position is outside [0, max_position) are

@@ -2,7 +2,9 @@
 
 Per layer: add_rms_norm -> fused QKV GEMM (+bias) -> RoPE -> cache write -> paged attention ->
 O GEMM -> add_rms_norm -> fused gate/up GEMM -> silu_and_mul -> down GEMM. The residual stream is
-carried separately and updated in place by add_rms_norm. Everything derivable is built at load:
+carried separately, in fp32 whatever the model's dtype, and updated in place by add_rms_norm; the norms
+hand the projections their input in the model's dtype. (Rounding the stream to bf16 after every add was
+the largest part of a bf16 model's distance from fp32: tests/test_kv_accuracy.py.) Everything derivable is built at load:
 fused weights, the fp32 cos/sin caches, the split sizes, the attention scale. GGUF projections,
 embedding and lm_head in a type with a native kernel stay quantized (QuantLinear) when the loader asks
 for it.
@@ -303,11 +305,11 @@ class LlamaForCausalLM(torch.nn.Module):
         cfg, eps, scale, sizes, d = self.cfg, self.eps, self.scale, self.qkv_sizes, self.cfg.head_dim
         q_shape, kv_shape = (t, *self.q_shape), (t, *self.kv_shape)
         if self.embed_q is not None:
-            residual = self.embed_q.embedding(input_ids, self.dtype)
+            residual = self.embed_q.embedding(input_ids, torch.float32)
         else:
-            residual = F.embedding(input_ids, self.embed)
-        if cfg.embed_scale:  # rounded to the activation dtype first, as transformers does
-            residual = residual * torch.tensor(cfg.embed_scale, dtype=residual.dtype)
+            residual = F.embedding(input_ids, self.embed).float()
+        if cfg.embed_scale:  # the scale rounded to the model's dtype, as transformers does
+            residual = residual * torch.tensor(cfg.embed_scale, dtype=self.dtype)
         if t <= self.native_layer_rows:
             x = self._native_layers(residual, positions, kv_caches, meta)
             add_rms_norm(x, residual, self.norm, eps)
@@ -317,7 +319,7 @@ class LlamaForCausalLM(torch.nn.Module):
         x = None
         for layer, lin, cache, attention in zip(self.layers, self.linears, kv_caches, self.attention):
             if x is None:
-                x = rms_norm(residual, layer.input_norm, eps)
+                x = rms_norm(residual, layer.input_norm, eps, dtype=self.dtype)
             else:
                 add_rms_norm(x, residual, layer.input_norm, eps)
             q, k, v = lin.qkv(x).split(sizes, dim=1)
@@ -348,7 +350,7 @@ class LlamaForCausalLM(torch.nn.Module):
     def _native_layers(self, residual: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                        meta: AttentionMetadata) -> torch.Tensor:
         """All layers of the op-by-op loop above in one native call (same kernels, same order: the
-        same bits). residual is updated in place; returns x, the last layer's MLP output."""
+        same bits). residual (fp32) is updated in place; returns x, the last layer's MLP output (bf16)."""
         from pyengine import _C
 
         cfg, t = self.cfg, residual.shape[0]
@@ -362,12 +364,10 @@ class LlamaForCausalLM(torch.nn.Module):
         s, max_blocks = meta.block_tables.shape
         check_tensor("seq_lens", meta.seq_lens, dtypes=(torch.int32,), shape=(s,))
         check_tensor("query_start_loc", meta.query_start_loc, dtypes=(torch.int32,), shape=(s + 1,))
+        check_tensor("residual", residual, dtypes=(torch.float32,), shape=(t, cfg.hidden_size))
         table = self._layer_table_for(kv_caches)
-        x = torch.empty_like(residual)
-        qkv = residual.new_empty(t, sum(self.qkv_sizes))
-        attn = residual.new_empty(t, h * d)
-        gate_up = residual.new_empty(t, 2 * inter)
-        act = residual.new_empty(t, inter)
+        x, qkv, attn, gate_up, act = (torch.empty(t, n, dtype=torch.bfloat16) for n in
+                                      (cfg.hidden_size, sum(self.qkv_sizes), h * d, 2 * inter, inter))
         _C.decoder_layers(
             residual.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
             table.data_ptr(), len(self.layers), positions.data_ptr(), self.cos_sin_cache.data_ptr(),

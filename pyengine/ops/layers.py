@@ -1,5 +1,6 @@
 """Per-token layer ops: RMSNorm (plain and fused with the residual add), neox rotary embedding,
-SiLU-and-multiply. CPU or CUDA tensors; activations fp32, bf16 or fp16, arithmetic in fp32.
+SiLU-and-multiply. CPU or CUDA tensors; activations fp32, bf16 or fp16, arithmetic in fp32. The norms
+also take a model's residual stream in fp32 beside bf16/fp16 activations (the stream is never rounded).
 """
 from __future__ import annotations
 
@@ -18,10 +19,14 @@ def _check_eps(eps: float) -> float:
     return float(eps)
 
 
-def _check_weight(weight: object, x: torch.Tensor) -> torch.Tensor:
-    """weight [D]: x's dtype or fp32."""
-    dtypes = (x.dtype,) if x.dtype == torch.float32 else (x.dtype, torch.float32)
-    return check_tensor("weight", weight, dtypes=dtypes, shape=(x.shape[-1],), device=x.device)
+def _act_or_fp32(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The dtypes of a weight or a residual stream beside activations of `dtype`: theirs or fp32."""
+    return (dtype,) if dtype == torch.float32 else (dtype, torch.float32)
+
+
+def _check_weight(weight: object, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight [D]: the activations' `dtype` or fp32."""
+    return check_tensor("weight", weight, dtypes=_act_or_fp32(dtype), shape=(x.shape[-1],), device=x.device)
 
 
 def _check_rows(name: str, x: object) -> torch.Tensor:
@@ -31,33 +36,43 @@ def _check_rows(name: str, x: object) -> torch.Tensor:
     return x
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
     """x / sqrt(mean(x**2, -1) + eps) * weight over the last dimension of x ([T, D] or [..., D]).
 
-    `out` (same shape and dtype as x; may be x itself) receives the result, else a new tensor.
+    The result has `dtype` (default: out's, else x's): x's, or any where x is fp32 (a residual stream
+    normed into bf16 activations); weight has the result's dtype or fp32. `out` (x's shape; may be x
+    itself) receives the result, else a new tensor.
     """
     _check_rows("x", x)
-    _check_weight(weight, x)
+    dtype = dtype or (x.dtype if out is None else out.dtype)
+    if dtype != x.dtype and x.dtype != torch.float32:
+        raise TypeError(f"rms_norm: x of dtype {x.dtype} can only be normed into its own dtype, not {dtype}")
+    _check_weight(weight, x, dtype)
     eps = _check_eps(eps)
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
     else:
-        check_tensor("out", out, dtypes=(x.dtype,), shape=tuple(x.shape), device=x.device)
+        check_tensor("out", out, dtypes=(dtype,), shape=tuple(x.shape), device=x.device)
     dim = x.shape[-1]
     native(x.device).rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
-                              dtype_code(x), dtype_code(weight), cuda_stream(x.device))
+                              dtype_code(x), dtype_code(weight), dtype_code(out), cuda_stream(x.device))
     return out
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """In place: residual += x, then x = rms_norm(residual) * weight (of the stored, rounded residual)."""
+    """In place: residual += x, then x = rms_norm(residual) * weight (of the stored, rounded residual).
+
+    residual has x's dtype or fp32 (then the sum is kept in fp32 and only x is rounded to its dtype);
+    weight has x's dtype or fp32.
+    """
     _check_rows("x", x)
-    check_tensor("residual", residual, dtypes=(x.dtype,), shape=tuple(x.shape), device=x.device)
-    _check_weight(weight, x)
+    check_tensor("residual", residual, dtypes=_act_or_fp32(x.dtype), shape=tuple(x.shape), device=x.device)
+    _check_weight(weight, x, x.dtype)
     eps = _check_eps(eps)
     dim = x.shape[-1]
     native(x.device).add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // dim, dim, eps,
-                                  dtype_code(x), dtype_code(weight), cuda_stream(x.device))
+                                  dtype_code(x), dtype_code(weight), dtype_code(residual), cuda_stream(x.device))
 
 
 def _rope_rows(name: str, t: object, tokens: int | None, head_dim: int, dtype: torch.dtype | None,

@@ -35,10 +35,12 @@ void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, vo
 
 namespace cpu {
 
+// rms_norm: x in `dtype`, out in `out_dtype` (x's, or any where x is fp32); weight out's type or fp32.
 void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows, int64_t dim, double eps, int dtype,
-              int weight_dtype);
+              int weight_dtype, int out_dtype);
+// add_rms_norm: x in `dtype`; residual in `residual_dtype` (x's or fp32); weight x's type or fp32.
 void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t rows, int64_t dim, double eps,
-                  int dtype, int weight_dtype);
+                  int dtype, int weight_dtype, int residual_dtype);
 void rotary_embedding(uintptr_t positions, uintptr_t q, uintptr_t k, uintptr_t cos_sin_cache, int64_t tokens,
                       int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t q_row_stride,
                       int64_t k_row_stride, int64_t max_position, int dtype);
