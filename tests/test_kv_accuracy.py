@@ -5,13 +5,16 @@ cache's rounding differs) and against the bf16 cache (bf16 model, the kernels bf
 compared; agreement is what greedy decoding would see, position by position, without drifting apart.
 
 Thresholds sit a little below what was measured on this text (2,047 positions, AVX512-BF16 CPU):
-bf16 vs fp32 98.7%; against an fp32 cache int8 98.6%, fp8 96.5%; against a bf16 cache int8 97.8%,
+bf16 vs fp32 99.1%; against an fp32 cache int8 98.6%, fp8 96.5%; against a bf16 cache int8 98.5%,
 fp8 96.2%. They depend on the text: on a code-heavy one our bf16 got 98.6% where transformers' own
-bf16 forward got 97.1% (both against fp32), so bf16 itself, not our kernels, sets that ceiling.
-Where it goes: bf16 rounding injected one place at a time into the fp32 op-by-op path (the first 384 tokens) moves the text tokens' logprobs by a mean of 0.018 when
-it rounds the residual stream, 0.008 the norm outputs (the projections' inputs), 0.006 the K/V
-cache, 0.005 attention's q and output, 0.003 the MLP activation; 0.022 all at once. Keeping the
-residual stream in fp32 (the native decoder layers, CPU and CUDA) has the most to gain.
+bf16 forward got 97.1% (both against fp32, before our residual stream was fp32), so bf16 itself, not
+our kernels, sets that ceiling.
+Where it went: bf16 rounding injected one place at a time into the fp32 op-by-op path (the first 384
+tokens) moved the text tokens' logprobs by a mean of 0.018 when it rounded the residual stream, 0.008
+the norm outputs (the projections' inputs), 0.006 the K/V cache, 0.005 attention's q and output, 0.003
+the MLP activation; 0.022 all at once. So the residual stream is kept in fp32 in every model (native
+decoder layers and op by op, CPU and CUDA): bf16 vs fp32 rose from 98.7% to 99.1%, and int8 against
+the bf16 cache from 97.8% to 98.5%. Next on the list: the norm outputs.
 
 What holds int8 and fp8 below 99% / 97.5%: K, not V, nor the kernels' arithmetic (the fp32 path
 dequantizes exactly). Rounding only K or only V of transformers' fp32 forward (the same per (token,
@@ -34,7 +37,7 @@ from pyengine.sampling_params import SamplingParams
 from test_server_e2e import ServerProcess
 
 N = 2048
-MIN_AGREEMENT = {"bf16": 0.99, "fp8": 0.955, "int8": 0.975}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
+MIN_AGREEMENT = {"bf16": 0.99, "fp8": 0.955, "int8": 0.98}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
 MIN_VS_FP32_CACHE = {"fp8": 0.96, "int8": 0.98}
 CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
