@@ -16,7 +16,8 @@ void register_layers(py::module_& m) {
         "an fp32 x may be normed into a bf16/fp16 out.");
   m.def("add_rms_norm", &pc::add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("rows"),
         py::arg("dim"), py::arg("eps"), py::arg("dtype"), py::arg("weight_dtype"), py::arg("residual_dtype"),
-        py::arg("stream"), nogil, "In place: residual += x; x = rms_norm(residual) * weight (residual x's dtype or fp32).");
+        py::arg("stream"), nogil,
+        "In place: residual += x; x = rms_norm(residual) * weight (residual x's dtype or fp32).");
   m.def("rotary_embedding", &pc::rotary_embedding, py::arg("positions"), py::arg("q"), py::arg("k"),
         py::arg("cos_sin_cache"), py::arg("tokens"), py::arg("q_heads"), py::arg("kv_heads"), py::arg("head_dim"),
         py::arg("q_row_stride"), py::arg("k_row_stride"), py::arg("max_position"), py::arg("dtype"),

@@ -4,10 +4,10 @@ Per layer: add_rms_norm -> fused QKV GEMM (+bias) -> RoPE -> cache write -> page
 O GEMM -> add_rms_norm -> fused gate/up GEMM -> silu_and_mul -> down GEMM. The residual stream is
 carried separately, in fp32 whatever the model's dtype, and updated in place by add_rms_norm; the norms
 hand the projections their input in the model's dtype. (Rounding the stream to bf16 after every add was
-the largest part of a bf16 model's distance from fp32: tests/test_kv_accuracy.py.) Everything derivable is built at load:
-fused weights, the fp32 cos/sin caches, the split sizes, the attention scale. GGUF projections,
-embedding and lm_head in a type with a native kernel stay quantized (QuantLinear) when the loader asks
-for it.
+the largest part of a bf16 model's distance from fp32: tests/test_kv_accuracy.py.) Everything derivable
+is built at load: fused weights, the fp32 cos/sin caches, the split sizes, the attention scale. GGUF
+projections, embedding and lm_head in a type with a native kernel stay quantized (QuantLinear) when the
+loader asks for it.
 
 The other families are this model with a few switches (ModelConfig's family fields): Qwen3 and
 Gemma 3 RMS-norm each q/k head before RoPE; Gemma norms the attention and MLP outputs before the
