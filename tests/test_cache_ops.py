@@ -150,3 +150,31 @@ def test_bad_slot_writes_nothing():
     with pytest.raises(ValueError):
         reshape_and_cache(**args)
     assert not args["k_cache"].any()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int8])
+def test_copy_blocks_copies_whole_blocks_with_their_scales(cache_dtype):
+    """copy_blocks (a forked sequence's private copy of a block) against the logical [NB, KVH, BS, D]
+    view: the destination blocks equal their sources, values and scales, in every layer; nothing
+    else changes."""
+    from pyengine.model.metadata import KVCache, copy_blocks
+
+    kvh, D, bs, nb = 3, 64, 16, 6
+    quant = cache_dtype != torch.bfloat16
+    caches = []
+    for layer in range(2):
+        kc, vc, ks, vs = make_cache(nb, kvh, bs, D, cache_dtype, quant=quant)
+        key, value = torch.randn(nb * bs, kvh, D), torch.randn(nb * bs, kvh, D)
+        reshape_and_cache(key.to(torch.bfloat16) if not quant else key, value.to(torch.bfloat16) if not quant
+                          else value, kc, vc, torch.arange(nb * bs), k_scales=ks, v_scales=vs)
+        caches.append(KVCache(kc, vc, ks, vs))
+    before = [[t.clone() for t in (c.k, c.v, c.k_scales, c.v_scales) if t is not None] for c in caches]
+    copy_blocks(caches, [(1, 4), (2, 0)])
+    for c, old in zip(caches, before):
+        new_k, new_v = from_cache_layout(c.k, c.v)
+        old_k, old_v = from_cache_layout(old[0], old[1])
+        for new, ref in [(new_k, old_k), (new_v, old_v)] + ([(c.k_scales, old[2]), (c.v_scales, old[3])] if quant else []):
+            want = ref.clone()
+            want[4], want[0] = ref[1], ref[2]
+            assert torch.equal(new.view(torch.uint8) if quant and new.dtype != torch.float32 else new,
+                               want.view(torch.uint8) if quant and want.dtype != torch.float32 else want)
