@@ -154,27 +154,30 @@ def test_bad_slot_writes_nothing():
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int8])
 def test_copy_blocks_copies_whole_blocks_with_their_scales(cache_dtype):
-    """copy_blocks (a forked sequence's private copy of a block) against the logical [NB, KVH, BS, D]
-    view: the destination blocks equal their sources, values and scales, in every layer; nothing
-    else changes."""
+    """copy_blocks (a forked sequence's own copy of a block), checked in the logical [NB, KVH, BS, D]
+    view: each destination block equals its source, values and scales, in every layer; nothing else
+    changes."""
     from pyengine.model.metadata import KVCache, copy_blocks
 
     kvh, D, bs, nb = 3, 64, 16, 6
     quant = cache_dtype != torch.bfloat16
+    rows = torch.float32 if quant else torch.bfloat16
     caches = []
-    for layer in range(2):
+    for _ in range(2):  # layers
         kc, vc, ks, vs = make_cache(nb, kvh, bs, D, cache_dtype, quant=quant)
-        key, value = torch.randn(nb * bs, kvh, D), torch.randn(nb * bs, kvh, D)
-        reshape_and_cache(key.to(torch.bfloat16) if not quant else key, value.to(torch.bfloat16) if not quant
-                          else value, kc, vc, torch.arange(nb * bs), k_scales=ks, v_scales=vs)
+        key, value = torch.randn(nb * bs, kvh, D).to(rows), torch.randn(nb * bs, kvh, D).to(rows)
+        reshape_and_cache(key, value, kc, vc, torch.arange(nb * bs), k_scales=ks, v_scales=vs)
         caches.append(KVCache(kc, vc, ks, vs))
-    before = [[t.clone() for t in (c.k, c.v, c.k_scales, c.v_scales) if t is not None] for c in caches]
+
+    def logical(c: KVCache) -> list[torch.Tensor]:  # as bytes: torch.equal has no fp8
+        k, v = from_cache_layout(c.k, c.v)
+        return [x.contiguous().view(torch.uint8) for x in (k, v)] + ([c.k_scales.clone(), c.v_scales.clone()]
+                                                                    if quant else [])
+
+    before = [logical(c) for c in caches]
     copy_blocks(caches, [(1, 4), (2, 0)])
     for c, old in zip(caches, before):
-        new_k, new_v = from_cache_layout(c.k, c.v)
-        old_k, old_v = from_cache_layout(old[0], old[1])
-        for new, ref in [(new_k, old_k), (new_v, old_v)] + ([(c.k_scales, old[2]), (c.v_scales, old[3])] if quant else []):
+        for new, ref in zip(logical(c), old):
             want = ref.clone()
             want[4], want[0] = ref[1], ref[2]
-            assert torch.equal(new.view(torch.uint8) if quant and new.dtype != torch.float32 else new,
-                               want.view(torch.uint8) if quant and want.dtype != torch.float32 else want)
+            assert torch.equal(new, want)
