@@ -14,6 +14,9 @@ forever, and a few hundred of them exhaust the process's file descriptors. The g
 protocols (every asyncio callback is passed on, so aiohttp works as before). It sees the bytes
 arrive; the app's middleware tells it when a request's headers were parsed and when its handler
 returned (``ConnectionGuard.busy``). ``GuardedSite`` is the TCP site that listens through it.
+
+What aiohttp answers by itself (malformed HTTP, before any handler of ours runs) carries our
+``Server`` header and an OpenAI-style JSON error body like every other answer.
 """
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ import asyncio
 import contextlib
 import json
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, Iterator
 
-from aiohttp import web, web_response
+from aiohttp import web, web_protocol, web_response
 
 from server.protocol import APIError
 
@@ -32,6 +36,29 @@ SERVER_NAME = "pyengine"  # the Server header: no versions to look vulnerabiliti
 # middleware or signal of ours runs; that answer's Server header is aiohttp's default, which names
 # the Python and aiohttp versions. Make the default ours.
 web_response.SERVER_SOFTWARE = SERVER_NAME
+MAX_PARSER_MESSAGE = 300  # characters of aiohttp's parser message quoted in a malformed request's 400
+
+_aiohttp_handle_error = web_protocol.RequestHandler.handle_error
+
+
+def _handle_error_as_json(self: web_protocol.RequestHandler, request: web.BaseRequest, status: int = 500,
+                          exc: BaseException | None = None, message: str | None = None) -> web.StreamResponse:
+    """aiohttp's RequestHandler.handle_error, which answers malformed HTTP (and what escapes a handler),
+    with an OpenAI-style JSON error body instead of plain text. aiohttp's own runs first: it logs, and
+    raises if a response is already under way."""
+    _aiohttp_handle_error(self, request, status, exc, message)
+    if status < 500:
+        detail = (message or HTTPStatus(status).phrase)[:MAX_PARSER_MESSAGE]
+        err = APIError(status, f"Malformed HTTP request: {detail}", code="invalid_http_request")
+    else:  # no exception text: it may be anything
+        err = APIError(status, f"{HTTPStatus(status).phrase}.", type="server_error")
+    resp = web.json_response(err.body(), status=status)
+    resp.force_close()
+    return resp
+
+
+# The same for those answers' bodies (RequestHandler has __slots__: the class is where it can change).
+web_protocol.RequestHandler.handle_error = _handle_error_as_json
 
 
 @dataclass

@@ -67,12 +67,15 @@ class ResponseRequest:
     text_format: dict = field(default_factory=lambda: {"type": "text"})
 
 
-def parse_items(v: Any, param: str) -> list[dict]:
-    """A string (one user message) or a list of message items -> stored item dicts, each with an id."""
+def parse_items(v: Any, param: str, max_items: int | None = None) -> list[dict]:
+    """A string (one user message) or a list of message items -> stored item dicts, each with an id;
+    at most max_items of them where given (checked before any item is parsed)."""
     if isinstance(v, str):
         v = [{"role": "user", "content": v}]
     if not isinstance(v, list) or not v:
         raise invalid(param, f"'{param}' must be a string or a non-empty list of items")
+    if max_items is not None and len(v) > max_items:
+        raise invalid(param, f"'{param}' may hold at most {max_items} items, got {len(v)}")
     return [_item(it, f"{param}[{i}]") for i, it in enumerate(v)]
 
 
@@ -441,9 +444,7 @@ class ResponsesAPI:
     async def create_conversation(self, request: web.Request) -> web.Response:
         body = await read_json(request, self.read_timeout)
         raw = body.get("items")
-        items = parse_items(raw, "items") if raw else []
-        if len(items) > MAX_ITEMS:
-            raise invalid("items", f"'items' may hold at most {MAX_ITEMS} items, got {len(items)}")
+        items = parse_items(raw, "items", MAX_ITEMS) if raw else []
         metadata = body.get("metadata") or {}
         if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
             raise invalid("metadata", f"'metadata' must be an object of at most {MAX_METADATA} values")
@@ -477,9 +478,7 @@ class ResponsesAPI:
     async def add_items(self, request: web.Request) -> web.Response:
         cid = request.match_info["id"]
         body = await read_json(request, self.read_timeout)
-        items = parse_items(body.get("items"), "items")
-        if len(items) > MAX_ITEMS:
-            raise invalid("items", f"'items' may hold at most {MAX_ITEMS} items, got {len(items)}")
+        items = parse_items(body.get("items"), "items", MAX_ITEMS)
         async with self._turn(cid):
             if not await _stored(self.store.add_items(_owner(request), cid, items)):
                 raise _not_found("Conversation", cid)

@@ -150,3 +150,34 @@ def test_bad_slot_writes_nothing():
     with pytest.raises(ValueError):
         reshape_and_cache(**args)
     assert not args["k_cache"].any()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int8])
+def test_copy_blocks_copies_whole_blocks_with_their_scales(cache_dtype):
+    """copy_blocks (a forked sequence's own copy of a block), checked in the logical [NB, KVH, BS, D]
+    view: each destination block equals its source, values and scales, in every layer; nothing else
+    changes."""
+    from pyengine.model.metadata import KVCache, copy_blocks
+
+    kvh, D, bs, nb = 3, 64, 16, 6
+    quant = cache_dtype != torch.bfloat16
+    rows = torch.float32 if quant else torch.bfloat16
+    caches = []
+    for _ in range(2):  # layers
+        kc, vc, ks, vs = make_cache(nb, kvh, bs, D, cache_dtype, quant=quant)
+        key, value = torch.randn(nb * bs, kvh, D).to(rows), torch.randn(nb * bs, kvh, D).to(rows)
+        reshape_and_cache(key, value, kc, vc, torch.arange(nb * bs), k_scales=ks, v_scales=vs)
+        caches.append(KVCache(kc, vc, ks, vs))
+
+    def logical(c: KVCache) -> list[torch.Tensor]:  # as bytes: torch.equal has no fp8
+        k, v = from_cache_layout(c.k, c.v)
+        return [x.contiguous().view(torch.uint8) for x in (k, v)] + ([c.k_scales.clone(), c.v_scales.clone()]
+                                                                    if quant else [])
+
+    before = [logical(c) for c in caches]
+    copy_blocks(caches, [(1, 4), (2, 0)])
+    for c, old in zip(caches, before):
+        for new, ref in zip(logical(c), old):
+            want = ref.clone()
+            want[4], want[0] = ref[1], ref[2]
+            assert torch.equal(new, want)

@@ -103,10 +103,26 @@ def test_fake_n_children_share_prompt_blocks():
     hits0 = engine.scheduler.prefix_hit_tokens
     out = llm.generate([prompt], SamplingParams(n=4, max_tokens=6, seed=1, temperature=2.0), use_tqdm=False)[0]
     assert len(out.outputs) == 4 and len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct streams
-    assert engine.scheduler.prefix_hit_tokens - hits0 == 3 * 96  # children 1..3 reused the 6 full prompt blocks
+    assert engine.scheduler.prefix_hit_tokens == hits0  # children 1..3 forked from child 0: no cache lookups
     engine.add_request("ab", prompt, SamplingParams(n=3, max_tokens=50))
     engine.step()
     engine.abort_request("ab")  # children 1, 2 were still deferred
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("prompt_len", [100, 96])  # the last prompt block partial / full
+def test_fake_n_children_fork_from_the_first_and_compute_one_token_each(prompt_len, caching):
+    """n > 1: child 0 computes the prompt; each other child shares its full blocks, gets a copy of the
+    block holding the last prompt token and computes only that token (for its own first draw), with
+    or without the prefix cache. PagedEcho reads every position back, so a wrong copy changes tokens."""
+    engine = fake_engine(enable_prefix_caching=caching)
+    prompt = prompts_of([prompt_len], seed=8)[0]
+    out = LLM.from_engine(engine).generate([prompt], SamplingParams(n=4, max_tokens=6, **GREEDY),
+                                           use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [reference(prompt, 6)] * 4
+    # the prompt once, then per child its last prompt token (children 1..3) and 5 decodes
+    assert engine.stats().num_computed_tokens == prompt_len + 3 * 1 + 4 * 5
     assert_all_free(engine)
 
 
@@ -249,6 +265,20 @@ def test_real_chunked_prefill_with_concurrent_decodes(real_parts):
     assert steps_with_prefill >= 11  # 3000 tokens over a 256-token budget shared with 3 decodes
     assert long_tokens == want
     assert_all_free(engine)
+
+
+def test_real_n_children_forked_equal_a_single_request(real_parts):
+    """Children 1..n-1 run on a copy of child 0's last prompt block (in the real cache layout): their
+    greedy tokens equal a request of its own."""
+    tok = real_parts[2]
+    prompt = text_ids(tok, 70)
+    llm = real_llm(real_parts)
+    want = greedy_tokens(llm, [prompt], 6)[0]
+    llm.engine.pool.reset_prefix_cache()
+    out = llm.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [want] * 3
+    assert_all_free(llm.engine)
 
 
 def test_real_seeded_sampling_alone_equals_batch(real_parts):

@@ -225,8 +225,8 @@ def test_n_children_compute_the_prompt_and_its_logprobs_once():
     params = SamplingParams(n=4, max_tokens=3, prompt_logprobs=2, logprobs=2, **GREEDY)
     engine.add_request("big", prompt, params)
     outs = drain(engine)["big"]
-    # child 0: the whole prompt; children 1..3: the 8 tokens after the 12 cached blocks; 2 decodes each
-    assert engine.num_computed_tokens == 200 + 3 * 8 + 4 * 2
+    # child 0: the whole prompt; children 1..3 fork from it: its last prompt token each; 2 decodes each
+    assert engine.num_computed_tokens == 200 + 3 * 1 + 4 * 2
     lps = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
     assert len(lps) == 1 and len(lps[0]) == 200 and lps[0][0] is None
     assert [e.token_id for e in lps[0][1:]] == prompt[1:]
@@ -259,6 +259,24 @@ def test_one_request_adds_at_most_long_prefill_tokens_per_step():
     assert engine.num_computed_tokens == 64 + 3 + 61
     assert [o.request_id for o in outs] == ["short"]
     assert tokens(drain(engine)["big"]) == reference(big, 2)
+    assert_all_free(engine)
+
+
+def test_an_n8_echo_logprobs_request_adds_at_most_long_prefill_tokens_of_work_per_step():
+    """Its prompt tokens count twice (each also gets a logits row over the vocabulary): 32-token
+    chunks under long_prefill_tokens 64. Its 7 other children fork from child 0 in one step of one
+    token each (before: the 8 tokens after the cached blocks each, 57 tokens in that step)."""
+    engine = all_rows_engine(max_num_batched_tokens=512, long_prefill_tokens=64)
+    prompt = prompts_of([200], seed=9)[0]
+    engine.add_request("big", prompt, SamplingParams(n=8, max_tokens=3, prompt_logprobs=2, logprobs=2, **GREEDY))
+    per_step = []
+    while engine.has_unfinished():
+        before = engine.num_computed_tokens
+        outs = engine.step()
+        per_step.append(engine.num_computed_tokens - before)
+    # 6 chunks of 32 and the last 8 prompt tokens; then child 0's decode beside the 7 forks; decodes
+    assert per_step == [32] * 6 + [8] + [1 + 7] + [8, 7]
+    assert outs[-1].finished and all(c.token_ids for c in outs[-1].outputs)
     assert_all_free(engine)
 
 

@@ -20,7 +20,7 @@ from server import gateway
 from server.app import ServerConfig, create_app
 from server.gateway import GatewayConfig
 from server.protocol import APIError
-from server.responses import turns
+from server.responses import MAX_ITEMS, turns
 from server.store import MIGRATIONS, SQLiteStore, StoreOpenError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,6 +240,17 @@ async def test_conversations_items_and_serialised_turns(served):
     await client.conversations.delete(conv.id)
     with pytest.raises(openai.NotFoundError):
         await client.conversations.items.list(conv.id)
+
+
+@pytest.mark.parametrize("path", ["/v1/conversations", "/v1/conversations/conv_x/items"])
+async def test_conversation_items_are_capped_before_any_is_parsed(served, path):
+    """Both conversation endpoints take at most MAX_ITEMS items, refused on the count alone: the
+    21st item is not even read (here it is malformed, and the error names the cap, not it)."""
+    items = [{"role": "user", "content": "hi"}] * MAX_ITEMS + [{"role": "robot"}]
+    r = await served.http.post(path, json={"items": items}, headers={"Authorization": "Bearer k1"})
+    assert r.status == 400
+    err = (await r.json())["error"]
+    assert err["param"] == "items" and f"at most {MAX_ITEMS} items, got {MAX_ITEMS + 1}" in err["message"]
 
 
 @pytest.mark.parametrize("body, param", [

@@ -107,6 +107,21 @@ def test_a_newcomer_goes_ahead_of_a_running_prompt_chunk_in_at_most_every_other_
     assert pool.num_free == pool.num_blocks
 
 
+def test_prompt_logprob_tokens_count_twice_against_the_chunk_cap_and_budget():
+    """A request owing prompt logprobs computes a logits row over the whole vocabulary for each
+    prompt token too: each of its tokens counts twice against long_prefill_tokens and the step's
+    budget, so a step holding its chunk costs less than a plain chunk's."""
+    pool = BlockPool(256, BS)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=40, long_prefill_tokens=16)
+    echo = Request("echo", None, [13 * i % 1000 for i in range(100)],
+                   SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    plain = [make(f"p{i}", 100, 1, start=i + 1) for i in range(2)]
+    for r in [echo, *plain]:
+        sched.add_request(r)
+    out = step(sched)
+    assert out.num_new == [8, 16, 8] and out.num_tokens == 32  # 8 x 2 + 16 + 8 = the budget of 40
+
+
 def test_preemption_recompute_same_outputs_and_counted():
     specs = [(10, 20), (7, 25), (12, 18), (5, 30)]
     big = Scheduler(BlockPool(256, BS), 8, 64)

@@ -143,6 +143,25 @@ async def test_server_header_names_no_versions():
             assert status == 400 or req not in MALFORMED_HTTP, (req, status)
 
 
+async def test_malformed_http_gets_an_openai_style_json_400_and_the_server_keeps_serving():
+    """aiohttp's parser answers malformed HTTP itself, before any handler of ours: the answer is
+    still JSON {"error": {message, type, param, code}} and the connection closes."""
+    async with Listening(FakeEngine()) as srv:
+        for req in MALFORMED_HTTP:
+            reader, writer = await srv.connect()
+            writer.write(req)
+            status, headers, body = await read_response(reader)
+            assert status == 400 and headers["Content-Type"].startswith("application/json"), (req, headers)
+            err = json.loads(body)["error"]
+            assert set(err) == {"message", "type", "param", "code"}, err
+            assert err["type"] == "invalid_request_error" and err["param"] is None
+            assert err["code"] == "invalid_http_request" and err["message"].startswith("Malformed HTTP request"), err
+            assert await closed(reader)
+        reader, writer = await srv.connect()
+        writer.write(request_bytes({"prompt": "x", "max_tokens": 2}))
+        assert (await read_response(reader))[0] == 200
+
+
 class GatedTemplateTokenizer(FakeTokenizer):
     """apply_chat_template on a long conversation waits (up to 10 s) until the test lets it go."""
 

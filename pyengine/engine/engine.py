@@ -21,6 +21,7 @@ from pyengine.engine.output import (CompletionOutput, IncrementalDetokenizer, Re
 from pyengine.engine.request import Request, RequestStatus
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.metrics import EngineMetrics, count_requests
+from pyengine.model.metadata import allocate_kv_caches, copy_blocks
 from pyengine.plan import available_memory, cache_dtype_of, plan_memory
 from pyengine.sampling_params import SamplingParams
 
@@ -65,9 +66,8 @@ class _Group:
         self.prompt_token_ids = prompt_token_ids
         self.children: list[Request] = []
         self.num_finished = 0
-        # n > 1 with prefix caching: children 1..n-1 are queued (at the back, like a new request)
-        # once child 0 has computed the prompt, so they take its blocks from the prefix cache
-        # instead of recomputing them.
+        # n > 1: children 1..n-1 are queued (at the back, like a new request) once child 0 has
+        # computed the prompt, so they fork from it instead of recomputing it.
         self.deferred: list[Request] = []
         self.sent_prompt_logprobs = False
 
@@ -94,7 +94,6 @@ class Engine:
     def __init__(self, config: EngineConfig, *, parts: tuple | None = None) -> None:
         """parts: (model_config, model, tokenizer, name) to use instead of loading config.model
         (tests drive the engine with small stand-ins this way)."""
-        from pyengine.model.metadata import allocate_kv_caches
         from pyengine.model.runner import ModelRunner
 
         self.config = config
@@ -224,11 +223,9 @@ class Engine:
         self.groups[request_id] = group
         first, *rest = group.children
         self.scheduler.add_request(first)
-        if rest and self.pool.enable_caching and len(ids) > self.pool.block_size:
-            group.deferred = rest
-        else:
-            for req in rest:
-                self.scheduler.add_request(req)
+        for req in rest:
+            req.fork_source = first
+        group.deferred = rest
         self.metrics.on_added(len(ids))
 
     def queue_abort(self, request_id: str) -> None:
@@ -268,6 +265,8 @@ class Engine:
                 outputs.append(o)
         step_start = time.perf_counter()
         sched = self.scheduler.schedule()
+        if sched.copies:
+            copy_blocks(self.runner.kv_caches, sched.copies)
         num_got = 0
         if len(sched):
             self.num_steps += 1
@@ -320,7 +319,7 @@ class Engine:
             num_new = [sched.num_new[i] for i in part_idx]
             sampling = [sched.sampling[i] for i in part_idx]
             part = SchedulerOutput([sched.reqs[i] for i in part_idx], num_new, sampling, sum(num_new),
-                                   sampling.count(True), [])
+                                   sampling.count(True), [], [])
             try:
                 done.append((part, self.runner.execute(part)))
             except Exception as e:

@@ -42,7 +42,7 @@ class Request:
         "arrival_time", "queued_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "max_total_tokens", "logprobs", "cumulative_logprob", "prompt_logprobs", "detok",
         "arrival_seq", "admit_seq",
-        "num_computed_prompt_tokens", "sampling_row", "grammar", "logit_bias",
+        "num_computed_prompt_tokens", "sampling_row", "grammar", "logit_bias", "fork_source",
     )
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -97,6 +97,8 @@ class Request:
         self.logit_bias = None if not params.logit_bias else (
             np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias)),
             np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias)))
+        # n > 1: child 0, for children 1..n-1, which fork from its computed prompt (see the scheduler)
+        self.fork_source: Request | None = None
         self.arrival_seq = 0  # set by the scheduler: FCFS order
         self.admit_seq = 0  # set by the scheduler on each admission
 

@@ -14,7 +14,15 @@ in a step, so a long prompt is chunked and cannot hold a step (and the requests 
 for long. A waiting request that can be admitted goes first: a running prompt's next chunk shrinks
 by the newcomer's first chunk (to nothing if need be), so the step stays about one chunk long and
 the newcomer's first token comes after about one chunk's time, not two. A prompt chunk yields so
-in at most every other step, so a stream of newcomers cannot starve a long prompt.
+in at most every other step, so a stream of newcomers cannot starve a long prompt. A token of a
+request owing prompt logprobs counts twice against long_prefill_tokens and the budget: it also
+computes a logits row over the whole vocabulary, so a step holding such a chunk costs less than a
+plain chunk's and the request that waits behind it, less than its own prefill.
+
+A child of an n > 1 request forks from its first sibling once that one has computed the prompt: it
+shares the sibling's blocks, gets a copy of the block holding the last prompt token
+(SchedulerOutput.copies, made before the step runs) and computes only that token, for its own
+first draw.
 """
 import heapq
 import time
@@ -35,17 +43,20 @@ cdef inline Py_ssize_t cdiv(Py_ssize_t a, Py_ssize_t b):
 
 class SchedulerOutput:
     """What runs this step: reqs[i] computes num_new[i] tokens starting at its num_computed_tokens;
-    sampling[i] says whether that reaches its last known token (so a token is sampled)."""
+    sampling[i] says whether that reaches its last known token (so a token is sampled). copies:
+    (source, destination) KV blocks to copy before the step runs (forked children)."""
 
-    __slots__ = ("reqs", "num_new", "sampling", "num_tokens", "num_sampling", "preempted")
+    __slots__ = ("reqs", "num_new", "sampling", "num_tokens", "num_sampling", "preempted", "copies")
 
-    def __init__(self, list reqs, list num_new, list sampling, int num_tokens, int num_sampling, list preempted):
+    def __init__(self, list reqs, list num_new, list sampling, int num_tokens, int num_sampling, list preempted,
+                 list copies):
         self.reqs = reqs
         self.num_new = num_new
         self.sampling = sampling
         self.num_tokens = num_tokens
         self.num_sampling = num_sampling
         self.preempted = preempted
+        self.copies = copies
 
     def __len__(self):
         return len(self.reqs)
@@ -149,9 +160,17 @@ cdef class Scheduler:
         """A request still owing prompt logprobs computes its whole prompt (no prefix-cache hit)."""
         return req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
 
-    cdef inline int _cap(self, int budget):
-        """The tokens one sequence may compute this step out of `budget`."""
-        return budget if self.long_prefill_tokens == 0 or budget < self.long_prefill_tokens else self.long_prefill_tokens
+    cdef inline int _token_cost(self, req):
+        """What one token of `req` counts against long_prefill_tokens and the budget: 2 while it owes
+        prompt logprobs (each prompt token also gets a logits row over the vocabulary), else 1."""
+        return 2 if self._needs_all_logits(req) else 1
+
+    cdef inline int _cap(self, int budget, int cost):
+        """The tokens one sequence whose tokens cost `cost` may compute this step out of `budget` (at
+        least one, so a step always moves)."""
+        cdef int cap = budget if self.long_prefill_tokens == 0 or budget < self.long_prefill_tokens \
+            else self.long_prefill_tokens
+        return max(cap // cost, 1)
 
     cdef int _chunk_room(self):
         """The most tokens a running prompt's chunk may take this step (long_prefill_tokens > 0):
@@ -163,18 +182,25 @@ cdef class Scheduler:
         req = self._peek_waiting()
         if req is None:
             return room
-        hit, n, need = self._admission(req, self.max_num_batched_tokens)
+        hit, num_hit, n, need, copy_from = self._admission(req, self.max_num_batched_tokens)
         if need > self.pool.num_free - self.pool.num_evictable(hit):
             return room  # it waits for blocks: nobody is admitted
-        return max(room - <int> n, 0)
+        return max(room - <int> n * self._token_cost(req), 0)
 
     cdef tuple _admission(self, req, int budget):
-        """(prefix-cache hit blocks, tokens to compute now, new blocks needed) to admit `req`."""
+        """(shared blocks, tokens they hold, tokens to compute now, new blocks needed, block to copy
+        into the first new one or -1) to admit `req`: a fork from its first sibling (see the module
+        docstring) where that one holds the computed prompt, else a prefix-cache lookup."""
         cdef int bs = self.pool.block_size
+        cdef Py_ssize_t P = len(req.all_token_ids), last
+        src = req.fork_source
+        if src is not None and src.status is RUNNING and src.num_computed_tokens >= P and P == req.num_prompt_tokens:
+            last = (P - 1) // bs  # the block holding the last prompt token
+            return src.block_ids[:last], P - 1, 1, 1, src.block_ids[last]
         hit = [] if self._needs_all_logits(req) else self.pool.lookup(req.all_token_ids, req.block_hashes)
         cdef Py_ssize_t num_hit = len(hit) * bs
-        cdef Py_ssize_t n = min(<Py_ssize_t> len(req.all_token_ids) - num_hit, <Py_ssize_t> self._cap(budget))
-        return hit, n, cdiv(num_hit + n, bs) - len(hit)
+        cdef Py_ssize_t n = min(P - num_hit, <Py_ssize_t> self._cap(budget, self._token_cost(req)))
+        return hit, num_hit, n, cdiv(num_hit + n, bs) - len(hit), -1
 
     cdef void _preempt_for_priority(self, list preempted):
         """Priority policy: while the best waiting request outranks the worst running one (a
@@ -185,7 +211,7 @@ cdef class Scheduler:
             victim = running[len(running) - 1]
             if req is None or req.priority >= victim.priority:
                 return
-            hit, n, need = self._admission(req, self.max_num_batched_tokens)
+            hit, num_hit, n, need, copy_from = self._admission(req, self.max_num_batched_tokens)
             if len(running) < self.max_num_seqs and need <= self.pool.num_free - self.pool.num_evictable(hit):
                 return
             self._preempt(victim)
@@ -204,8 +230,10 @@ cdef class Scheduler:
         cdef list num_new = []
         cdef list sampling = []
         cdef list preempted = []
+        cdef list copies = []
         cdef Py_ssize_t i = 0
-        cdef Py_ssize_t n, need, ntok, ncomp, num_hit
+        cdef Py_ssize_t n, need, ntok, ncomp, num_hit, copy_from
+        cdef int cost, num_tokens = 0
         cdef int chunk_room = -1  # see _chunk_room; computed on the first running prompt chunk
         cdef bint yielded = False
         cdef list running = self.running
@@ -219,14 +247,13 @@ cdef class Scheduler:
             req = running[i]
             ncomp = req.num_computed_tokens
             ntok = len(req.all_token_ids)
-            n = ntok - ncomp
-            if n > self._cap(budget):
-                n = self._cap(budget)
+            cost = self._token_cost(req)
+            n = min(ntok - ncomp, self._cap(budget, cost))
             if n > 1 and self.long_prefill_tokens > 0:  # a prompt chunk: a newcomer's first chunk goes first
                 if chunk_room < 0:
                     chunk_room = self._chunk_room()
-                if n > chunk_room:
-                    n = chunk_room
+                if n > chunk_room // cost:
+                    n = chunk_room // cost
                     yielded = True
                     if n == 0:
                         i += 1
@@ -243,7 +270,8 @@ cdef class Scheduler:
             if need > 0:
                 req.block_ids.extend(pool.allocate(need))
             self._add_to_step(req, n, ncomp + n == ntok, reqs, num_new, sampling)
-            budget -= n
+            budget -= n * cost
+            num_tokens += n
             i += 1
 
         if len(preempted) == num_priority_preempted:  # no admissions while running requests lack blocks
@@ -251,17 +279,18 @@ cdef class Scheduler:
                 req = self._peek_waiting()
                 if req is None:
                     break
-                hit, n, need = self._admission(req, budget)
-                num_hit = len(hit) * bs
+                hit, num_hit, n, need, copy_from = self._admission(req, budget)
                 ntok = len(req.all_token_ids)
                 if need > pool.num_free - pool.num_evictable(hit):
                     break  # head-of-line: keep arrival order, wait for blocks
                 self._pop_waiting()
-                if pool.enable_caching and not self._needs_all_logits(req):  # once per admission
+                if pool.enable_caching and copy_from < 0 and not self._needs_all_logits(req):  # once per lookup
                     self.prefix_query_tokens += req.num_prompt_tokens
                     self.prefix_hit_tokens += min(num_hit, <Py_ssize_t> req.num_prompt_tokens)
                 pool.touch(hit)
                 req.block_ids = hit + pool.allocate(need) if need > 0 else hit
+                if copy_from >= 0:
+                    copies.append((copy_from, req.block_ids[len(hit)]))
                 req.num_computed_tokens = num_hit
                 req.num_hashed_blocks = len(hit)
                 if now is None:
@@ -274,11 +303,11 @@ cdef class Scheduler:
                 self.admit_counter += 1
                 self._insert_running(req)
                 self._add_to_step(req, n, num_hit + n == ntok, reqs, num_new, sampling)
-                budget -= n
+                budget -= n * self._token_cost(req)
+                num_tokens += n
 
         self.chunks_yielded = yielded
-        return SchedulerOutput(reqs, num_new, sampling, self.max_num_batched_tokens - budget,
-                               sampling.count(True), preempted)
+        return SchedulerOutput(reqs, num_new, sampling, num_tokens, sampling.count(True), preempted, copies)
 
     cdef void _preempt(self, req):
         self.running.remove(req)

@@ -63,6 +63,19 @@ def allocate_kv_caches(
     return caches
 
 
+def copy_blocks(kv_caches: list[KVCache], pairs: list[tuple[int, int]]) -> None:
+    """Copy whole KV blocks, (source, destination) pairs, in every layer: values and scales (a forked
+    sequence's own copy of the block its prompt ends in). The block is the leading dim of every layout."""
+    device = kv_caches[0].k.device
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=device)
+    for cache in kv_caches:
+        for t in (cache.k, cache.v, cache.k_scales, cache.v_scales):
+            if t is not None:  # as bytes: torch has no index_copy_ for fp8 on the CPU
+                b = t.view(torch.uint8)
+                b.index_copy_(0, dst, b.index_select(0, src))
+
+
 def kv_bytes_per_token(cfg: ModelConfig, cache_dtype: torch.dtype) -> int:
     """K and V bytes per token over all layers, scales (one fp32 per token per kv head) included."""
     per_head = cfg.head_dim * torch.empty((), dtype=cache_dtype).element_size()
