@@ -37,14 +37,13 @@
 // stream either way). It is chosen by K alone, for every M, because the two paths round differently
 // and a row's result must not depend on its batch. set_linear_path("avx512_bf16") turns it off (tests).
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
-
-#include <atomic>
-#include <cstring>
-#include <string>
 
 #include "pyengine/amx.h"
 #include "pyengine/cpu_ops.h"
@@ -267,7 +266,8 @@ void linear_amx(const uint16_t* x, const uint16_t* w, const float* bias, void* o
   }
   const int64_t tiles = (N + kTileN - 1) / kTileN, pairs = (tiles + 1) / 2;
   auto& pool = ThreadPool::instance();
-  const int64_t chunks = std::min<int64_t>(pairs, pool.num_threads());
+  const bool small = tiles * ((K + 1) / 2) * kTileLine * 2 < kMinParallelBytes;  // as the vdpbf16ps path
+  const int64_t chunks = small ? 1 : std::min<int64_t>(pairs, pool.num_threads());
   const AmxArgs a{x, full < M ? tail.data() : nullptr, w, bias, out, M, N, K, (K + 1) / 2, out_f32};
   pool.parallel_for(chunks, [&](int64_t c) {
     amx_range(a, 2 * (pairs * c / chunks), std::min(tiles, 2 * (pairs * (c + 1) / chunks)));
