@@ -29,6 +29,21 @@ def fp32_tol(ref):
     return dict(atol=1e-4 * ref.abs().max().item() + 1e-5, rtol=1e-4) if BF16_DOT else bf16_tol(ref)
 
 
+@pytest.fixture(params=["amx", "avx512_bf16"])
+def path(request):
+    """Each kernel path of linear_bf16: AMX tiles (where the build and CPU have them, K % 32 == 0) and
+    the vdpbf16ps kernel."""
+    if not BF16_DOT:
+        pytest.skip("no native bf16 linear in this build")
+    _C.set_linear_path(request.param)
+    try:
+        if request.param == "amx" and _C.linear_path(64) != "amx":
+            pytest.skip("no AMX on this build/CPU")
+        yield request.param
+    finally:
+        _C.set_linear_path("amx")
+
+
 def make(n, k, rows, seed, with_bias=False, wdtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(wdtype)
@@ -39,7 +54,7 @@ def make(n, k, rows, seed, with_bias=False, wdtype=torch.bfloat16):
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_native_rows(n, k, rows):
+def test_native_rows(n, k, rows, path):
     w, _, x = make(n, k, rows, seed=n * 7919 + k * 31 + rows)
     lin = PackedLinear(w)
     ref = reference(x, w, None)
@@ -53,7 +68,7 @@ def test_native_rows(n, k, rows):
 
 @pytest.mark.parametrize("n,k", [(576, 576), (100, 33), (33, 577)])
 @pytest.mark.parametrize("rows", [1, 7, 16, 40])
-def test_bias_and_fp32_out(n, k, rows):
+def test_bias_and_fp32_out(n, k, rows, path):
     w, b, x = make(n, k, rows, seed=rows + n, with_bias=True)
     lin = PackedLinear(w, b, out_dtype=torch.float32)  # 40 rows: 16-row chunks + 8
     ref = reference(x, w, b)
@@ -75,8 +90,9 @@ def test_weight_converted_to_bf16(wdtype):
 
 @pytest.mark.parametrize("n,k", [(576, 576), (100, 1537), (4099, 64)])
 @pytest.mark.parametrize("rows", [64, 257, 700])
-def test_prefill_rows_in_panels(n, k, rows):
-    """Above 256 rows x is repacked in parallel and run in L2-sized panels of rows."""
+def test_prefill_rows_in_panels(n, k, rows, path):
+    """Above 256 rows x is repacked in parallel and run in L2-sized panels of rows (vdpbf16ps), or in
+    32-row blocks and a zero-padded last partial 16 rows (AMX)."""
     w, b, x = make(n, k, rows, seed=rows + k, with_bias=True)
     lin = PackedLinear(w, b)
     ref = reference(x, w, b)
@@ -86,6 +102,20 @@ def test_prefill_rows_in_panels(n, k, rows):
     if BF16_DOT:  # the native kernel: a row's result does not depend on the batch it came in
         torch.testing.assert_close(lin(x[rows // 2 : rows // 2 + 1], out_dtype=torch.float32),
                                    y32[rows // 2 :][:1], atol=0, rtol=0)
+
+
+def test_amx_path_is_chosen_by_the_weight_shape_alone():
+    """Where AMX runs, it runs for every row count of a weight whose K is a multiple of 32, so a row's
+    result never depends on how many rows came with it (the two paths round differently)."""
+    if _C.isa() != "avx512_bf16" or _C.linear_path(576) != "amx":
+        pytest.skip("no AMX on this build/CPU")
+    assert _C.linear_path(577) == _C.linear_path(100) == "avx512_bf16"
+    w, b, x = make(3072, 576, 70, seed=5, with_bias=True)
+    lin = PackedLinear(w, b, out_dtype=torch.float32)
+    whole = lin(x)
+    for r in (0, 17, 69):  # alone, and in a batch whose last 16-row block is partial
+        assert torch.equal(lin(x[r : r + 1]), whole[r : r + 1])
+        assert torch.equal(lin(x[: r + 5])[r], whole[r])
 
 
 def test_zero_rows():

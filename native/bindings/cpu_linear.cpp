@@ -2,6 +2,7 @@
 // Pointers are tensor.data_ptr() values; the out dtype code follows pyengine/ops/_common.py DTYPE_CODES;
 // the trailing `stream` is the CUDA stream handle, ignored on the CPU.
 #include <cstdint>
+#include <string>
 
 #include "pyengine/cpu_ops.h"
 #include "registry.h"
@@ -19,6 +20,11 @@ void register_linear_ops(py::module_& m) {
       py::arg("out_dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
       "out[M, N] = x[M, K] @ W^T + bias; x bf16, W packed [ceil(N/16), ceil(K/2), 16, 2] bf16 (64-byte "
       "aligned), bias fp32 [N] or 0, out bf16 or fp32.");
+  m.def("set_linear_path", &pyengine::cpu::set_linear_path, py::arg("name"),
+        "amx (default: AMX tiles where the build and CPU have them, for K % 32 == 0) or "
+        "avx512_bf16 (the vdpbf16ps kernel for every M; tests compare the two).");
+  m.def("linear_path", &pyengine::cpu::linear_path, py::arg("K"),
+        "The kernel linear_bf16 runs for a weight of K columns, at every M: amx, avx512_bf16 or portable.");
 }
 
 }  // namespace

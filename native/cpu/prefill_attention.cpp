@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "prefill_attention.h"
+#include "pyengine/amx.h"
 #include "pyengine/cpu_ops.h"
 #include "pyengine/kv_quant.h"
 #include "pyengine/parallel.h"
@@ -47,11 +48,6 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define PYENGINE_PREFILL_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 #if defined(__AVX512F__)
 // GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
@@ -399,33 +395,13 @@ void row_group_avx(const RowSoftmax& c, const uint16_t* q, int64_t D, const uint
 
 #endif
 
-#if defined(PYENGINE_PREFILL_AMX)
+#if defined(PYENGINE_AMX)
 // AMX: 16 q rows per pass. Every tile is 16 rows x 64 bytes:
 //   QK: S tiles tmm0..3 (16 rows x 16 tokens fp32, one per 16-token group) += Q tile tmm4 (16 rows x
 //       32 dims) . K tile tmm5 (16 dims pairs x 16 tokens x 2: a packed group's pairs, as they lie)
 //   PV: O tiles tmm0..3 (16 rows x 16 dims, a 64-dim slice; O scaled by alpha first) += P tile tmm4
 //       (16 rows x 32 tokens) . V tile tmm5 (16 token pairs x 16 dims x 2: the packed V, as it lies)
 // Softmax between the two runs on the AVX-512 units, row by row, as in the vdpbf16ps path.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Asks Linux once for the AMX tile state (XFEATURE_XTILEDATA) for this process.
-bool amx_usable() {
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-void load_tile_config() {
-  TileConfig cfg;
-  for (int i = 0; i < 6; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-  _tile_loadconfig(&cfg);
-}
 
 // S[16 rows][kChunk] = q . k (raw dot products).
 void qk_amx(const uint16_t* q, int64_t D, const uint16_t* k, float* s) {
@@ -490,7 +466,7 @@ struct PendingPv {
 // loads do not forward from) find them in L1 instead of stalling on the store drain.
 class AmxPipeline {
  public:
-  explicit AmxPipeline(Scratch& w) : w_(w) { load_tile_config(); }
+  explicit AmxPipeline(Scratch& w) : w_(w) { configure_tiles(6); }
   ~AmxPipeline() {
     flush();
     _tile_release();
@@ -588,7 +564,7 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
     w.m[r] = kNegInf;
     w.l[r] = 0.0f;
   }
-#if defined(PYENGINE_PREFILL_AMX)
+#if defined(PYENGINE_AMX)
   std::optional<AmxPipeline> amx;
   if (path == Path::kAmx) amx.emplace(w);
 #endif
@@ -609,7 +585,7 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
         any |= lo[r] < hi[r];
       }
       if (!any) continue;
-#if defined(PYENGINE_PREFILL_AMX)
+#if defined(PYENGINE_AMX)
       if (amx) {
         amx->group(sm, w.q.data() + r0 * D, D, P.k + t * D, P.v + t * D, lo, hi, w.m.data() + r0, w.l.data() + r0,
                    w.o.data() + r0 * D);
@@ -620,7 +596,7 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
                 w.l.data() + r0, w.o.data() + r0 * D, w);
     }
   }
-#if defined(PYENGINE_PREFILL_AMX)
+#if defined(PYENGINE_AMX)
   amx.reset();  // the last group's PV
 #endif
   uint16_t* out = static_cast<uint16_t*>(a.out);
@@ -679,7 +655,7 @@ void run_batch(const AttentionStep& a, std::vector<Packed>& pairs, int64_t p0, i
 // The best path this build and machine have, at most g_cap.
 Path best_path() {
   [[maybe_unused]] const Path cap = g_cap.load();
-#if defined(PYENGINE_PREFILL_AMX)
+#if defined(PYENGINE_AMX)
   if (cap == Path::kAmx && amx_usable()) return Path::kAmx;
 #endif
 #if defined(__AVX512BF16__)

@@ -47,6 +47,8 @@ void rotary_embedding(uintptr_t positions, uintptr_t q, uintptr_t k, uintptr_t c
 void silu_and_mul(uintptr_t x, uintptr_t out, int64_t rows, int64_t inter, int dtype);
 void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K,
                  int out_dtype);
+void set_linear_path(const std::string& name);  // "amx" (the best available) or "avx512_bf16" (tests)
+std::string linear_path(int64_t K);  // the path linear_bf16 takes for a weight of K columns (any M)
 // Quantized weights (qlinear.cpp; types and layout in ggml_blocks.h).
 int64_t qpacked_bytes(int type, int64_t N, int64_t K);
 void qpack(int type, uintptr_t src, int64_t N, int64_t K, uintptr_t dst);
