@@ -10,6 +10,7 @@
 //   x = rms_norm(residual) (l = 0)  |  residual += x; x = rms_norm(residual) (l > 0)   input_norm
 //   qkv = x Wqkv^T (+ b)              [T, (H + 2 KVH) D]: q | k | v column blocks
 //   rope(q, k) in place (positions, cos_sin_cache [max_position, D] fp32)
+//   fp8/int8 cache: q, k = hadamard_heads(q), hadamard_heads(k) in place (K is cached rotated)
 //   reshape_and_cache(k, v) into layer l's cache;  attn = paged_attention(q)   [T, H D]
 //   x = attn Wo^T (+ b);  residual += x; x = rms_norm(residual)                   post_norm
 //   x = silu_and_mul(x Wgu^T) Wdown^T                [T, 2 I] -> [T, I] -> [T, hidden]
@@ -49,6 +50,8 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
   const int bf16 = static_cast<int>(DType::kBFloat16);
   const int64_t nqkv = (H + 2 * KVH) * D;
   const uintptr_t q = qkv, k = qkv + H * D * 2, v = qkv + (H + KVH) * D * 2;
+  const bool rotate_qk = cache_dtype == static_cast<int>(DType::kInt8) ||
+                         cache_dtype == static_cast<int>(DType::kFloat8E4M3);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* w = layers + l * kLayerFields;
     auto at = [&](LayerField f) { return static_cast<uintptr_t>(w[f]); };
@@ -56,6 +59,10 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
     else add_rms_norm(x, residual, at(kInputNorm), T, hidden, eps, bf16, norm_dtype);
     project(x, at(kQkv), w[kQkvType], at(kQkvBias), qkv, T, nqkv, hidden);
     rotary_embedding(positions, q, k, cos_sin_cache, T, H, KVH, D, nqkv, nqkv, max_position, bf16);
+    if (rotate_qk) {
+      hadamard_heads(q, T, H, D, nqkv, bf16);
+      hadamard_heads(k, T, KVH, D, nqkv, bf16);
+    }
     reshape_and_cache_cpu(reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
                           reinterpret_cast<void*>(at(kKCache)), reinterpret_cast<void*>(at(kVCache)),
                           reinterpret_cast<float*>(at(kKScales)), reinterpret_cast<float*>(at(kVScales)),

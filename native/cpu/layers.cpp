@@ -1,4 +1,5 @@
-// Per-token layer kernels: rms_norm, add_rms_norm, rotary_embedding (neox), silu_and_mul.
+// Per-token layer kernels: rms_norm, add_rms_norm, rotary_embedding (neox), hadamard_heads,
+// silu_and_mul.
 //
 // Layouts (row-major, element strides):
 //   rms_norm / add_rms_norm: x, residual, out [rows, dim] contiguous; weight [dim].
@@ -6,6 +7,9 @@
 //     head_dim values contiguous, heads contiguous within a row, rows q_row_stride / k_row_stride
 //     apart (so q and k may be column slices of a fused qkv output); positions [T] int64;
 //     cos_sin_cache [max_position, head_dim] fp32 = [cos | sin] halves.
+//   hadamard_heads: x rows of heads*head_dim (heads contiguous within a row, rows row_stride apart),
+//     each head's vector replaced in place by its normalised Walsh-Hadamard transform over blocks of
+//     n = the largest power of two dividing head_dim (all of it for 64, 128, 256).
 //   silu_and_mul: x [rows, 2*inter] -> out [rows, inter].
 // Element types: fp32, bf16, fp16 activations (weight: the activation type or fp32); all
 // arithmetic in fp32, one rounding on store.
@@ -18,6 +22,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
@@ -223,6 +228,38 @@ void rotary_impl(const int64_t* positions, T* q, T* k, const float* cache, int64
   });
 }
 
+// In place: v[0, n) = H_n v / sqrt(n), H_n the Sylvester Hadamard matrix (entry (i, j) is
+// (-1)^popcount(i & j)); n a power of two. log2(n) butterfly passes, exact sums and differences.
+void fwht(float* v, int64_t n) {
+  for (int64_t len = 1; len < n; len <<= 1) {
+    for (int64_t i = 0; i < n; i += 2 * len) {
+      for (int64_t j = i; j < i + len; ++j) {
+        const float a = v[j], b = v[j + len];
+        v[j] = a + b;
+        v[j + len] = a - b;
+      }
+    }
+  }
+  const float norm = 1.0f / std::sqrt(static_cast<float>(n));
+  for (int64_t i = 0; i < n; ++i) v[i] *= norm;
+}
+
+template <class T>
+void hadamard_impl(T* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t row_stride) {
+  const int64_t n = head_dim & -head_dim;
+  for_units(tokens, heads * head_dim, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(head_dim);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        T* head = x + t * row_stride + h * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) buf[i] = to_float(head[i]);
+        for (int64_t b = 0; b < head_dim; b += n) fwht(buf.data() + b, n);
+        for (int64_t i = 0; i < head_dim; ++i) store_float(head + i, buf[i]);
+      }
+    }
+  });
+}
+
 template <class T>
 void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
   constexpr int64_t kTile = 2048;  // columns per work unit, so one long row can still split
@@ -309,6 +346,14 @@ void rotary_embedding(uintptr_t positions, uintptr_t q, uintptr_t k, uintptr_t c
     using T = decltype(t);
     rotary_impl(pos, ptr<T>(q), ptr<T>(k), ptr<const float>(cos_sin_cache), tokens, q_heads, kv_heads, head_dim,
                 q_row_stride, k_row_stride);
+  });
+}
+
+void hadamard_heads(uintptr_t x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t row_stride, int dtype) {
+  if (head_dim <= 0) throw std::invalid_argument("hadamard_heads: head_dim must be positive");
+  dispatch_act("hadamard_heads", dtype, [&](auto t) {
+    using T = decltype(t);
+    hadamard_impl(ptr<T>(x), tokens, heads, head_dim, row_stride);
   });
 }
 
