@@ -69,8 +69,8 @@ def fake_quantize(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tens
 
 def hf_with_quantized_kv(folder: str, cache_dtype: torch.dtype, captured: dict):
     """transformers' Llama on the checkpoint's weights rounded to bf16, computing in fp32, whose
-    attention sees q and K rotated (the Hadamard matrix written out), and K and V quantized and
-    dequantized in torch; `captured` gets each layer's fp32 K (rotated) and V."""
+    attention sees q, K and V rotated (the Hadamard matrix written out; its output rotated back), and K
+    and V quantized and dequantized in torch; `captured` gets each layer's fp32 K and V, rotated."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
     from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -80,9 +80,10 @@ def hf_with_quantized_kv(folder: str, cache_dtype: torch.dtype, captured: dict):
         return codes.float() * scale
 
     def attention(module, q, k, v, mask, scaling, dropout=0.0, **kw):
-        q, k = ref_hadamard(q, q.shape[-1]), ref_hadamard(k, k.shape[-1])  # a quantized cache holds K rotated
+        q, k, v = (ref_hadamard(x, x.shape[-1]) for x in (q, k, v))  # a quantized cache holds K and V rotated
         captured[module.layer_idx] = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [S, KVH, D]
-        return eager_attention_forward(module, q, dequantized(k), dequantized(v), mask, scaling, dropout, **kw)
+        out, weights = eager_attention_forward(module, q, dequantized(k), dequantized(v), mask, scaling, dropout, **kw)
+        return ref_hadamard(out, out.shape[-1]), weights  # back from rotated V
 
     name = f"test_quantized_kv_{str(cache_dtype).removeprefix('torch.')}"
     AttentionInterface.register(name, attention)
@@ -97,7 +98,7 @@ def hf_with_quantized_kv(folder: str, cache_dtype: torch.dtype, captured: dict):
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 def test_quantized_cache_matches_torch_reference(cache_dtype, tmp_path):
     """The native layers with a fp8/int8 cache against an independent reference: transformers with
-    q/K rotated and K/V quantized in plain torch. The logits follow the quantized reference (for fp8 measurably
+    q/K/V rotated and K/V quantized in plain torch. The logits follow the quantized reference (for fp8 measurably
     closer than unquantized attention: mean 4.3e-3 of the span), and layer 0's cache holds torch's
     codes and scales for the reference K/V, up to bf16 rounding."""
     folder = write_tiny_checkpoint(str(tmp_path), "llama")

@@ -1,5 +1,6 @@
 """Per-token layer ops: RMSNorm (plain and fused with the residual add), neox rotary embedding, the
-Walsh-Hadamard rotation of attention heads, SiLU-and-multiply. CPU or CUDA tensors; activations fp32, bf16 or fp16, arithmetic in fp32.
+Walsh-Hadamard rotation of attention heads, SiLU-and-multiply. CPU or CUDA tensors; activations fp32,
+bf16 or fp16, arithmetic in fp32.
 """
 from __future__ import annotations
 
