@@ -228,33 +228,69 @@ void rotary_impl(const int64_t* positions, T* q, T* k, const float* cache, int64
   });
 }
 
-// In place: v[0, n) = H_n v / sqrt(n), H_n the Sylvester Hadamard matrix (entry (i, j) is
-// (-1)^popcount(i & j)); n a power of two. log2(n) butterfly passes, exact sums and differences.
+#if defined(__AVX512F__)
+// a with lanes i and i ^ L combined as fwht's butterfly: a_i + a_(i^L) where bit L of i is clear
+// (`upper` has the lanes where it is set), a_(i^L) - a_i where it is set.
+inline __m512 butterfly(__m512 a, __m512 partner, __mmask16 upper) {
+  return _mm512_mask_sub_ps(_mm512_add_ps(a, partner), upper, partner, a);
+}
+
+// fwht's passes of lane distance 1, 2, 4, 8 within one register of 16 floats.
+inline __m512 fwht16(__m512 a) {
+  a = butterfly(a, _mm512_permute_ps(a, 0xB1), 0xAAAA);
+  a = butterfly(a, _mm512_permute_ps(a, 0x4E), 0xCCCC);
+  a = butterfly(a, _mm512_shuffle_f32x4(a, a, 0xB1), 0xF0F0);
+  return butterfly(a, _mm512_shuffle_f32x4(a, a, 0x4E), 0xFF00);
+}
+#endif
+
+// In place: v[0, n) = H_n v, H_n the Sylvester Hadamard matrix (entry (i, j) is (-1)^popcount(i & j));
+// n a power of two. log2(n) butterfly passes of exact sums and differences (the SIMD passes compute
+// the same sums in the same order: the same bits).
 void fwht(float* v, int64_t n) {
-  for (int64_t len = 1; len < n; len <<= 1) {
+  int64_t len = 1;
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(v + i, fwht16(_mm512_loadu_ps(v + i)));
+    len = 16;
+  }
+#endif
+  for (; len < n; len <<= 1) {
     for (int64_t i = 0; i < n; i += 2 * len) {
-      for (int64_t j = i; j < i + len; ++j) {
+      int64_t j = i;
+      if (len % kLanes == 0) {
+        for (; j < i + len; j += kLanes) {
+          const vfloat a = vload(v + j), b = vload(v + j + len);
+          vstore(v + j, vadd(a, b));
+          vstore(v + j + len, vsub(a, b));
+        }
+      }
+      for (; j < i + len; ++j) {
         const float a = v[j], b = v[j + len];
         v[j] = a + b;
         v[j + len] = a - b;
       }
     }
   }
-  const float norm = 1.0f / std::sqrt(static_cast<float>(n));
-  for (int64_t i = 0; i < n; ++i) v[i] *= norm;
 }
 
+// Each head of x: its blocks of n (the largest power of two dividing head_dim) times H_n / sqrt(n).
 template <class T>
 void hadamard_impl(T* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t row_stride) {
   const int64_t n = head_dim & -head_dim;
+  const float norm = 1.0f / std::sqrt(static_cast<float>(n));
   for_units(tokens, heads * head_dim, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf(head_dim);
+    float* v = buf.data();
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t h = 0; h < heads; ++h) {
         T* head = x + t * row_stride + h * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) buf[i] = to_float(head[i]);
-        for (int64_t b = 0; b < head_dim; b += n) fwht(buf.data() + b, n);
-        for (int64_t i = 0; i < head_dim; ++i) store_float(head + i, buf[i]);
+        int64_t i = 0;
+        for (; i + kLanes <= head_dim; i += kLanes) vstore(v + i, vload(head + i));
+        for (; i < head_dim; ++i) v[i] = to_float(head[i]);
+        for (int64_t b = 0; b < head_dim; b += n) fwht(v + b, n);
+        for (i = 0; i + kLanes <= head_dim; i += kLanes) vstore(head + i, vmul(vload(v + i), vset(norm)));
+        for (; i < head_dim; ++i) store_float(head + i, v[i] * norm);
       }
     }
   });
