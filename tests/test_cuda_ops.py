@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyengine.ops.layers import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
-from test_layer_ops import cos_sin_cache, ref_rms_norm, ref_rope  # the same torch references as the CPU tests
+from pyengine.ops.layers import add_rms_norm, hadamard_heads, rms_norm, rotary_embedding, silu_and_mul
+# the same torch references as the CPU tests
+from test_layer_ops import cos_sin_cache, ref_hadamard, ref_rms_norm, ref_rope
 
 pytestmark = pytest.mark.cuda
 
@@ -97,6 +98,21 @@ def test_rotary_embedding(dtype, head_dim, tokens):
     rotary_embedding(positions.to(DEV), qd, kd, cache.to(DEV), head_dim)
     torch.testing.assert_close(qd.cpu(), want_q, **TOL[dtype])
     torch.testing.assert_close(kd.cpu(), want_k, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+def test_hadamard_heads_on_fused_qkv_slices(dtype, head_dim):
+    heads, kv_heads, tokens = 9, 3, 200
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen(head_dim)).to(dtype)
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    q, k, v = qkv.split(sizes, dim=-1)
+    qd, kd, vd = qkv.to(DEV).split(sizes, dim=-1)
+    hadamard_heads(qd, head_dim)
+    hadamard_heads(kd.view(tokens, kv_heads, head_dim), head_dim)
+    torch.testing.assert_close(qd.cpu(), ref_hadamard(q, head_dim), **TOL[dtype])
+    torch.testing.assert_close(kd.cpu(), ref_hadamard(k, head_dim), **TOL[dtype])
+    torch.testing.assert_close(vd.cpu(), v, atol=0, rtol=0)
 
 
 def test_rotary_embedding_fused_qkv_slices():

@@ -5,23 +5,29 @@ cache's rounding differs) and against the bf16 cache (bf16 model, the kernels bf
 compared; agreement is what greedy decoding would see, position by position, without drifting apart.
 
 Thresholds sit a little below what was measured on this text (2,047 positions, AVX512-BF16 CPU):
-bf16 vs fp32 99.1%; against an fp32 cache int8 98.6%, fp8 96.5%; against a bf16 cache int8 98.5%,
-fp8 96.2%. They depend on the text: on a code-heavy one our bf16 got 98.6% where transformers' own
+bf16 vs fp32 99.1%; against an fp32 cache int8 99.0%, fp8 97.1%; against a bf16 cache int8 BFI8,
+fp8 BFF8. They depend on the text: on a code-heavy one our bf16 got 98.6% where transformers' own
 bf16 forward got 97.1% (both against fp32, before our residual stream was fp32), so bf16 itself, not
 our kernels, sets that ceiling.
 Where it went: bf16 rounding injected one place at a time into the fp32 op-by-op path (the first 384
 tokens) moved the text tokens' logprobs by a mean of 0.018 when it rounded the residual stream, 0.008
 the norm outputs (the projections' inputs), 0.006 the K/V cache, 0.005 attention's q and output, 0.003
 the MLP activation; 0.022 all at once. So the residual stream is kept in fp32 in every model (native
-decoder layers and op by op, CPU and CUDA): bf16 vs fp32 rose from 98.7% to 99.1%, and int8 against
-the bf16 cache from 97.8% to 98.5%. Next on the list: the norm outputs.
+decoder layers and op by op, CPU and CUDA): bf16 vs fp32 rose from 98.7% to 99.1%. Next on the list:
+the norm outputs.
 
-What holds int8 and fp8 below 99% / 97.5%: K, not V, nor the kernels' arithmetic (the fp32 path
-dequantizes exactly). Rounding only K or only V of transformers' fp32 forward (the same per (token,
-kv head) scales) gives int8 98.7% / 99.9% and fp8 96.2% / 98.9%. K has a few large channels, so a
-per-token scale leaves the others few levels; dividing K by a per-channel scale from the k_proj
-weights before rounding (and multiplying q by it) raised int8 to 99.1% there, and did nothing for
-fp8, whose 3 mantissa bits are the limit (e4m3 rounds relatively, whatever the scale).
+What held int8 and fp8 at 98.6% / 96.5% against an fp32 cache: K, not V, nor the kernels' arithmetic
+(the fp32 path dequantizes exactly). Rounding only K or only V of transformers' fp32 forward (the
+same per (token, kv head) scales) gives int8 98.7% / 99.9% and fp8 96.2% / 98.9%. K has a few large
+channels, so a per-token scale leaves the others few levels (int8), and q.k's rounding error is that
+of the one or two terms that dominate it (fp8). Now q, k and v are rotated per head after RoPE by a
+normalised Walsh-Hadamard transform (ops/layers.py: hadamard_heads; the attention output is rotated
+back), which spreads those channels over all of them: measured above. Simulated on the fp32 path
+(a matmul, not our kernel): rotating q and k alone gave int8 99.5%, fp8 97.0%; q, k and v fp8 97.4%,
+so the metric moves by about 0.3% with the rounding of the rotation itself. fp8 stays below 97.5%:
+e4m3 keeps 3 mantissa bits, so every value is rounded by up to 6% of itself whatever the scale, and
+the rotation only averages those errors over the dot product; a per-channel K scale from k_proj
+(int8 99.1% in a simulation) did nothing for it either.
 """
 from __future__ import annotations
 
@@ -37,8 +43,8 @@ from pyengine.sampling_params import SamplingParams
 from test_server_e2e import ServerProcess
 
 N = 2048
-MIN_AGREEMENT = {"bf16": 0.99, "fp8": 0.955, "int8": 0.98}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
-MIN_VS_FP32_CACHE = {"fp8": 0.96, "int8": 0.98}
+MIN_AGREEMENT = {"bf16": 0.99, "fp8": 0.965, "int8": 0.98}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
+MIN_VS_FP32_CACHE = {"fp8": 0.967, "int8": 0.987}
 CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 

@@ -1,8 +1,8 @@
-"""rms_norm, add_rms_norm, rotary_embedding and silu_and_mul against plain torch references."""
+"""rms_norm, add_rms_norm, rotary_embedding, hadamard_heads and silu_and_mul against plain torch references."""
 import pytest
 import torch
 
-from pyengine.ops.layers import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+from pyengine.ops.layers import add_rms_norm, hadamard_heads, rms_norm, rotary_embedding, silu_and_mul
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -208,3 +208,56 @@ def test_bad_arguments():
         rotary_embedding(torch.tensor([0, 16]), q, k, cache, 64)
     with pytest.raises(ValueError, match="positions"):
         rotary_embedding(torch.tensor([-1, 0]), q, k, cache, 64)
+
+
+def ref_hadamard(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Each head of x [T, H*D] times H_n / sqrt(n) per block of n (the largest power of two dividing
+    head_dim), the matrix written out from its definition: entry (i, j) = (-1)^popcount(i & j)."""
+    n = head_dim & -head_dim
+    i = torch.arange(n)
+    bits = torch.bitwise_and(i[:, None], i[None, :])
+    popcount = sum((bits >> b) & 1 for b in range(n.bit_length()))
+    h = (1 - 2 * (popcount % 2)).double() / n ** 0.5
+    return (x.double().unflatten(-1, (-1, n)) @ h).flatten(-2).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 80])  # 96, 80: blocks of 32, 16
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_hadamard_heads(dtype, head_dim, tokens):
+    """On q and k as column views of one fused qkv tensor (v untouched), against the written-out matrix;
+    q.k per head is kept (the reason it is applied)."""
+    heads, kv_heads = 9, 3
+    g = torch.Generator().manual_seed(head_dim + tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    want_q, want_k, want_v = ref_hadamard(q, head_dim), ref_hadamard(k, head_dim), v.clone()
+
+    def dots():  # q.k of each kv head with the first q head of its group
+        return (q.double().view(tokens, heads, head_dim)[:, ::3] * k.double().view(tokens, kv_heads, head_dim)).sum(-1)
+
+    before = dots()
+    hadamard_heads(q, head_dim)
+    hadamard_heads(k.view(tokens, kv_heads, head_dim), head_dim)
+    torch.testing.assert_close(q, want_q, **TOL[dtype])
+    torch.testing.assert_close(k, want_k, **TOL[dtype])
+    torch.testing.assert_close(v, want_v, atol=0, rtol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(dots(), before, atol=1e-4, rtol=1e-5)
+
+
+def test_hadamard_heads_spreads_an_outlier_channel():
+    """A head whose energy sits in one channel comes out flat: every channel +-|x| / sqrt(64)."""
+    x = torch.zeros(2, 64)
+    x[0, 5], x[1, 40] = 8.0, -3.0
+    hadamard_heads(x, 64)
+    torch.testing.assert_close(x.abs(), torch.tensor([[1.0], [3.0 / 8]]).expand(2, 64))
+
+
+def test_hadamard_heads_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="head_dim"):
+        hadamard_heads(torch.zeros(2, 64), 0)
+    with pytest.raises(ValueError, match="multiple of head_dim"):
+        hadamard_heads(torch.zeros(2, 60), 64)
+    with pytest.raises(TypeError, match="dtype"):
+        hadamard_heads(torch.zeros(2, 64, dtype=torch.int32), 64)

@@ -45,6 +45,14 @@ void register_layer_ops(py::module_& m) {
       py::arg("k_row_stride"), py::arg("max_position"), py::arg("dtype"), py::arg("stream"), nogil,
       "In-place neox rotary embedding of q and k rows (row strides in elements).");
   m.def(
+      "hadamard_heads",
+      [](uintptr_t x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t row_stride, int dtype, uintptr_t) {
+        hadamard_heads(x, tokens, heads, head_dim, row_stride, dtype);
+      },
+      py::arg("x"), py::arg("tokens"), py::arg("heads"), py::arg("head_dim"), py::arg("row_stride"),
+      py::arg("dtype"), py::arg("stream"), nogil,
+      "In place: each head of x's rows (row stride in elements) becomes its normalised Walsh-Hadamard transform.");
+  m.def(
       "silu_and_mul",
       [](uintptr_t x, uintptr_t out, int64_t rows, int64_t inter, int dtype, uintptr_t) {
         silu_and_mul(x, out, rows, inter, dtype);

@@ -13,6 +13,7 @@
 //   qkv = x Wqkv^T (+ b)              [T, (H + 2 KVH) D]: q | k | v column blocks
 //   rope(q, k) in place (positions, cos_sin_cache [max_position, D] fp32)
 //   reshape_and_cache(k, v) into layer l's cache;  attn = paged_attention(q)   [T, H D]
+//   fp8/int8 cache: q, k and v rotated before (hadamard_heads: K and V are cached rotated), attn after
 //   x = attn Wo^T (+ b);  residual += x; x = rms_norm(residual)                   post_norm
 //   x = silu_and_mul(x Wgu^T) Wdown^T                [T, 2 I] -> [T, I] -> [T, hidden]
 // Scratch: qkv [T, (H + 2 KVH) D], attn [T, H D], gate_up [T, 2 I], act [T, I], all bf16.
@@ -51,6 +52,8 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
   const int bf16 = static_cast<int>(DType::kBFloat16), fp32 = static_cast<int>(DType::kFloat32);
   const int64_t nqkv = (H + 2 * KVH) * D;
   const uintptr_t q = qkv, k = qkv + H * D * 2, v = qkv + (H + KVH) * D * 2;
+  const bool rotate = cache_dtype == static_cast<int>(DType::kInt8) ||
+                      cache_dtype == static_cast<int>(DType::kFloat8E4M3);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* w = layers + l * kLayerFields;
     auto at = [&](LayerField f) { return static_cast<uintptr_t>(w[f]); };
@@ -58,6 +61,11 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
     else add_rms_norm(x, residual, at(kInputNorm), T, hidden, eps, bf16, norm_dtype, fp32);
     project(x, at(kQkv), w[kQkvType], at(kQkvBias), qkv, T, nqkv, hidden);
     rotary_embedding(positions, q, k, cos_sin_cache, T, H, KVH, D, nqkv, nqkv, max_position, bf16);
+    if (rotate) {
+      hadamard_heads(q, T, H, D, nqkv, bf16);
+      hadamard_heads(k, T, KVH, D, nqkv, bf16);
+      hadamard_heads(v, T, KVH, D, nqkv, bf16);
+    }
     reshape_and_cache_cpu(reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
                           reinterpret_cast<void*>(at(kKCache)), reinterpret_cast<void*>(at(kVCache)),
                           reinterpret_cast<float*>(at(kKScales)), reinterpret_cast<float*>(at(kVScales)),
@@ -70,6 +78,7 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
                        reinterpret_cast<const int32_t*>(query_start_loc), T, H, KVH, D, nqkv, num_blocks,
                        block_size, num_seqs, max_blocks, max_seq_len, static_cast<float>(scale), DType::kBFloat16,
                        static_cast<DType>(cache_dtype), window);
+    if (rotate) hadamard_heads(attn, T, H, D, H * D, bf16);  // back from rotated V
     project(attn, at(kO), w[kOType], at(kOBias), x, T, hidden, H * D);
     add_rms_norm(x, residual, at(kPostNorm), T, hidden, eps, bf16, norm_dtype, fp32);
     project(x, at(kGateUp), w[kGateUpType], 0, gate_up, T, 2 * inter, hidden);

@@ -1,4 +1,5 @@
-// Per-token layer kernels: rms_norm, add_rms_norm, rotary_embedding (neox), silu_and_mul.
+// Per-token layer kernels: rms_norm, add_rms_norm, rotary_embedding (neox), hadamard_heads,
+// silu_and_mul.
 //
 // Layouts (row-major, element strides):
 //   rms_norm / add_rms_norm: x, residual, out [rows, dim] contiguous; weight [dim].
@@ -6,6 +7,9 @@
 //     head_dim values contiguous, heads contiguous within a row, rows q_row_stride / k_row_stride
 //     apart (so q and k may be column slices of a fused qkv output); positions [T] int64;
 //     cos_sin_cache [max_position, head_dim] fp32 = [cos | sin] halves.
+//   hadamard_heads: x rows of heads*head_dim (heads contiguous within a row, rows row_stride apart),
+//     each head's vector replaced in place by its normalised Walsh-Hadamard transform over blocks of
+//     n = the largest power of two dividing head_dim (all of it for 64, 128, 256).
 //   silu_and_mul: x [rows, 2*inter] -> out [rows, inter].
 // Element types: fp32, bf16, fp16 activations (weight: the activation type or fp32); all
 // arithmetic in fp32, one rounding on store. The residual stream may be fp32 under bf16/fp16
@@ -20,6 +24,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
@@ -225,6 +230,74 @@ void rotary_impl(const int64_t* positions, T* q, T* k, const float* cache, int64
   });
 }
 
+#if defined(__AVX512F__)
+// a with lanes i and i ^ L combined as fwht's butterfly: a_i + a_(i^L) where bit L of i is clear
+// (`upper` has the lanes where it is set), a_(i^L) - a_i where it is set.
+inline __m512 butterfly(__m512 a, __m512 partner, __mmask16 upper) {
+  return _mm512_mask_sub_ps(_mm512_add_ps(a, partner), upper, partner, a);
+}
+
+// fwht's passes of lane distance 1, 2, 4, 8 within one register of 16 floats.
+inline __m512 fwht16(__m512 a) {
+  a = butterfly(a, _mm512_permute_ps(a, 0xB1), 0xAAAA);
+  a = butterfly(a, _mm512_permute_ps(a, 0x4E), 0xCCCC);
+  a = butterfly(a, _mm512_shuffle_f32x4(a, a, 0xB1), 0xF0F0);
+  return butterfly(a, _mm512_shuffle_f32x4(a, a, 0x4E), 0xFF00);
+}
+#endif
+
+// In place: v[0, n) = H_n v, H_n the Sylvester Hadamard matrix (entry (i, j) is (-1)^popcount(i & j));
+// n a power of two. log2(n) butterfly passes of exact sums and differences (the SIMD passes compute
+// the same sums in the same order: the same bits).
+void fwht(float* v, int64_t n) {
+  int64_t len = 1;
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(v + i, fwht16(_mm512_loadu_ps(v + i)));
+    len = 16;
+  }
+#endif
+  for (; len < n; len <<= 1) {
+    for (int64_t i = 0; i < n; i += 2 * len) {
+      int64_t j = i;
+      if (len % kLanes == 0) {
+        for (; j < i + len; j += kLanes) {
+          const vfloat a = vload(v + j), b = vload(v + j + len);
+          vstore(v + j, vadd(a, b));
+          vstore(v + j + len, vsub(a, b));
+        }
+      }
+      for (; j < i + len; ++j) {
+        const float a = v[j], b = v[j + len];
+        v[j] = a + b;
+        v[j + len] = a - b;
+      }
+    }
+  }
+}
+
+// Each head of x: its blocks of n (the largest power of two dividing head_dim) times H_n / sqrt(n).
+template <class T>
+void hadamard_impl(T* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t row_stride) {
+  const int64_t n = head_dim & -head_dim;
+  const float norm = 1.0f / std::sqrt(static_cast<float>(n));
+  for_units(tokens, heads * head_dim, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(head_dim);
+    float* v = buf.data();
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        T* head = x + t * row_stride + h * head_dim;
+        int64_t i = 0;
+        for (; i + kLanes <= head_dim; i += kLanes) vstore(v + i, vload(head + i));
+        for (; i < head_dim; ++i) v[i] = to_float(head[i]);
+        for (int64_t b = 0; b < head_dim; b += n) fwht(v + b, n);
+        for (i = 0; i + kLanes <= head_dim; i += kLanes) vstore(head + i, vmul(vload(v + i), vset(norm)));
+        for (; i < head_dim; ++i) store_float(head + i, v[i] * norm);
+      }
+    }
+  });
+}
+
 template <class T>
 void silu_and_mul_impl(const T* x, T* out, int64_t rows, int64_t inter) {
   constexpr int64_t kTile = 2048;  // columns per work unit, so one long row can still split
@@ -319,6 +392,14 @@ void rotary_embedding(uintptr_t positions, uintptr_t q, uintptr_t k, uintptr_t c
     using T = decltype(t);
     rotary_impl(pos, ptr<T>(q), ptr<T>(k), ptr<const float>(cos_sin_cache), tokens, q_heads, kv_heads, head_dim,
                 q_row_stride, k_row_stride);
+  });
+}
+
+void hadamard_heads(uintptr_t x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t row_stride, int dtype) {
+  if (head_dim <= 0) throw std::invalid_argument("hadamard_heads: head_dim must be positive");
+  dispatch_act("hadamard_heads", dtype, [&](auto t) {
+    using T = decltype(t);
+    hadamard_impl(ptr<T>(x), tokens, heads, head_dim, row_stride);
   });
 }
 

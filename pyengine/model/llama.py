@@ -7,7 +7,9 @@ hand the projections their input in the model's dtype. (Rounding the stream to b
 the largest part of a bf16 model's distance from fp32: tests/test_kv_accuracy.py.) Everything derivable
 is built at load: fused weights, the fp32 cos/sin caches, the split sizes, the attention scale. GGUF
 projections, embedding and lm_head in a type with a native kernel stay quantized (QuantLinear) when the
-loader asks for it.
+loader asks for it. With an fp8/int8 KV cache, q, k and v pass through a Hadamard rotation per head after
+RoPE (ops/layers.py: hadamard_heads), and the attention output through it again (it is its own inverse):
+K and V are cached rotated, and their rounding costs attention less.
 
 The other families are this model with a few switches (ModelConfig's family fields): Qwen3 and
 Gemma 3 RMS-norm each q/k head before RoPE; Gemma norms the attention and MLP outputs before the
@@ -30,13 +32,14 @@ from pyengine.model.metadata import AttentionMetadata, KVCache
 from pyengine.ops._common import DTYPE_CODES, check_tensor
 from pyengine.ops.attention import check_kv_cache, paged_attention
 from pyengine.ops.cache import reshape_and_cache
-from pyengine.ops.layers import add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+from pyengine.ops.layers import add_rms_norm, hadamard_heads, rms_norm, rotary_embedding, silu_and_mul
 from pyengine.ops.linear import PackedLinear
 from pyengine.ops.qlinear import QuantLinear
 
 WeightGetter = Callable[[str], "torch.Tensor | None"]  # HF tensor name -> tensor (None if absent)
 # HF tensor names -> (GGML type, uint8 blocks of the row-concatenated tensors) or None (loader.QuantizedGetter)
 QuantizedGetter = Callable[[list[str]], "tuple[str, torch.Tensor] | None"]
+QUANTIZED_KV = (torch.float8_e4m3fn, torch.int8)  # caches that hold K and V rotated (hadamard_heads)
 
 
 class LayerWeights(NamedTuple):
@@ -316,6 +319,7 @@ class LlamaForCausalLM(torch.nn.Module):
             return self.lm_head_linear(x.index_select(0, logits_indices))
         act_and_mul = gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else silu_and_mul
         softcap = cfg.attn_logit_softcap or 0.0
+        rotate = kv_caches[0].k.dtype in QUANTIZED_KV
         x = None
         for layer, lin, cache, attention in zip(self.layers, self.linears, kv_caches, self.attention):
             if x is None:
@@ -327,6 +331,9 @@ class LlamaForCausalLM(torch.nn.Module):
                 q = rms_norm(q.contiguous().view(q_shape), layer.q_norm, eps)
                 k = rms_norm(k.contiguous().view(kv_shape), layer.k_norm, eps)
             rotary_embedding(positions, q, k, attention.cos_sin_cache, d)  # in place (strided column slices too)
+            if rotate:
+                for part in (q, k, v):
+                    hadamard_heads(part, d)
             # .contiguous() copies only for T > 1 (a single row is already contiguous)
             reshape_and_cache(k.contiguous().view(kv_shape), v.contiguous().view(kv_shape), cache.k, cache.v,
                               meta.slot_mapping, k_scales=cache.k_scales, v_scales=cache.v_scales)
@@ -334,6 +341,8 @@ class LlamaForCausalLM(torch.nn.Module):
                                    meta.query_start_loc, scale, k_scales=cache.k_scales, v_scales=cache.v_scales,
                                    max_seq_len=meta.max_seq_len, window=attention.window, softcap=softcap,
                                    tensor_cores=meta.tensor_cores, max_query_len=meta.max_query_len)
+            if rotate:
+                hadamard_heads(attn, d)  # back from rotated V
             x = lin.o(attn.view(t, -1))
             if layer.attn_out_norm is not None:
                 rms_norm(x, layer.attn_out_norm, eps, out=x)

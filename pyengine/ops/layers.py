@@ -1,9 +1,11 @@
-"""Per-token layer ops: RMSNorm (plain and fused with the residual add), neox rotary embedding,
-SiLU-and-multiply. CPU or CUDA tensors; activations fp32, bf16 or fp16, arithmetic in fp32. The norms
-also take a model's residual stream in fp32 beside bf16/fp16 activations (the stream is never rounded).
+"""Per-token layer ops: RMSNorm (plain and fused with the residual add), neox rotary embedding, the
+Walsh-Hadamard rotation of attention heads, SiLU-and-multiply. CPU or CUDA tensors; activations fp32,
+bf16 or fp16, arithmetic in fp32. The norms also take a model's residual stream in fp32 beside bf16/fp16
+activations (the stream is never rounded).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -121,6 +123,38 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     native(device).rotary_embedding(positions.data_ptr(), q.data_ptr(), k.data_ptr(), cos_sin_cache.data_ptr(),
                                     tokens, q_heads, kv_heads, head_dim, q_stride, k_stride,
                                     cos_sin_cache.shape[0], dtype_code(q), cuda_stream(device))
+
+
+def hadamard_heads(x: torch.Tensor, head_dim: int) -> None:
+    """In place: each head of x ([T, H*D] or [T, H, D]; any row stride, heads contiguous within a row)
+    becomes H_n v / sqrt(n) over blocks of n = the largest power of two dividing head_dim (all of it for
+    64, 128, 256), H_n the Sylvester Hadamard matrix.
+
+    An orthogonal, symmetric map: applied to both q and k it leaves q.k as it was (up to rounding). The
+    model applies it after RoPE when the KV cache is fp8/int8: K has a few large channels, which a
+    per-(token, head) scale has to cover, leaving the other channels few levels (int8) or making the
+    dot product's error that of one or two coarsely rounded terms (fp8); rotated, every channel carries
+    a share of each, and the rounding errors average over the dot product.
+    """
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    heads, row_stride = _rope_rows("x", x, None, head_dim, None, None)
+    if x.device.type == "cuda":  # a batched [n, n] matmul: no kernel of its own on the GPU
+        n = head_dim & -head_dim
+        blocks = x.unflatten(-1, (-1, n))
+        x.copy_((blocks.float() @ _hadamard_matrix(n, x.device)).to(x.dtype).flatten(-2))
+        return
+    native(x.device).hadamard_heads(x.data_ptr(), x.shape[0], heads, head_dim, row_stride, dtype_code(x),
+                                    cuda_stream(x.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] fp32 H_n / sqrt(n) (Sylvester order, as native/cpu/layers.cpp's fwht), n a power of two."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h / math.sqrt(n)).to(device)
 
 
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -44,6 +44,7 @@ void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t row
 void rotary_embedding(uintptr_t positions, uintptr_t q, uintptr_t k, uintptr_t cos_sin_cache, int64_t tokens,
                       int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t q_row_stride,
                       int64_t k_row_stride, int64_t max_position, int dtype);
+void hadamard_heads(uintptr_t x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t row_stride, int dtype);
 void silu_and_mul(uintptr_t x, uintptr_t out, int64_t rows, int64_t inter, int dtype);
 void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K,
                  int out_dtype);
