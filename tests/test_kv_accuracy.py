@@ -5,8 +5,8 @@ cache's rounding differs) and against the bf16 cache (bf16 model, the kernels bf
 compared; agreement is what greedy decoding would see, position by position, without drifting apart.
 
 Thresholds sit a little below what was measured on this text (2,047 positions, AVX512-BF16 CPU):
-bf16 vs fp32 99.1%; against an fp32 cache int8 99.0%, fp8 97.1%; against a bf16 cache int8 BFI8,
-fp8 BFF8. They depend on the text: on a code-heavy one our bf16 got 98.6% where transformers' own
+bf16 vs fp32 99.1%; against an fp32 cache int8 99.1%, fp8 96.8%; against a bf16 cache int8 98.9%,
+fp8 96.8%. They depend on the text: on a code-heavy one our bf16 got 98.6% where transformers' own
 bf16 forward got 97.1% (both against fp32, before our residual stream was fp32), so bf16 itself, not
 our kernels, sets that ceiling.
 Where it went: bf16 rounding injected one place at a time into the fp32 op-by-op path (the first 384
@@ -44,7 +44,7 @@ from test_server_e2e import ServerProcess
 
 N = 2048
 MIN_AGREEMENT = {"bf16": 0.99, "fp8": 0.965, "int8": 0.98}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
-MIN_VS_FP32_CACHE = {"fp8": 0.967, "int8": 0.987}
+MIN_VS_FP32_CACHE = {"fp8": 0.965, "int8": 0.987}
 CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
