@@ -372,7 +372,7 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
 // Operands by cache dtype (the weight of token t is its probability times its V scale):
 //   bf16  bf16 x bf16 -> fp32 (vdpbf16ps); q as is, weights rounded to bf16 (as flash attention
 //         does on GPUs), and the softmax sum uses the same rounded values.
-//   fp8   codes widened to bf16 (exact), then as bf16.
+//   fp8   codes widened to bf16 (exact, times 2^-8 that the scales take back), then as bf16.
 //   int8  int16 x int16 -> int32 (vpdpwssd), the codes sign-extended (one instruction per vector,
 //         where widening to bf16 took five): q rounded to int16 per row (scale absmax / 32767)
 //         once per item, the weights to int16 per row and chunk (scale max / 32767). Both roundings
@@ -387,19 +387,22 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
 constexpr int kChunk = 64, kTiles = kChunk / 16, kGroup = 4;
 constexpr float kInt16Max = 32767.0f;
 
-// 32 fp8 e4m3 codes (s eeee mmm) -> 32 bf16, exact for every code, in four operations for normal
-// codes: sign-extended to 16 bits and shifted left by 4, the sign sits on bit 15 and e.m on bits
-// 10..4; clearing bits 14..11 and adding 120 << 7 rebiases the exponent (7 -> 127). Subnormal
-// codes (e = 0, zero among them; rare in a scaled row) come from a table, only in the vectors that
-// have one: indexed by the code rotated left by 2 (bits 1..0 the sign, 4..2 the mantissa).
+// 32 fp8 e4m3 codes (s eeee mmm) -> 32 bf16 of their values times 2^-8 (kFp8Unit), exact for every
+// code, in three operations for normal codes: sign-extended to 16 bits and shifted left by 4, the
+// sign sits on bit 15 and e.m on bits 10..4; clearing bits 14..11 and setting the exponent's high
+// bits to 112 (e + 112: bias 7 -> 127, less 8) is one ternary-logic op where adding 120 (the value
+// itself) would take two. The scales take the 2^8 back (exact: a power of two). Subnormal codes
+// (e = 0, zero among them; rare in a scaled row) come from a table, only in the vectors that have
+// one: indexed by the code rotated left by 2 (bits 1..0 the sign, 4..2 the mantissa).
+constexpr float kFp8Unit = 1.0f / 256.0f;
 inline __m512i fp8_to_bf16(__m256i raw) {
-  alignas(64) static const uint16_t kSub[32] = {  // m * 2^-9 at index m << 2, its negative at (m << 2) | 3
-      0, 0, 0, 0x8000, 0x3b00, 0, 0, 0xbb00, 0x3b80, 0, 0, 0xbb80, 0x3bc0, 0, 0, 0xbbc0,
-      0x3c00, 0, 0, 0xbc00, 0x3c20, 0, 0, 0xbc20, 0x3c40, 0, 0, 0xbc40, 0x3c60, 0, 0, 0xbc60};
+  alignas(64) static const uint16_t kSub[32] = {  // m * 2^-17 at index m << 2, its negative at (m << 2) | 3
+      0, 0, 0, 0x8000, 0x3700, 0, 0, 0xb700, 0x3780, 0, 0, 0xb780, 0x37c0, 0, 0, 0xb7c0,
+      0x3800, 0, 0, 0xb800, 0x3820, 0, 0, 0xb820, 0x3840, 0, 0, 0xb840, 0x3860, 0, 0, 0xb860};
   const __m512i x = _mm512_cvtepi8_epi16(raw);
-  const __m512i r = _mm512_add_epi16(
-      _mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(static_cast<int16_t>(0x87f0))),
-      _mm512_set1_epi16(120 << 7));
+  const __m512i r = _mm512_ternarylogic_epi32(_mm512_slli_epi16(x, 4),
+                                              _mm512_set1_epi16(static_cast<int16_t>(0x87f0)),
+                                              _mm512_set1_epi16(112 << 7), 0xea);  // (a & b) | c
   const __mmask32 sub = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78));
   if (__builtin_expect(sub == 0, 1)) return r;
   const __m512i index = _mm512_or_si512(_mm512_slli_epi16(x, 2), _mm512_srli_epi16(x, 14));
@@ -538,7 +541,7 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_str
       }
     }
     for (int i = 0; i < 4 && i0 + i < ntiles; ++i) {
-      __m512 s = _mm512_set1_ps(scale);
+      __m512 s = _mm512_set1_ps(CD == DType::kFloat8E4M3 ? scale / kFp8Unit : scale);
       if constexpr (CD != DType::kBFloat16) s = _mm512_mul_ps(s, tile_scales<SPLIT>(c.ks0, c.ks1, i0 + i, c.n));
       for (int r = 0; r < NR; ++r) {
         const __m512 sr = CD == DType::kInt8 ? _mm512_mul_ps(s, _mm512_set1_ps(qs[r])) : s;
@@ -573,7 +576,8 @@ inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs
       wmax = _mm512_max_ps(wmax, wt);
       vsum = _mm512_add_ps(vsum, p);
     } else if constexpr (CD == DType::kFloat8E4M3) {
-      const __m512 wt = _mm512_mul_ps(p, tile_scales<SPLIT>(c.vs0, c.vs1, t0 / 16, c.n));
+      const __m512 vs = tile_scales<SPLIT>(c.vs0, c.vs1, t0 / 16, c.n);
+      const __m512 wt = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_set1_ps(1.0f / kFp8Unit)), vs);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t0), (__m256i)_mm512_cvtneps_pbh(wt));
       vsum = _mm512_add_ps(vsum, p);
     } else {
