@@ -256,6 +256,30 @@ def test_slots_past_each_sequence_are_never_read(dtype, block_size):
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+def test_quantized_slots_past_each_sequence_are_never_read(cache, block_size):
+    """The same over quantized caches, bf16 q: NaN scales and NaN (fp8) or extreme codes in every slot no
+    sequence owns, the slots after a partial last block among them, must not leak."""
+    specs = [(1, 1), (37, 1), (130, 1), (61, 1), (8, 1), (200, 1)]
+    cache_dtype = CACHE_DTYPES[cache]
+    q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(specs, 6, 2, 64, block_size, torch.bfloat16,
+                                                  cache_dtype=cache_dtype, seed=6)
+    k, v = from_cache_layout(kc, vc)
+    owned = torch.zeros(k.shape[0], block_size, dtype=torch.bool)
+    for s, (L, _) in enumerate(specs):
+        for pos in range(L):
+            owned[bt[s, pos // block_size], pos % block_size] = True
+    for x in (k, v):  # 0x7f: NaN in fp8, the largest code in int8
+        x.view(torch.uint8)[~owned[:, None, :, None].expand_as(x)] = 0x7F
+    ref = reference(q, *to_cache_layout(k, v, "cpu"), bt, sl, qsl, 0.125, ks, vs)  # reads owned slots only
+    for x in (ks, vs):
+        x[~owned[:, None, :].expand_as(x)] = float("nan")
+    kc, vc = to_cache_layout(k, v, "cpu")
+    out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125, k_scales=ks, v_scales=vs)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
 # Decode steps (one query token per sequence) of ragged lengths: shorter than a block, exactly one,
 # partial last blocks, a 64-token chunk and one past it, and long ones (split over the threads).
 DECODE = [(1, 1), (7, 1), (16, 1), (33, 1), (64, 1), (65, 1), (250, 1), (1000, 1), (2100, 1)]

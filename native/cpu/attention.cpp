@@ -372,7 +372,7 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
 // Operands by cache dtype (the weight of token t is its probability times its V scale):
 //   bf16  bf16 x bf16 -> fp32 (vdpbf16ps); q as is, weights rounded to bf16 (as flash attention
 //         does on GPUs), and the softmax sum uses the same rounded values.
-//   fp8   codes widened to bf16 (exact), then as bf16.
+//   fp8   codes widened to bf16 (exact, times 2^-8 that the scales take back), then as bf16.
 //   int8  int16 x int16 -> int32 (vpdpwssd), the codes sign-extended (one instruction per vector,
 //         where widening to bf16 took five): q rounded to int16 per row (scale absmax / 32767)
 //         once per item, the weights to int16 per row and chunk (scale max / 32767). Both roundings
@@ -387,17 +387,26 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
 constexpr int kChunk = 64, kTiles = kChunk / 16, kGroup = 4;
 constexpr float kInt16Max = 32767.0f;
 
-// 32 fp8 e4m3 codes -> 32 bf16 (exact for every code): the magnitude of a normal code by rebiasing
-// its exponent, a subnormal one (exponent field 0) from a table, then the sign.
+// 32 fp8 e4m3 codes (s eeee mmm) -> 32 bf16 of their values times 2^-8 (kFp8Unit), exact for every
+// code, in three operations for normal codes: sign-extended to 16 bits and shifted left by 4, the
+// sign sits on bit 15 and e.m on bits 10..4; clearing bits 14..11 and setting the exponent's high
+// bits to 112 (e + 112: bias 7 -> 127, less 8) is one ternary-logic op where adding 120 (the value
+// itself) would take two. The scales take the 2^8 back (exact: a power of two). Subnormal codes
+// (e = 0, zero among them; rare in a scaled row) come from a table, only in the vectors that have
+// one: indexed by the code rotated left by 2 (bits 1..0 the sign, 4..2 the mantissa).
+constexpr float kFp8Unit = 1.0f / 256.0f;
 inline __m512i fp8_to_bf16(__m256i raw) {
-  alignas(64) static const uint16_t kSub[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};  // m * 2^-9
-  const __m512i x = _mm512_cvtepu8_epi16(raw);
-  __m512i mag = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(0x7f0)),
-                                 _mm512_set1_epi16(120 << 7));  // exponent bias 7 -> 127
-  mag = _mm512_mask_permutexvar_epi16(mag, _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78)), x,
-                                      _mm512_load_si512(kSub));  // the index: x's low 5 bits, the mantissa here
-  return _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(x, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)),
-                                   0xf8);  // mag | (sign bit 7 moved to 15)
+  alignas(64) static const uint16_t kSub[32] = {  // m * 2^-17 at index m << 2, its negative at (m << 2) | 3
+      0, 0, 0, 0x8000, 0x3700, 0, 0, 0xb700, 0x3780, 0, 0, 0xb780, 0x37c0, 0, 0, 0xb7c0,
+      0x3800, 0, 0, 0xb800, 0x3820, 0, 0, 0xb820, 0x3840, 0, 0, 0xb840, 0x3860, 0, 0, 0xb860};
+  const __m512i x = _mm512_cvtepi8_epi16(raw);
+  const __m512i r = _mm512_ternarylogic_epi32(_mm512_slli_epi16(x, 4),
+                                              _mm512_set1_epi16(static_cast<int16_t>(0x87f0)),
+                                              _mm512_set1_epi16(112 << 7), 0xea);  // (a & b) | c
+  const __mmask32 sub = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78));
+  if (__builtin_expect(sub == 0, 1)) return r;
+  const __m512i index = _mm512_or_si512(_mm512_slli_epi16(x, 2), _mm512_srli_epi16(x, 14));
+  return _mm512_mask_permutexvar_epi16(r, sub, index, _mm512_load_si512(kSub));
 }
 
 // One 32-element vector of 16-bit operands from the cache: 64 bytes at p (bf16) or 32 codes at p
@@ -475,15 +484,34 @@ inline float quantize_q_int16(uint16_t* q, int64_t D) {
   return m / kInt16Max;
 }
 
-// Where one chunk's data lives: per tile the K pair-0 address of its (up to two) halves, per token
-// pair the V address, per token the scales (quantized caches).
+// Where one chunk's data lives, per tile of 16 tokens: the K pair-0 address, the V address of its
+// first token pair and its scales (quantized caches), each for the tile's first half and, with
+// SPLIT (block size 8: a tile spans two blocks), its second half in *1; without SPLIT the 16 tokens
+// are consecutive slots of one block and *1 is unused.
 struct ChunkPtrs {
-  const char* k0[kTiles];
-  const char* k1[kTiles];
-  const char* v[kChunk / 2];
-  float ks[kChunk], vs[kChunk];
+  const char *k0[kTiles], *k1[kTiles], *v0[kTiles], *v1[kTiles];
+  const float *ks0[kTiles], *ks1[kTiles], *vs0[kTiles], *vs1[kTiles];
   int n;  // tokens in the chunk
 };
+
+// The V address of the chunk's token pair p (tokens 2p, 2p+1): pair p % 8 of tile p / 8.
+template <bool SPLIT>
+inline const char* v_pair(const ChunkPtrs& c, int p, int64_t pair_bytes) {
+  const int tile = p >> 3, q = p & 7;
+  if constexpr (SPLIT) return (q < 4 ? c.v0[tile] : c.v1[tile]) + (q & 3) * pair_bytes;
+  else return c.v0[tile] + q * pair_bytes;
+}
+
+// The scales of tile i's tokens; zero past the chunk's end (slots there may hold anything).
+template <bool SPLIT>
+inline __m512 tile_scales(const float* const* s0, const float* const* s1, int i, int n) {
+  const __mmask16 valid = tail_mask(n - 16 * i);
+  if constexpr (SPLIT)
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_maskz_loadu_ps(static_cast<__mmask8>(valid), s0[i])),
+                              _mm256_maskz_loadu_ps(static_cast<__mmask8>(valid >> 8), s1[i]), 1);
+  else
+    return _mm512_maskz_loadu_ps(valid, s0[i]);
+}
 
 // QK of NR rows over the chunk's tiles, 4 tiles (NR x 4 accumulators) at a time:
 // sc[r * kChunk + t] = q_r . k_t * scale (log2 units); qs: the rows' q scales (int8 cache).
@@ -499,10 +527,12 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_str
     for (int j = 0; j < 16 * NC32; ++j) {
       __m512i qb[NR];
       for (int r = 0; r < NR; ++r) qb[r] = bcast_pair(q + r * D + 2 * j);
-      for (int i = i0; i < i0 + 4; ++i) {  // the next chunk's K, a line per tile per step
-        _mm_prefetch(next.k0[i] + j * pair_stride, _MM_HINT_T1);
-        if constexpr (SPLIT) _mm_prefetch(next.k1[i] + j * pair_stride, _MM_HINT_T1);
-      }
+      // the next chunk's K, each line once (tiles start on a line when pairs are shorter than one)
+      if (pair_stride >= 64 || j * pair_stride % 64 == 0)
+        for (int i = i0; i < i0 + 4; ++i) {
+          _mm_prefetch(next.k0[i] + j * pair_stride, _MM_HINT_T1);
+          if constexpr (SPLIT) _mm_prefetch(next.k1[i] + j * pair_stride, _MM_HINT_T1);
+        }
       for (int i = 0; i < 4; ++i) {
         if (i0 + i >= ntiles) break;
         const char* k0 = c.k0[i0 + i] + j * pair_stride;
@@ -511,8 +541,8 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_str
       }
     }
     for (int i = 0; i < 4 && i0 + i < ntiles; ++i) {
-      __m512 s = _mm512_set1_ps(scale);
-      if constexpr (CD != DType::kBFloat16) s = _mm512_mul_ps(s, _mm512_loadu_ps(c.ks + 16 * (i0 + i)));
+      __m512 s = _mm512_set1_ps(CD == DType::kFloat8E4M3 ? scale / kFp8Unit : scale);
+      if constexpr (CD != DType::kBFloat16) s = _mm512_mul_ps(s, tile_scales<SPLIT>(c.ks0, c.ks1, i0 + i, c.n));
       for (int r = 0; r < NR; ++r) {
         const __m512 sr = CD == DType::kInt8 ? _mm512_mul_ps(s, _mm512_set1_ps(qs[r])) : s;
         _mm512_storeu_ps(sc + r * kChunk + 16 * (i0 + i), _mm512_mul_ps(dot_to_ps<CD>(acc[r][i]), sr));
@@ -524,7 +554,7 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_str
 // Online-softmax update of one row with the scores sc[lo, nv) (lo > 0: before its window): writes
 // the 16-bit weights (bf16, or int16 codes of scale *wscale for int8) to pw[0, round_up(n, 16))
 // (zeros outside [lo, nv)), updates m and l; returns alpha for acc.
-template <DType CD>
+template <DType CD, bool SPLIT>
 inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs& c, uint16_t* pw, float& m,
                          float& l, float& wscale) {
   wscale = 0.0f;
@@ -541,13 +571,14 @@ inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs
     const __mmask16 keep = tail_mask(nv - t0) & static_cast<__mmask16>(~tail_mask(lo - t0));
     const __m512 p = _mm512_maskz_mov_ps(keep, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
     if constexpr (CD == DType::kInt8) {
-      const __m512 wt = _mm512_mul_ps(p, _mm512_loadu_ps(c.vs + t0));
+      const __m512 wt = _mm512_mul_ps(p, tile_scales<SPLIT>(c.vs0, c.vs1, t0 / 16, c.n));
       _mm512_store_ps(w + t0, wt);
       wmax = _mm512_max_ps(wmax, wt);
       vsum = _mm512_add_ps(vsum, p);
     } else if constexpr (CD == DType::kFloat8E4M3) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t0),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_loadu_ps(c.vs + t0))));
+      const __m512 vs = tile_scales<SPLIT>(c.vs0, c.vs1, t0 / 16, c.n);
+      const __m512 wt = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_set1_ps(1.0f / kFp8Unit)), vs);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + t0), (__m256i)_mm512_cvtneps_pbh(wt));
       vsum = _mm512_add_ps(vsum, p);
     } else {
       const __m256bh ph = _mm512_cvtneps_pbh(p);
@@ -570,7 +601,7 @@ inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs
 
 // acc_r = acc_r * alpha_r + sum_t w_rt V_t (times wscale_r for int8) for NR rows, 64 dims (4
 // vectors) at a time.
-template <DType CD, int NC32, int NR>
+template <DType CD, int NC32, int NR, bool SPLIT>
 inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const uint16_t* pw, const float* alpha,
                      const float* wscale, float* acc, int npairs) {
   constexpr int64_t D = 32 * NC32;
@@ -587,9 +618,10 @@ inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const uint16_t* 
       __m512i pr[NR];
       for (int r = 0; r < NR; ++r) pr[r] = bcast_pair(pw + r * kChunk + 2 * p);
       if (d0 == 0)  // the next chunk's V pair p
-        for (int64_t b = 0; b < D * 2 * es; b += 64) _mm_prefetch(next.v[p] + b, _MM_HINT_T1);
+        for (int64_t b = 0; b < D * 2 * es; b += 64)
+          _mm_prefetch(v_pair<SPLIT>(next, p, D * 2 * es) + b, _MM_HINT_T1);
       for (int k = 0; k < 4; ++k) {
-        __m512i v = load_operand<CD, false>(c.v[p] + (d0 + 16 * k) * 2 * es);
+        __m512i v = load_operand<CD, false>(v_pair<SPLIT>(c, p, D * 2 * es) + (d0 + 16 * k) * 2 * es);
         if (keep != 0xffffffffu) v = _mm512_maskz_mov_epi16(keep, v);
         for (int r = 0; r < NR; ++r) x[r][k] = dot2<CD>(x[r][k], v, pr[r]);
       }
@@ -621,10 +653,11 @@ void group_chunk(const ChunkPtrs& c, const ChunkPtrs& next, int64_t pair_stride,
   float alpha[NR], wscale[NR];
   int maxnv = 0;
   for (int r = 0; r < NR; ++r) {
-    alpha[r] = softmax_row<CD>(sc + r * kChunk, lo[r], nv[r], c.n, c, pw + r * kChunk, m[r], l[r], wscale[r]);
+    alpha[r] =
+        softmax_row<CD, SPLIT>(sc + r * kChunk, lo[r], nv[r], c.n, c, pw + r * kChunk, m[r], l[r], wscale[r]);
     maxnv = std::max(maxnv, nv[r]);
   }
-  pv_group<CD, NC32, NR>(c, next, pw, alpha, wscale, acc, (maxnv + 1) / 2);
+  pv_group<CD, NC32, NR, SPLIT>(c, next, pw, alpha, wscale, acc, (maxnv + 1) / 2);
 }
 
 // The cache positions [kv_lo, kv_end) an item reads (its causal end, within its split).
@@ -633,7 +666,8 @@ inline int64_t item_kv_end(const Args& a, const Item& it) {
   return std::min<int64_t>(it.kv_hi, a.seq_lens[it.seq] - q_len + it.tok1);
 }
 
-// The pointers of item `it`'s chunk at c0 (< kv_end).
+// The pointers of item `it`'s chunk at c0 (< kv_end; a multiple of 16, so a tile's tokens are one
+// run of slots in a block, or with block size 8 (SPLIT) two whole blocks).
 template <DType CD, int NC32, bool SPLIT>
 void fill_chunk(const Args& a, const Item& it, int64_t c0, int64_t kv_end, ChunkPtrs& c) {
   constexpr int64_t D = 32 * NC32;
@@ -641,26 +675,24 @@ void fill_chunk(const Args& a, const Item& it, int64_t c0, int64_t kv_end, Chunk
   const int64_t tile_bytes = a.BS * D * es;
   const int32_t* table = a.block_tables + it.seq * a.MB;
   c.n = static_cast<int>(std::min<int64_t>(kChunk, kv_end - c0));
-  int t = 0;  // block sizes are even and c0 is, so token pairs never straddle blocks
-  for (int64_t blk = c0 / a.BS, off = c0 % a.BS; t < c.n; ++blk, off = 0) {
-    const int64_t tile = static_cast<int64_t>(table[blk]) * a.KVH + it.kvh;
-    const char* kt = static_cast<const char*>(a.k) + tile * tile_bytes;
-    const char* vt = static_cast<const char*>(a.v) + tile * tile_bytes;
-    for (int64_t o = off; o < a.BS && t < c.n; o += 2, t += 2) {
-      if (t % 16 == 0) c.k0[t / 16] = c.k1[t / 16] = kt + o * 2 * es;
-      else if (SPLIT && t % 16 == 8) c.k1[t / 16] = kt;
-      c.v[t / 2] = vt + o * D * es;
-      if constexpr (CD != DType::kBFloat16) {
-        const int64_t srow = tile * a.BS + o;
-        c.ks[t] = a.ks[srow], c.vs[t] = a.vs[srow];
-        c.ks[t + 1] = a.ks[srow + 1], c.vs[t + 1] = a.vs[srow + 1];  // the slot after the last token: finite
-      }
+  // the half-tile (8 tokens with SPLIT, else 16) at position pos: its K pair-0 and V addresses, scales
+  auto half = [&](int64_t pos, const char*& k, const char*& v, const float*& ks, const float*& vs) {
+    const int64_t off = pos % a.BS, tile = static_cast<int64_t>(table[pos / a.BS]) * a.KVH + it.kvh;
+    k = static_cast<const char*>(a.k) + tile * tile_bytes + off * 2 * es;
+    v = static_cast<const char*>(a.v) + tile * tile_bytes + off * D * es;
+    if constexpr (CD != DType::kBFloat16) ks = a.ks + tile * a.BS + off, vs = a.vs + tile * a.BS + off;
+    else ks = vs = nullptr;
+  };
+  const int ntiles = (c.n + 15) / 16;
+  for (int i = 0; i < kTiles; ++i) {
+    if (i < ntiles) {
+      half(c0 + 16 * i, c.k0[i], c.v0[i], c.ks0[i], c.vs0[i]);
+      if (SPLIT && 16 * i + 8 < c.n) half(c0 + 16 * i + 8, c.k1[i], c.v1[i], c.ks1[i], c.vs1[i]);
+      else c.k1[i] = c.k0[i], c.v1[i] = c.v0[i], c.ks1[i] = c.ks0[i], c.vs1[i] = c.vs0[i];
+    } else {  // past the chunk's end: any valid address (meets zero probabilities and masked scale loads)
+      c.k0[i] = c.k1[i] = c.k0[0], c.v0[i] = c.v1[i] = c.v0[0];
+      c.ks0[i] = c.ks1[i] = c.ks0[0], c.vs0[i] = c.vs1[i] = c.vs0[0];
     }
-  }
-  for (; t < kChunk; t += 2) {  // past the chunk's end: any valid address (meets zero probabilities)
-    if (t % 16 == 0) c.k0[t / 16] = c.k1[t / 16] = c.k0[0];
-    c.v[t / 2] = c.v[0];
-    if constexpr (CD != DType::kBFloat16) c.ks[t] = c.vs[t] = c.ks[t + 1] = c.vs[t + 1] = 0.0f;
   }
 }
 
