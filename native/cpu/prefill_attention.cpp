@@ -50,8 +50,7 @@
 #endif
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PYENGINE_PREFILL_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "pyengine/amx.h"
 #endif
 #if defined(__AVX512F__)
 // GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
@@ -406,25 +405,10 @@ void row_group_avx(const RowSoftmax& c, const uint16_t* q, int64_t D, const uint
 //   PV: O tiles tmm0..3 (16 rows x 16 dims, a 64-dim slice; O scaled by alpha first) += P tile tmm4
 //       (16 rows x 32 tokens) . V tile tmm5 (16 token pairs x 16 dims x 2: the packed V, as it lies)
 // Softmax between the two runs on the AVX-512 units, row by row, as in the vdpbf16ps path.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Asks Linux once for the AMX tile state (XFEATURE_XTILEDATA) for this process.
-bool amx_usable() {
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
 void load_tile_config() {
   TileConfig cfg;
   for (int i = 0; i < 6; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-  _tile_loadconfig(&cfg);
+  pyengine::load_tile_config(cfg);
 }
 
 // S[16 rows][kChunk] = q . k (raw dot products).
