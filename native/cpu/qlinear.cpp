@@ -217,6 +217,32 @@ inline void static_for(F&& f) {
   }
 }
 
+// group_scale for the rows [r0, r0 + V's lanes) of one tile, group g, half h of record `rec`, as vectors
+// V (Zmm, Ymm: loads of the scale fields, mul, set1). Signed: the path multiplies Q8_0's and the IQ4
+// types' values signed (their offset c is then 0), else their unsigned u (c = -128 d).
+template <int T, class V, bool Signed>
+inline void vec_scales(const uint8_t* rec, int64_t g, int h, int64_t r0, typename V::F& d, typename V::F& c) {
+  constexpr Layout L = layout(T);
+  const uint8_t* s = rec + L.scales_offset();
+  auto f16 = [&](int64_t field) { return V::f16(s + field + 2 * r0); };
+  auto u8 = [&](int64_t field) { return V::u8(s + field + r0); };
+  auto i8 = [&](int64_t field) { return V::i8(s + field + r0); };
+  if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
+    d = V::mul(f16(0), u8(64 + 16 * g));
+    c = V::mul(V::mul(f16(32), V::set1(-1.0f)), u8(192 + 16 * g));
+  } else if constexpr (T == ggml::kQ6_K) {
+    d = V::mul(f16(0), i8(32 + 16 * (2 * g + h)));
+    c = V::mul(d, V::set1(-32.0f));
+  } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
+    d = f16(0);
+    c = f16(32);
+  } else {
+    d = T == ggml::kIQ4_XS ? V::mul(f16(0), i8(32 + 16 * g)) : f16(0);
+    constexpr bool signed_values = T == ggml::kQ8_0 || L.lookup;
+    c = V::mul(d, V::set1(signed_values ? (Signed ? 0.0f : -128.0f) : T == ggml::kQ5_0 ? -16.0f : -8.0f));
+  }
+}
+
 #if defined(PYENGINE_QLINEAR_VNNI)
 
 // v shifted left by S bits within 16-bit lanes (right for S < 0).
@@ -260,30 +286,21 @@ inline void vnni_line(const uint8_t* grp, __m512i& lo, __m512i& hi) {
   }
 }
 
-// (d, c) of the 16 rows of one tile for group g, half h of record `rec` (group_scale, vectorised).
+// vec_scales' vector: 16 rows of a tile, one per fp32 lane.
+struct Zmm {
+  using F = __m512;
+  static F f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static __m128i bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static F u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(p))); }
+  static F i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p))); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+};
+
+// (d, c) of the 16 rows of one tile for group g, half h of record `rec`.
 template <int T>
 inline void vnni_scales(const uint8_t* rec, int64_t g, int h, __m512& d, __m512& c) {
-  constexpr Layout L = layout(T);
-  const uint8_t* s = rec + L.scales_offset();
-  auto f16 = [&](int64_t off) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + off))); };
-  auto bytes = [&](int64_t off) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + off)); };
-  if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
-    d = _mm512_mul_ps(f16(0), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(64 + 16 * g))));
-    c = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), f16(32)),
-                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(192 + 16 * g))));
-  } else if constexpr (T == ggml::kQ6_K) {
-    d = _mm512_mul_ps(f16(0), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(32 + 16 * (2 * g + h)))));
-    c = _mm512_mul_ps(d, _mm512_set1_ps(-32.0f));
-  } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
-    d = f16(0);
-    c = f16(32);
-  } else if constexpr (T == ggml::kIQ4_XS) {
-    d = _mm512_mul_ps(f16(0), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(32 + 16 * g))));
-    c = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
-  } else {
-    d = f16(0);
-    c = _mm512_mul_ps(d, _mm512_set1_ps(T == ggml::kQ8_0 || L.lookup ? -128.0f : T == ggml::kQ5_0 ? -16.0f : -8.0f));
-  }
+  vec_scales<T, Zmm, false>(rec, g, h, 0, d, c);
 }
 
 // Rows [r0, r0 + MR) x tiles [t0, t0 + NT).
@@ -471,7 +488,7 @@ void tile_range_amx(const QArgs& a, int64_t begin, int64_t end) {
   };
   static thread_local std::vector<Row> unpacked;  // a tile's B rows, 8 a group
   if (L.lines != 8) unpacked.resize(static_cast<size_t>(8 * a.KB));
-  uint8_t* u = unpacked.data()->bytes;
+  uint8_t* u = reinterpret_cast<uint8_t*>(unpacked.data());
   set_amx_config<T>();
   for (int64_t tile = begin; tile < end; ++tile) {
     if constexpr (L.lines != 8) {
@@ -535,34 +552,21 @@ inline void avx2_line(const uint8_t* grp, int r, __m256i& lo, __m256i& hi) {
   }
 }
 
-// As vnni_scales, for rows 8r .. 8r + 7; Q8_0's and the IQ4 types' offset is 0 (their dot products are on
-// signed values).
+// vec_scales' vector: 8 rows of a tile.
+struct Ymm {
+  using F = __m256;
+  static F f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static __m128i bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+  static F u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes(p))); }
+  static F i8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(p))); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+};
+
+// As vnni_scales, for rows 8r .. 8r + 7, on signed Q8_0 / IQ4 values (avx2_block's sign trick).
 template <int T>
 inline void avx2_scales(const uint8_t* rec, int64_t g, int h, int r, __m256& d, __m256& c) {
-  constexpr Layout L = layout(T);
-  const uint8_t* s = rec + L.scales_offset();
-  auto f16 = [&](int64_t off) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + off + 16 * r))); };
-  auto bytes = [&](int64_t off) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + off + 8 * r)); };
-  if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
-    d = _mm256_mul_ps(f16(0), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes(64 + 16 * g))));
-    c = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), f16(32)),
-                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes(192 + 16 * g))));
-  } else if constexpr (T == ggml::kQ6_K) {
-    d = _mm256_mul_ps(f16(0), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(32 + 16 * (2 * g + h)))));
-    c = _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
-  } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
-    d = f16(0);
-    c = f16(32);
-  } else if constexpr (T == ggml::kIQ4_XS) {
-    d = _mm256_mul_ps(f16(0), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(32 + 16 * g))));
-    c = _mm256_setzero_ps();
-  } else if constexpr (T == ggml::kQ8_0 || L.lookup) {
-    d = f16(0);
-    c = _mm256_setzero_ps();
-  } else {
-    d = f16(0);
-    c = _mm256_mul_ps(d, _mm256_set1_ps(T == ggml::kQ5_0 ? -16.0f : -8.0f));
-  }
+  vec_scales<T, Ymm, true>(rec, g, h, 8 * r, d, c);
 }
 
 // Rows [r0, r0 + MR) x one tile. vpmaddubsw sums two u8 x s8 products in int16: at most 2 * 63 * 127
