@@ -15,6 +15,14 @@ llama.cpp's K-quant choices). Per file:
     cmake -S llama_cpp_python-*/vendor/llama.cpp -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
     cmake --build build -j2 --target llama-quantize llama-bench llama-batched-bench
     python bench/bench_llamacpp.py build [--threads 2] [--repeats 2]
+
+On AMX hosts (Sapphire Rapids) built with GCC 12, that copy's batched path (M > 1 on Q4_0/Q4_1/Q8_0/K-quants:
+ggml-cpu/amx/mmq.cpp) dies with SIGILL at its first `tilezero`: GCC drops the stores that fill the tile
+config on the stack before `_tile_loadconfig` (it does not see the instruction read them), so every tile is
+configured with 0 rows (upstream fix: ggml-org/llama.cpp#26954). batch 1 (llama-bench tg) takes its VNNI
+path and runs. Make the stores visible, e.g. with `asm volatile("" : : "m"(tc) : "memory");` just before
+`_tile_loadconfig(&tc)` in ggml_tile_config_init, and rebuild libggml-cpu. The tools run with their own
+folder on LD_LIBRARY_PATH, so a patched libggml-cpu.so.0 copied next to them is the one they load.
 """
 from __future__ import annotations
 
@@ -40,29 +48,35 @@ def tool(build: str, name: str) -> str:
     sys.exit(f"no {name} under {build} (build the llama-quantize, llama-bench and llama-batched-bench targets)")
 
 
+def run_tool(build: str, name: str, *args: str) -> str:
+    """stdout of llama.cpp tool `name` (its folder's libraries first: see the docstring)."""
+    path = tool(build, name)
+    libs = os.pathsep.join([os.path.dirname(path), os.environ.get("LD_LIBRARY_PATH", "")])
+    env = {**os.environ, "LD_LIBRARY_PATH": libs}
+    return subprocess.run([path, *args], check=True, capture_output=True, text=True, env=env).stdout
+
+
 def llama_q4_k_m(build: str, src: str) -> str:
     name = os.path.basename(src).replace("Q4_1", "Q4_K_M")
     dst = os.path.join(tempfile.gettempdir(), "pyengine-bench-llamacpp-" + name)
     if not os.path.exists(dst):
-        subprocess.run([tool(build, "llama-quantize"), "--allow-requantize", src, dst + ".part", "Q4_K_M"],
-                       check=True, capture_output=True)
+        run_tool(build, "llama-quantize", "--allow-requantize", src, dst + ".part", "Q4_K_M")
         os.replace(dst + ".part", dst)
     return dst
 
 
 def llama_decode(build: str, path: str, threads: int) -> float:
     """llama-bench tg128 tok/s."""
-    out = subprocess.run([tool(build, "llama-bench"), "-m", path, "-t", str(threads), "-p", "0", "-n", str(GEN),
-                          "-r", "2", "-o", "json"], check=True, capture_output=True, text=True).stdout
+    out = run_tool(build, "llama-bench", "-m", path, "-t", str(threads), "-p", "0", "-n", str(GEN), "-r", "2",
+                   "-o", "json")
     return float(json.loads(out)[0]["avg_ts"])
 
 
 def llama_streams(build: str, path: str, threads: int) -> float:
     """llama-batched-bench S_TG tok/s at 64 streams."""
     ctx = STREAMS * (STREAM_PROMPT + GEN) + 256
-    out = subprocess.run([tool(build, "llama-batched-bench"), "-m", path, "-t", str(threads), "-tb", str(threads),
-                          "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(STREAM_PROMPT), "-ntg", str(GEN),
-                          "-npl", str(STREAMS)], check=True, capture_output=True, text=True).stdout
+    out = run_tool(build, "llama-batched-bench", "-m", path, "-t", str(threads), "-tb", str(threads), "-c", str(ctx),
+                   "-b", "2048", "-ub", "512", "-npp", str(STREAM_PROMPT), "-ntg", str(GEN), "-npl", str(STREAMS))
     rows = [line.split("|") for line in out.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
     # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
     return float(rows[-1][8])
@@ -74,7 +88,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch1-only", action="store_true",
-                    help="skip the 64-stream column (llama-batched-bench dies with SIGILL on some builds)")
+                    help="skip the 64-stream column (llama-batched-bench: SIGILL on unpatched AMX builds, see above)")
     args = ap.parse_args()
     folder, name = default_gguf()
     q4 = os.path.join(folder, name)

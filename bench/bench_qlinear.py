@@ -1,7 +1,10 @@
 """QuantLinear GEMV/GEMM per GGUF type and SIMD path: ms per call (min over calls, so a loaded machine's
-stalls drop out) for a [N, K] weight at M = 1 (decode) and M = 16, one thread by default.
+stalls drop out) for a [N, K] weight at M = 1 (decode), 16 and 64 (64 streams' decode step), one thread by
+default; the last row is the bf16 kernel (PackedLinear) on the same shape, the path weights="dequantize" runs.
 
-    python bench/bench_qlinear.py [--n 2048] [--k 2048] [--threads 1]
+    python bench/bench_qlinear.py [--n 2048] [--k 2048] [--threads 1] [--m 1,16,64] [--types Q4_1,Q8_0]
+        [--paths amx,avx512_vnni]   (default: every SIMD path of this build but the scalar loop, which is
+                                     ~100x slower: seconds a call at M = 64)
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from pyengine import _C  # noqa: E402
+from pyengine.ops.linear import PackedLinear  # noqa: E402
 from pyengine.ops.qlinear import QUANT_TYPES, QuantLinear  # noqa: E402
 from test_qlinear_op import quantized_weight  # noqa: E402
 
@@ -38,22 +42,28 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--m", default="1,16,64", help="comma-separated row counts")
+    ap.add_argument("--types", default=",".join(QUANT_TYPES), help="comma-separated GGUF types")
+    ap.add_argument("--paths", default=None, help="comma-separated SIMD paths (qlinear_isas)")
     args = ap.parse_args()
     _C.set_num_threads(args.threads)
-    isas, default = _C.qlinear_isas().split(",")[::-1], _C.qlinear_isa()
+    ms = [int(m) for m in args.m.split(",")]
+    default = _C.qlinear_isa()
+    isas = args.paths.split(",") if args.paths else [p for p in _C.qlinear_isas().split(",")[::-1] if p != "scalar"]
+    xs = {m: torch.randn(m, args.k, dtype=torch.bfloat16) for m in ms}
     print(f"[{args.n}, {args.k}] weight, {args.threads} thread(s); ms per call (min of 40)")
-    print(f"{'type':7s} " + " ".join(f"{isa + ' M=' + str(m):>17s}" for isa in isas for m in (1, 16)))
-    for type_name in QUANT_TYPES:
-        blocks, _ = quantized_weight(type_name, args.n, args.k, seed=1)
+    print(f"{'type':7s} " + " ".join(f"{isa + ' M=' + str(m):>17s}" for isa in isas for m in ms))
+    for type_name in args.types.split(","):
+        blocks, w = quantized_weight(type_name, args.n, args.k, seed=1)
         lin = QuantLinear(blocks, type_name)
         cells = []
         for isa in isas:
             _C.set_qlinear_isa(isa)
-            for m in (1, 16):
-                x = torch.randn(m, args.k, dtype=torch.bfloat16)
-                cells.append(f"{best_ms(lambda: lin(x)):17.3f}")
+            cells += [f"{best_ms(lambda: lin(xs[m])):17.3f}" for m in ms]
         _C.set_qlinear_isa(default)
         print(f"{type_name:7s} " + " ".join(cells), flush=True)
+    bf16 = PackedLinear(w.to(torch.bfloat16))
+    print(f"{'bf16':7s} " + " ".join(f"{best_ms(lambda: bf16(xs[m])):17.3f}" for m in ms))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """QuantLinear (native/cpu/qlinear.cpp) against a torch reference on the same numbers: the weight
 dequantized by gguf's numpy dequantizer, the activations rounded to int8 per 32-block as the kernel
-does; every SIMD path of this build (scalar, AVX2, AVX512-VNNI)."""
+does; every SIMD path of this build (scalar, AVX2, AVX512-VNNI, AMX: M >= 8 rows, 16 at a time, the rest
+on VNNI)."""
 import numpy as np
 import pytest
 import torch
@@ -152,3 +153,12 @@ def test_bad_input_is_named():
 def test_unknown_simd_path_is_named():
     with pytest.raises(ValueError, match="SIMD path 'neon' is not in this build"):
         _C.set_qlinear_isa("neon")
+
+
+def test_amx_path_where_the_host_has_it():
+    """A build for an AMX host (-march=native there) runs steps of 8+ rows on AMX tiles by default."""
+    with open("/proc/cpuinfo") as f:
+        flags = f.read().split()
+    if "amx_int8" not in flags:
+        pytest.skip("this CPU has no AMX-INT8")
+    assert "amx" in PATHS and _C.qlinear_isa() == "amx"

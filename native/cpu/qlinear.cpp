@@ -8,10 +8,13 @@
 // 32-value group): int8 dot products of 64-byte lines (Q8_0: 8 lines; the others 4 lines x low/high
 // nibbles, with the Q5/Q6 high bits or'ed in), accumulated in fp32 across groups:
 //   acc[m][j] += dx[m, b] * (d[j, b] * dot[m][j] + c[j, b] * s[m, b])
-// (Q6_K: per 16-value half, with the half's sum), and the two rows' results are summed (+ bias).
+// (Q6_K: per 16-value half, with the half's sum), and the two rows' results are summed (+ bias) by the
+// tile's epilogue (store_row), straight into out.
 // A weight may be several row ranges of different types (a fused qkv of Q5_0 q/k and a Q8_0 v, as
 // llama.cpp's Q4_K_M mixes): a segment table, the activations quantized once for all of them.
 // SIMD paths, chosen at run time among those this build has (set_qlinear_isa, for tests):
+//   amx: for M >= 8 rows of x, 16 int8 rows x one tile per tdpbsud, a 32-value group at a time (amx_block);
+//        the rows after the last whole 16 and M < 8 (decode) run on the avx512_vnni path;
 //   avx512_vnni: vpdpbusd, the 16 rows of a tile in the lanes of one zmm, 4 activation bytes broadcast;
 //   avx2: vpmaddubsw + vpmaddwd, a tile's rows in two ymm (Q8_0 on signed values: no i16 overflow);
 //   scalar: a portable loop over the same layout.
@@ -41,6 +44,10 @@
 // GCC 12 warns inside its own _mm512_cvtph_ps (an undefined pass-through operand): a false positive
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
+#if defined(PYENGINE_QLINEAR_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define PYENGINE_QLINEAR_AMX 1
+#include "pyengine/amx.h"
+#endif
 
 namespace pyengine::cpu {
 namespace {
@@ -50,25 +57,40 @@ using ggml::kTileRows;
 using ggml::Layout;
 using ggml::layout;
 
-constexpr int64_t kMaxRows = 8;                   // rows of x per pass over a tile group
+constexpr int64_t kMaxRows = 8;                   // int8 rows (4 rows of x, each with its residual) per pass
 constexpr int64_t kMinParallelBytes = 32 * 1024;  // below this weight size the caller runs alone
 constexpr int64_t kPanelMinRows = 64;
 constexpr int64_t kPanelBytes = 256 * 1024;       // quantized x per panel
+constexpr int64_t kAmxRows = 16;                  // int8 rows per AMX pass (panels are whole multiples)
 
-enum Isa : int { kScalar, kAvx2, kVnni };
+enum Isa : int { kScalar, kAvx2, kVnni, kAmx };
 
-constexpr Isa kBestIsa =
-#if defined(PYENGINE_QLINEAR_VNNI)
-    kVnni;
-#elif defined(PYENGINE_QLINEAR_AVX2)
-    kAvx2;
-#else
-    kScalar;
+constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512_vnni", "amx"};
+
+// Whether this build and this process can run path `isa` (AMX: Linux must grant the tile state).
+bool isa_available(int isa) {
+  switch (isa) {
+    case kScalar: return true;
+#if defined(PYENGINE_QLINEAR_AVX2)
+    case kAvx2: return true;
 #endif
+#if defined(PYENGINE_QLINEAR_VNNI)
+    case kVnni: return true;
+#endif
+#if defined(PYENGINE_QLINEAR_AMX)
+    case kAmx: return amx_usable();
+#endif
+    default: return false;
+  }
+}
 
-constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512_vnni"};
+int best_isa() {
+  int isa = kAmx;
+  while (!isa_available(isa)) --isa;
+  return isa;
+}
 
-std::atomic<int> g_isa{kBestIsa};
+std::atomic<int> g_isa{best_isa()};
 
 struct QArgs {
   const int8_t* xq;    // [M, K]
@@ -76,9 +98,30 @@ struct QArgs {
   const float* sx;     // [M, KB]: dx * sum(xq) of the block
   const float* sh;     // [M, 2 KB]: dx * sum(xq) of each 16-value half (Q6_K)
   const uint8_t* w;    // the segment's tiles
-  float* out;          // [M, ldo], this segment's first column
-  int64_t M, N, K, KB, ldo;
+  void* out;           // [M / 2, ldo] fp32 or bf16 (out_f32), this segment's first column
+  const float* bias;   // [N] fp32, this segment's, or null
+  bool out_f32;
+  int64_t M, N, K, KB, ldo;  // M: int8 rows, a row of x and its residual after each other
+
+  // The m int8 rows from row r (even).
+  QArgs rows_from(int64_t r, int64_t m) const {
+    QArgs a = *this;
+    a.xq += r * K, a.dx += r * KB, a.sx += r * KB, a.sh += 2 * r * KB, a.M = m;
+    a.out = static_cast<char*>(out) + r / 2 * ldo * (out_f32 ? 4 : 2);
+    return a;
+  }
 };
+
+// The sum of an int8 row pair's results (a row of x and its residual: quantize_row) for the 16
+// columns of one tile from n0, plus the bias, into row r of out.
+inline void store_row(const QArgs& a, int64_t r, int64_t n0, const float* sum) {
+  const int64_t valid = std::min(kTileRows, a.N - n0);
+  for (int64_t j = 0; j < valid; ++j) {
+    const float v = sum[j] + (a.bias ? a.bias[n0 + j] : 0.0f);
+    if (a.out_f32) static_cast<float*>(a.out)[r * a.ldo + n0 + j] = v;
+    else static_cast<uint16_t*>(a.out)[r * a.ldo + n0 + j] = float_to_bf16(v);
+  }
+}
 
 // Bytes of one tile's records.
 inline int64_t tile_stride(const Layout& L, int64_t KB) { return KB / L.groups() * L.record_bytes(); }
@@ -140,6 +183,7 @@ void tile_group_scalar(const QArgs& a, int64_t t0, int nt) {
   for (int64_t tile = t0; tile < t0 + nt; ++tile) {
     const uint8_t* w = a.w + tile * stride;
     const int64_t n0 = tile * kTileRows, valid = std::min(kTileRows, a.N - n0);
+    float sum[kTileRows] = {};
     for (int64_t m = 0; m < a.M; ++m) {
       for (int64_t j = 0; j < valid; ++j) {
         float acc = 0.0f;
@@ -156,8 +200,9 @@ void tile_group_scalar(const QArgs& a, int64_t t0, int nt) {
             acc += a.dx[xb] * (s.d * static_cast<float>(dot)) + s.c * offset_sum<T>(a, xb, h);
           }
         }
-        a.out[m * a.ldo + n0 + j] = acc;
+        sum[j] = m % 2 ? sum[j] + acc : acc;
       }
+      if (m % 2) store_row(a, m / 2, n0, sum);
     }
   }
 }
@@ -169,6 +214,32 @@ inline void static_for(F&& f) {
   if constexpr (B < E) {
     f(std::integral_constant<int, B>{});
     static_for<B + 1, E>(f);
+  }
+}
+
+// group_scale for the rows [r0, r0 + V's lanes) of one tile, group g, half h of record `rec`, as vectors
+// V (Zmm, Ymm: loads of the scale fields, mul, set1). Signed: the path multiplies Q8_0's and the IQ4
+// types' values signed (their offset c is then 0), else their unsigned u (c = -128 d).
+template <int T, class V, bool Signed>
+inline void vec_scales(const uint8_t* rec, int64_t g, int h, int64_t r0, typename V::F& d, typename V::F& c) {
+  constexpr Layout L = layout(T);
+  const uint8_t* s = rec + L.scales_offset();
+  auto f16 = [&](int64_t field) { return V::f16(s + field + 2 * r0); };
+  auto u8 = [&](int64_t field) { return V::u8(s + field + r0); };
+  auto i8 = [&](int64_t field) { return V::i8(s + field + r0); };
+  if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
+    d = V::mul(f16(0), u8(64 + 16 * g));
+    c = V::mul(V::mul(f16(32), V::set1(-1.0f)), u8(192 + 16 * g));
+  } else if constexpr (T == ggml::kQ6_K) {
+    d = V::mul(f16(0), i8(32 + 16 * (2 * g + h)));
+    c = V::mul(d, V::set1(-32.0f));
+  } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
+    d = f16(0);
+    c = f16(32);
+  } else {
+    d = T == ggml::kIQ4_XS ? V::mul(f16(0), i8(32 + 16 * g)) : f16(0);
+    constexpr bool signed_values = T == ggml::kQ8_0 || L.lookup;
+    c = V::mul(d, V::set1(signed_values ? (Signed ? 0.0f : -128.0f) : T == ggml::kQ5_0 ? -16.0f : -8.0f));
   }
 }
 
@@ -215,30 +286,21 @@ inline void vnni_line(const uint8_t* grp, __m512i& lo, __m512i& hi) {
   }
 }
 
-// (d, c) of the 16 rows of one tile for group g, half h of record `rec` (group_scale, vectorised).
+// vec_scales' vector: 16 rows of a tile, one per fp32 lane.
+struct Zmm {
+  using F = __m512;
+  static F f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static __m128i bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static F u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(p))); }
+  static F i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p))); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+};
+
+// (d, c) of the 16 rows of one tile for group g, half h of record `rec`.
 template <int T>
 inline void vnni_scales(const uint8_t* rec, int64_t g, int h, __m512& d, __m512& c) {
-  constexpr Layout L = layout(T);
-  const uint8_t* s = rec + L.scales_offset();
-  auto f16 = [&](int64_t off) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + off))); };
-  auto bytes = [&](int64_t off) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + off)); };
-  if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
-    d = _mm512_mul_ps(f16(0), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(64 + 16 * g))));
-    c = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), f16(32)),
-                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(192 + 16 * g))));
-  } else if constexpr (T == ggml::kQ6_K) {
-    d = _mm512_mul_ps(f16(0), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(32 + 16 * (2 * g + h)))));
-    c = _mm512_mul_ps(d, _mm512_set1_ps(-32.0f));
-  } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
-    d = f16(0);
-    c = f16(32);
-  } else if constexpr (T == ggml::kIQ4_XS) {
-    d = _mm512_mul_ps(f16(0), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(32 + 16 * g))));
-    c = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
-  } else {
-    d = f16(0);
-    c = _mm512_mul_ps(d, _mm512_set1_ps(T == ggml::kQ8_0 || L.lookup ? -128.0f : T == ggml::kQ5_0 ? -16.0f : -8.0f));
-  }
+  vec_scales<T, Zmm, false>(rec, g, h, 0, d, c);
 }
 
 // Rows [r0, r0 + MR) x tiles [t0, t0 + NT).
@@ -296,9 +358,11 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
     });
   }
   for (int t = 0; t < NT; ++t) {
-    const int64_t n0 = (t0 + t) * kTileRows;
-    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(kTileRows, a.N - n0)) - 1u);
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(a.out + (r0 + m) * a.ldo + n0, mask, acc[m][t]);
+    for (int m = 0; m < MR; m += 2) {
+      alignas(64) float sum[kTileRows];
+      _mm512_store_ps(sum, _mm512_add_ps(acc[m][t], acc[m + 1][t]));
+      store_row(a, (r0 + m) / 2, (t0 + t) * kTileRows, sum);
+    }
   }
 }
 
@@ -309,18 +373,140 @@ constexpr BlockFn block_fn(int nt) {
   return nt == 4 ? &vnni_block<T, MR, 4> : nt == 2 ? &vnni_block<T, MR, 2> : &vnni_block<T, MR, 1>;
 }
 
-template <int T, int... MRs>
-BlockFn pick(int64_t rows, int nt, std::integer_sequence<int, MRs...>) {
-  static constexpr BlockFn table[][3] = {{block_fn<T, MRs + 1>(1), block_fn<T, MRs + 1>(2), block_fn<T, MRs + 1>(4)}...};
-  return table[rows - 1][nt == 4 ? 2 : nt - 1];
+// MR = 2 (P + 1): row pairs.
+template <int T, int... P>
+BlockFn pick(int64_t rows, int nt, std::integer_sequence<int, P...>) {
+  static constexpr BlockFn table[][3] = {
+      {block_fn<T, 2 * (P + 1)>(1), block_fn<T, 2 * (P + 1)>(2), block_fn<T, 2 * (P + 1)>(4)}...};
+  return table[rows / 2 - 1][nt == 4 ? 2 : nt - 1];
 }
 
 template <int T>
 void tile_group_vnni(const QArgs& a, int64_t t0, int nt) {
   for (int64_t r0 = 0; r0 < a.M; r0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, a.M - r0);
-    pick<T>(rows, nt, std::make_integer_sequence<int, kMaxRows>{})(a, r0, t0);
+    pick<T>(rows, nt, std::make_integer_sequence<int, kMaxRows / 2>{})(a, r0, t0);
   }
+}
+
+#endif
+
+#if defined(PYENGINE_QLINEAR_AMX)
+
+// AMX (tdpbsud: signed activation bytes x unsigned weight bytes), for M >= 16 int8 rows: 16 rows (8
+// rows of x, each with its residual) x one tile per pass, one dot product per 32-value group (Q6_K:
+// per 16-value half, k values):
+//   A (tmm0 / tmm3): 16 rows x k bytes of xq, where they lie (stride K)
+//   B (tmm1 / tmm4): k / 4 rows x 64 bytes, row q = k 4q .. 4q + 3 of the tile's 16 rows: the group's
+//       lines unpacked to bytes (vnni_line: line i's low nibbles in row 2i, high in 2i + 1), once per
+//       tile for all its row blocks; Q8_0's lines are B rows where they lie
+//   C (tmm2 / tmm5): 16 rows x 16 int32, stored for the vector units to scale: per row pair (a row of x
+//       and its residual) acc += d * (dx1 C1 + dx2 C2) + c * (s1 + s2)
+// The two tile sets alternate between groups: the next group's dot product is issued before this one's
+// scaling, so the tile unit runs while the vector units scale. The scaling (a store and reload of C per
+// group) bounds it: at M = 64 on a [2048, 2048] weight, 1.2-1.5x the vnni path's rate on the 4-bit types
+// (bench/bench_qlinear.py on a loaded 2-core host), level on Q8_0.
+
+template <int T>
+void set_amx_config() {
+  constexpr int k = kBlock / layout(T).halves;
+  TileConfig cfg;
+  for (int set = 0; set < 2; ++set) {
+    cfg.rows[3 * set] = kAmxRows, cfg.colsb[3 * set] = k;
+    cfg.rows[3 * set + 1] = k / 4, cfg.colsb[3 * set + 1] = 64;
+    cfg.rows[3 * set + 2] = kAmxRows, cfg.colsb[3 * set + 2] = 64;
+  }
+  load_tile_config(cfg);
+}
+
+// C[16][16] = A . B on tile set S (the tile numbers must be literals).
+template <int S>
+inline void amx_dot(const int8_t* x, int64_t x_stride, const uint8_t* w, int32_t* c) {
+  if constexpr (S == 0) {
+    _tile_loadd(0, x, x_stride);
+    _tile_loadd(1, w, 64);
+    _tile_zero(2);
+    _tile_dpbsud(2, 0, 1);
+    _tile_stored(2, c, 64);
+  } else {
+    _tile_loadd(3, x, x_stride);
+    _tile_loadd(4, w, 64);
+    _tile_zero(5);
+    _tile_dpbsud(5, 3, 4);
+    _tile_stored(5, c, 64);
+  }
+}
+
+// Rows [r0, r0 + 16) x one tile; `unpacked`: its groups' B rows (512 bytes a group), unused for Q8_0.
+template <int T>
+void amx_block(const QArgs& a, int64_t r0, int64_t tile, const uint8_t* unpacked) {
+  constexpr Layout L = layout(T);
+  constexpr int k = kBlock / L.halves;
+  const uint8_t* w = a.w + tile * tile_stride(L, a.KB);
+  __m512 acc[kAmxRows / 2];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  alignas(64) int32_t c[2][kAmxRows][kTileRows];
+  // step j = (group, half): its dot product on tile set j % 2, scaled after the next step's is issued
+  const int64_t steps = a.KB * L.halves;
+  auto dot = [&](int64_t j) {
+    const int64_t b = j / L.halves, g = b % L.groups();
+    const int h = static_cast<int>(j % L.halves);
+    const uint8_t* rec = w + b / L.groups() * L.record_bytes();
+    const int8_t* x = a.xq + r0 * a.K + b * kBlock + h * k;
+    const uint8_t* bw = (L.lines == 8 ? rec + g * L.group_bytes() : unpacked + b * 512) + h * 512 / L.halves;
+    if (j % 2 == 0) amx_dot<0>(x, a.K, bw, c[0][0]);
+    else amx_dot<1>(x, a.K, bw, c[1][0]);
+  };
+  dot(0);
+  for (int64_t j = 0; j < steps; ++j) {
+    if (j + 1 < steps) dot(j + 1);
+    const int64_t b = j / L.halves, g = b % L.groups();
+    const int h = static_cast<int>(j % L.halves), set = static_cast<int>(j % 2);
+    __m512 d, off;
+    vnni_scales<T>(w + b / L.groups() * L.record_bytes(), g, h, d, off);
+    for (int p = 0; p < kAmxRows / 2; ++p) {
+      const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
+      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[set][2 * p])), _mm512_set1_ps(a.dx[x1]));
+      t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[set][2 * p + 1])), _mm512_set1_ps(a.dx[x2]), t);
+      acc[p] = _mm512_fmadd_ps(t, d, acc[p]);
+      acc[p] = _mm512_fmadd_ps(off, _mm512_set1_ps(offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h)), acc[p]);
+    }
+  }
+  for (int p = 0; p < kAmxRows / 2; ++p) {
+    alignas(64) float sum[kTileRows];
+    _mm512_store_ps(sum, acc[p]);
+    store_row(a, r0 / 2 + p, tile * kTileRows, sum);
+  }
+}
+
+// Tiles [begin, end) for a.M, a multiple of 16 rows.
+template <int T>
+void tile_range_amx(const QArgs& a, int64_t begin, int64_t end) {
+  constexpr Layout L = layout(T);
+  struct alignas(64) Row {
+    uint8_t bytes[64];
+  };
+  static thread_local std::vector<Row> unpacked;  // a tile's B rows, 8 a group
+  if (L.lines != 8) unpacked.resize(static_cast<size_t>(8 * a.KB));
+  uint8_t* u = reinterpret_cast<uint8_t*>(unpacked.data());
+  set_amx_config<T>();
+  for (int64_t tile = begin; tile < end; ++tile) {
+    if constexpr (L.lines != 8) {
+      const uint8_t* w = a.w + tile * tile_stride(L, a.KB);
+      for (int64_t b = 0; b < a.KB; ++b) {
+        const uint8_t* grp = w + b / L.groups() * L.record_bytes() + b % L.groups() * L.group_bytes();
+        static_for<0, L.lines>([&](auto ic) {
+          constexpr int i = decltype(ic)::value;
+          __m512i lo, hi;
+          vnni_line<T, i>(grp, lo, hi);
+          _mm512_store_si512(u + 512 * b + 128 * i, lo);
+          _mm512_store_si512(u + 512 * b + 128 * i + 64, hi);
+        });
+      }
+    }
+    for (int64_t r0 = 0; r0 < a.M; r0 += kAmxRows) amx_block<T>(a, r0, tile, u);
+  }
+  _tile_release();
 }
 
 #endif
@@ -366,34 +552,21 @@ inline void avx2_line(const uint8_t* grp, int r, __m256i& lo, __m256i& hi) {
   }
 }
 
-// As vnni_scales, for rows 8r .. 8r + 7; Q8_0's and the IQ4 types' offset is 0 (their dot products are on
-// signed values).
+// vec_scales' vector: 8 rows of a tile.
+struct Ymm {
+  using F = __m256;
+  static F f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static __m128i bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+  static F u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes(p))); }
+  static F i8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(p))); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+};
+
+// As vnni_scales, for rows 8r .. 8r + 7, on signed Q8_0 / IQ4 values (avx2_block's sign trick).
 template <int T>
 inline void avx2_scales(const uint8_t* rec, int64_t g, int h, int r, __m256& d, __m256& c) {
-  constexpr Layout L = layout(T);
-  const uint8_t* s = rec + L.scales_offset();
-  auto f16 = [&](int64_t off) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + off + 16 * r))); };
-  auto bytes = [&](int64_t off) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + off + 8 * r)); };
-  if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
-    d = _mm256_mul_ps(f16(0), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes(64 + 16 * g))));
-    c = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), f16(32)),
-                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes(192 + 16 * g))));
-  } else if constexpr (T == ggml::kQ6_K) {
-    d = _mm256_mul_ps(f16(0), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(32 + 16 * (2 * g + h)))));
-    c = _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
-  } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
-    d = f16(0);
-    c = f16(32);
-  } else if constexpr (T == ggml::kIQ4_XS) {
-    d = _mm256_mul_ps(f16(0), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(32 + 16 * g))));
-    c = _mm256_setzero_ps();
-  } else if constexpr (T == ggml::kQ8_0 || L.lookup) {
-    d = f16(0);
-    c = _mm256_setzero_ps();
-  } else {
-    d = f16(0);
-    c = _mm256_mul_ps(d, _mm256_set1_ps(T == ggml::kQ5_0 ? -16.0f : -8.0f));
-  }
+  vec_scales<T, Ymm, true>(rec, g, h, 8 * r, d, c);
 }
 
 // Rows [r0, r0 + MR) x one tile. vpmaddubsw sums two u8 x s8 products in int16: at most 2 * 63 * 127
@@ -453,22 +626,18 @@ void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
       }
     });
   }
-  const int64_t n0 = tile * kTileRows, valid = std::min(kTileRows, a.N - n0);
-  for (int m = 0; m < MR; ++m) {
-    float row[kTileRows];
-    _mm256_storeu_ps(row, acc[m][0]);
-    _mm256_storeu_ps(row + 8, acc[m][1]);
-    std::memcpy(a.out + (r0 + m) * a.ldo + n0, row, static_cast<size_t>(valid) * sizeof(float));
+  for (int m = 0; m < MR; m += 2) {
+    float sum[kTileRows];
+    _mm256_storeu_ps(sum, _mm256_add_ps(acc[m][0], acc[m + 1][0]));
+    _mm256_storeu_ps(sum + 8, _mm256_add_ps(acc[m][1], acc[m + 1][1]));
+    store_row(a, (r0 + m) / 2, tile * kTileRows, sum);
   }
 }
 
 template <int T>
 void tile_group_avx2(const QArgs& a, int64_t t0, int nt) {
-  for (int64_t tile = t0; tile < t0 + nt; ++tile) {
-    int64_t r0 = 0;
-    for (; r0 + 2 <= a.M; r0 += 2) avx2_block<T, 2>(a, r0, tile);
-    if (r0 < a.M) avx2_block<T, 1>(a, r0, tile);
-  }
+  for (int64_t tile = t0; tile < t0 + nt; ++tile)
+    for (int64_t r0 = 0; r0 < a.M; r0 += 2) avx2_block<T, 2>(a, r0, tile);
 }
 
 #endif
@@ -476,13 +645,23 @@ void tile_group_avx2(const QArgs& a, int64_t t0, int nt) {
 inline int tiles_per_group(int64_t rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
 
 template <int T>
-void tile_range(const QArgs& a, int64_t begin, int64_t end, int isa) {
+void tile_range(const QArgs& all, int64_t begin, int64_t end, int isa) {
+  QArgs a = all;
+#if defined(PYENGINE_QLINEAR_AMX)
+  if (isa == kAmx) {  // whole 16-row blocks on AMX, the rows after them on the vnni path
+    const int64_t rows = a.M / kAmxRows * kAmxRows;
+    if (rows > 0) tile_range_amx<T>(a.rows_from(0, rows), begin, end);
+    if (rows == a.M) return;
+    a = a.rows_from(rows, a.M - rows);
+    isa = kVnni;
+  }
+#endif
   const int group = tiles_per_group(std::min(a.M, kMaxRows));
   int64_t t = begin;
   for (int nt = group; nt >= 1; nt /= 2) {
     for (; t + nt <= end; t += nt) {
 #if defined(PYENGINE_QLINEAR_VNNI)
-      if (isa == kVnni) {
+      if (isa >= kVnni) {
         tile_group_vnni<T>(a, t, nt);
         continue;
       }
@@ -504,17 +683,40 @@ void tile_range(const QArgs& a, int64_t begin, int64_t end, int isa) {
 // activations) cost 2.4% top-1 agreement on the default model against fp32 (97.6%,
 // tests/test_quant_model.py); the residual row reuses every weight line the first row loads, so
 // decode (bound by the weight stream) barely pays for it.
+// Each SIMD path does the scalar loop's float operations in its order (q = nearbyint(v / d) as v * (1 / d),
+// round to nearest even; the residual v - d q): the same bits on every path. At batch 1 the scalar loop
+// was 8% of a decode step.
+struct QuantRow {
+  int8_t* xq;  // [2, K]
+  float *dx, *sx, *sh;  // [2, KB], [2, KB], [2, 2 KB]
+  int64_t K, KB;
+
+  // Level `level` of block b: its scale d, and the sums of q over the block's two halves.
+  void put(int level, int64_t b, float d, int32_t sum0, int32_t sum1) const {
+    const int64_t i = level * KB + b;
+    dx[i] = d;
+    sx[i] = d * static_cast<float>(sum0 + sum1);
+    sh[2 * i] = d * static_cast<float>(sum0);
+    sh[2 * i + 1] = d * static_cast<float>(sum1);
+  }
+};
+
+inline float level_scale(float amax, float* inverse) {
+  const float d = amax / 127.0f;
+  *inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  return d;
+}
+
 template <class Load>
-void quantize_row(Load load, int64_t K, int8_t* xq, float* dx, float* sx, float* sh) {
-  const int64_t KB = K / kBlock;
-  for (int64_t b = 0; b < KB; ++b) {
+void quantize_row_scalar(Load load, const QuantRow& r) {
+  for (int64_t b = 0; b < r.KB; ++b) {
     float v[kBlock];
     for (int64_t i = 0; i < kBlock; ++i) v[i] = load(b * kBlock + i);
     for (int level = 0; level < 2; ++level) {
-      float amax = 0.0f;
+      float amax = 0.0f, id;
       for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-      int8_t* q = xq + level * K + b * kBlock;
+      const float d = level_scale(amax, &id);
+      int8_t* q = r.xq + level * r.K + b * kBlock;
       int32_t sum[2] = {0, 0};
       for (int64_t i = 0; i < kBlock; ++i) {
         const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * id));
@@ -522,12 +724,93 @@ void quantize_row(Load load, int64_t K, int8_t* xq, float* dx, float* sx, float*
         sum[i / 16] += qi;
         v[i] -= d * static_cast<float>(qi);  // the residual, for level 1
       }
-      dx[level * KB + b] = d;
-      sx[level * KB + b] = d * static_cast<float>(sum[0] + sum[1]);
-      sh[2 * (level * KB + b)] = d * static_cast<float>(sum[0]);
-      sh[2 * (level * KB + b) + 1] = d * static_cast<float>(sum[1]);
+      r.put(level, b, d, sum[0], sum[1]);
     }
   }
+}
+
+#if defined(PYENGINE_QLINEAR_VNNI)
+// A block is two zmm of 16 values: one per half.
+void quantize_row_avx512(const void* x, bool f32, const QuantRow& r) {
+  for (int64_t b = 0; b < r.KB; ++b) {
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = b * kBlock + 16 * h;
+      v[h] = f32 ? _mm512_loadu_ps(static_cast<const float*>(x) + at)
+                 : _mm512_castsi512_ps(_mm512_slli_epi32(
+                       _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                           reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + at))), 16));
+    }
+    for (int level = 0; level < 2; ++level) {
+      float id;
+      const float d = level_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))), &id);
+      int32_t sum[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(r.xq + level * r.K + b * kBlock + 16 * h), _mm512_cvtepi32_epi8(q));
+        sum[h] = _mm512_reduce_add_epi32(q);
+        v[h] = _mm512_sub_ps(v[h], _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(q)));
+      }
+      r.put(level, b, d, sum[0], sum[1]);
+    }
+  }
+}
+#endif
+
+#if defined(PYENGINE_QLINEAR_AVX2)
+// A block is four ymm of 8 values.
+void quantize_row_avx2(const void* x, bool f32, const QuantRow& r) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < r.KB; ++b) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) {
+      const int64_t at = b * kBlock + 8 * i;
+      v[i] = f32 ? _mm256_loadu_ps(static_cast<const float*>(x) + at)
+                 : _mm256_castsi256_ps(_mm256_slli_epi32(
+                       _mm256_cvtepu16_epi32(_mm_loadu_si128(
+                           reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at))), 16));
+    }
+    for (int level = 0; level < 2; ++level) {
+      __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                               _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      float id;
+      const float d = level_scale(_mm_cvtss_f32(m4), &id);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) {
+        q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+        v[i] = _mm256_sub_ps(v[i], _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q[i])));
+      }
+      // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back
+      const __m256i packed = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.xq + level * r.K + b * kBlock), packed);
+      int32_t sum[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i s = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        sum[h] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+      }
+      r.put(level, b, d, sum[0], sum[1]);
+    }
+  }
+}
+#endif
+
+// Row x (fp32 or bf16, K values) on the SIMD path `isa`.
+void quantize_row(const void* x, bool f32, int isa, const QuantRow& r) {
+#if defined(PYENGINE_QLINEAR_VNNI)
+  if (isa >= kVnni) return quantize_row_avx512(x, f32, r);
+#endif
+#if defined(PYENGINE_QLINEAR_AVX2)
+  if (isa == kAvx2) return quantize_row_avx2(x, f32, r);
+#endif
+  if (f32) quantize_row_scalar([&](int64_t i) { return static_cast<const float*>(x)[i]; }, r);
+  else quantize_row_scalar([&](int64_t i) { return bf16_to_float(static_cast<const uint16_t*>(x)[i]); }, r);
 }
 
 void check_type(int type, const char* who) {
@@ -652,11 +935,8 @@ void pack_group(const Layout& L, const uint8_t* u, int64_t j, uint8_t* grp) {
 }  // namespace
 
 void set_qlinear_isa(const std::string& name) {
-  for (int isa = kScalar; isa <= kBestIsa; ++isa) {
-    if (name == kIsaNames[isa]) {
-#if !defined(PYENGINE_QLINEAR_AVX2)
-      if (isa == kAvx2) break;
-#endif
+  for (int isa = kScalar; isa <= kAmx; ++isa) {
+    if (name == kIsaNames[isa] && isa_available(isa)) {
       g_isa.store(isa);
       return;
     }
@@ -666,13 +946,9 @@ void set_qlinear_isa(const std::string& name) {
 }
 
 std::string qlinear_isas() {
-  std::string names = kIsaNames[kScalar];
-#if defined(PYENGINE_QLINEAR_AVX2)
-  names += std::string(",") + kIsaNames[kAvx2];
-#endif
-#if defined(PYENGINE_QLINEAR_VNNI)
-  names += std::string(",") + kIsaNames[kVnni];
-#endif
+  std::string names;
+  for (int isa = kScalar; isa <= kAmx; ++isa)
+    if (isa_available(isa)) names += std::string(names.empty() ? "" : ",") + kIsaNames[isa];
   return names;
 }
 
@@ -721,36 +997,28 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
   if ((out_dtype != f32 && out_dtype != bf16) || (x_dtype != f32 && x_dtype != bf16))
     throw std::invalid_argument("qlinear: x and out dtypes must be fp32 or bf16");
   if (M == 0) return;
-  // The kernel runs on 2M int8 rows (each row of x, then its residual: quantize_row) into fp32 partial
-  // results, and the two partials of a row are summed (+ bias) at the end.
+  // The kernel runs on 2M int8 rows (each row of x, then its residual: quantize_row); each tile's
+  // epilogue sums a row pair's results (+ bias) into out.
   const int64_t KB = K / kBlock, M2 = 2 * M;
   static thread_local std::vector<int8_t> xq;
-  static thread_local std::vector<float> scales, partial;
+  static thread_local std::vector<float> scales;
   xq.resize(static_cast<size_t>(M2 * K));
   scales.resize(static_cast<size_t>(4 * M2 * KB));
-  partial.resize(static_cast<size_t>(M2 * N));
   int8_t* const xqb = xq.data();
   float* const dx = scales.data();
   float* const sx = dx + M2 * KB;
   float* const sh = sx + M2 * KB;
-  float* const part = partial.data();
+  const int isa = g_isa.load();
+  const bool x_f32 = x_dtype == f32, out_f32 = out_dtype == f32;
   auto& pool = ThreadPool::instance();
   const int64_t parts = M > kPanelMinRows ? pool.num_threads() : 1;
   pool.parallel_for(parts, [&](int64_t c) {
-    for (int64_t r = M * c / parts; r < M * (c + 1) / parts; ++r) {
-      int8_t* q = xqb + 2 * r * K;
-      float *d = dx + 2 * r * KB, *s = sx + 2 * r * KB, *h = sh + 4 * r * KB;
-      if (x_dtype == f32) {
-        const float* row = reinterpret_cast<const float*>(x) + r * K;
-        quantize_row([&](int64_t i) { return row[i]; }, K, q, d, s, h);
-      } else {
-        const uint16_t* row = reinterpret_cast<const uint16_t*>(x) + r * K;
-        quantize_row([&](int64_t i) { return bf16_to_float(row[i]); }, K, q, d, s, h);
-      }
-    }
+    for (int64_t r = M * c / parts; r < M * (c + 1) / parts; ++r)
+      quantize_row(reinterpret_cast<const char*>(x) + r * K * (x_f32 ? 4 : 2), x_f32, isa,
+                   {xqb + 2 * r * K, dx + 2 * r * KB, sx + 2 * r * KB, sh + 4 * r * KB, K, KB});
   });
-  const int isa = g_isa.load();
-  const int64_t panel = M2 > kPanelMinRows ? std::max<int64_t>(kMaxRows, kPanelBytes / K / kMaxRows * kMaxRows) : M2;
+  const int64_t panel = M2 > kPanelMinRows ? std::max<int64_t>(kAmxRows, kPanelBytes / K / kAmxRows * kAmxRows) : M2;
+  const int64_t out_bytes = out_f32 ? 4 : 2;
   for (int64_t p0 = 0; p0 < M2; p0 += panel) {
     int64_t col = 0;
     for (int64_t s = 0; s < seg[0]; ++s) {
@@ -759,7 +1027,9 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
       const int64_t bytes = tiles * tile_stride(layout(type), KB);
       const int64_t chunks = bytes < kMinParallelBytes ? 1 : std::min<int64_t>(tiles, pool.num_threads());
       const QArgs a{xqb + p0 * K, dx + p0 * KB, sx + p0 * KB, sh + 2 * p0 * KB,
-                    reinterpret_cast<const uint8_t*>(seg[3 + 3 * s]), part + p0 * N + col,
+                    reinterpret_cast<const uint8_t*>(seg[3 + 3 * s]),
+                    reinterpret_cast<char*>(out) + (p0 / 2 * N + col) * out_bytes,
+                    bias ? reinterpret_cast<const float*>(bias) + col : nullptr, out_f32,
                     std::min(panel, M2 - p0), n, K, KB, N};
       dispatch(type, [&](auto t) {
         pool.parallel_for(chunks, [&](int64_t c) {
@@ -769,20 +1039,6 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
       col += n;
     }
   }
-  const float* b = reinterpret_cast<const float*>(bias);
-  pool.parallel_for(parts, [&](int64_t c) {
-    for (int64_t r = M * c / parts; r < M * (c + 1) / parts; ++r) {
-      const float* hi = part + 2 * r * N;
-      const float* lo = hi + N;
-      if (out_dtype == f32) {
-        float* o = reinterpret_cast<float*>(out) + r * N;
-        for (int64_t n = 0; n < N; ++n) o[n] = hi[n] + lo[n] + (b ? b[n] : 0.0f);
-      } else {
-        uint16_t* o = reinterpret_cast<uint16_t*>(out) + r * N;
-        for (int64_t n = 0; n < N; ++n) o[n] = float_to_bf16(hi[n] + lo[n] + (b ? b[n] : 0.0f));
-      }
-    }
-  });
 }
 
 void qembedding(uintptr_t ids, int64_t T, uintptr_t packed, int type, int64_t N, int64_t K, uintptr_t out,
