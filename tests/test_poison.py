@@ -34,7 +34,7 @@ COMPLETIONS = "/v1/completions"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess(KEY, "--max-num-seqs", "8", "--max-model-len", "512", "--kv-cache-memory", "64MiB",
+    srv = ServerProcess(KEY, "--max-num-seqs", "8", "--max-model-len", "2048", "--kv-cache-memory", "64MiB",
                         "--max-n", "4", "--read-timeout", str(READ_TIMEOUT), "--keepalive-timeout",
                         str(KEEPALIVE), "--max-connections", str(MAX_CONNECTIONS))
     try:
@@ -249,7 +249,7 @@ async def test_slow_and_idle_clients_are_cut_off_while_others_are_served(server)
 
 
 async def test_connections_past_the_cap_get_503(server):
-    async with stream_beside(server, max_tokens=256):
+    async with stream_beside(server, max_tokens=2000):  # the block waits 1 s on silent sockets
         opened = [await asyncio.open_connection(*_host_port(server)) for _ in range(MAX_CONNECTIONS + 4)]
 
         async def first_bytes(reader: asyncio.StreamReader) -> bytes:
