@@ -79,6 +79,28 @@ inline int tiles_per_group(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 2 
 
 #if defined(__AVX512BF16__)
 
+// The epilogue of both paths (Args, AmxArgs): output tile `tile` (16 columns, masked at N) of a row =
+// its fp32 sums + bias, stored as fp32 or bf16.
+struct TileStore {
+  int64_t n0;
+  __mmask16 mask;
+  __m512 bias;
+
+  template <class A>
+  TileStore(const A& a, int64_t tile) : n0(tile * kTileN) {
+    mask = static_cast<__mmask16>((1u << std::min<int64_t>(kTileN, a.N - n0)) - 1u);
+    bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
+  }
+
+  template <class A>
+  void store(const A& a, int64_t row, __m512 sums) const {
+    const __m512 v = _mm512_add_ps(sums, bias);
+    const int64_t off = row * a.N + n0;
+    if (a.out_f32) _mm512_mask_storeu_ps(static_cast<float*>(a.out) + off, mask, v);
+    else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + off, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+};
+
 // Rows [r0, r0 + MR) x tiles [t0, t0 + NT).
 template <int MR, int NT>
 void tile_block(const Args& a, int64_t r0, int64_t t0) {
@@ -104,19 +126,8 @@ void tile_block(const Args& a, int64_t r0, int64_t t0) {
     }
   }
   for (int t = 0; t < NT; ++t) {
-    const int64_t n0 = (t0 + t) * kTileN;
-    const int64_t valid = std::min<int64_t>(kTileN, a.N - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) {
-      const __m512 v = _mm512_add_ps(acc[m][t], b);
-      const int64_t off = (r0 + m) * a.N + n0;
-      if (a.out_f32) {
-        _mm512_mask_storeu_ps(static_cast<float*>(a.out) + off, mask, v);
-      } else {
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + off, mask, (__m256i)_mm512_cvtneps_pbh(v));
-      }
-    }
+    const TileStore out(a, t0 + t);
+    for (int m = 0; m < MR; ++m) out.store(a, r0 + m, acc[m][t]);
   }
 }
 
@@ -236,16 +247,8 @@ void amx_range(const AmxArgs& a, int64_t begin, int64_t end) {
       if (rows > 16) (nt == 2 ? amx_block<2, 2> : amx_block<2, 1>)(a, r0, t0, c);
       else (nt == 2 ? amx_block<1, 2> : amx_block<1, 1>)(a, r0, t0, c);
       for (int t = 0; t < nt; ++t) {
-        const int64_t n0 = (t0 + t) * kTileN;
-        const int64_t valid = std::min<int64_t>(kTileN, a.N - n0);
-        const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-        const __m512 b = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
-        for (int64_t m = 0; m < rows; ++m) {
-          const __m512 v = _mm512_add_ps(_mm512_load_ps(c + m * 32 + t * 16), b);
-          const int64_t off = (r0 + m) * a.N + n0;
-          if (a.out_f32) _mm512_mask_storeu_ps(static_cast<float*>(a.out) + off, mask, v);
-          else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + off, mask, (__m256i)_mm512_cvtneps_pbh(v));
-        }
+        const TileStore out(a, t0 + t);
+        for (int64_t m = 0; m < rows; ++m) out.store(a, r0 + m, _mm512_load_ps(c + m * 32 + t * 16));
       }
     }
   }

@@ -48,8 +48,6 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-#if defined(__AVX512F__)
 // GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
