@@ -18,6 +18,8 @@
 //   avx512_vnni: vpdpbusd, the 16 rows of a tile in the lanes of one zmm, 4 activation bytes broadcast;
 //   avx2: vpmaddubsw + vpmaddwd, a tile's rows in two ymm (Q8_0 on signed values: no i16 overflow);
 //   scalar: a portable loop over the same layout.
+// From qlinear_strip_rows() rows of bf16 x (16), qlinear_strips.cpp runs instead: the weight dequantized to
+// bf16 a strip at a time for linear.cpp's kernel, bit-identical to weights="dequantize".
 // Parallel shape as linear.cpp: tiles split into one contiguous range per thread; within a range,
 // groups of NT tiles x chunks of MR rows; big M in row panels so the quantized activations stay in
 // L2 while the weights stream.
@@ -946,9 +948,10 @@ void qembedding(uintptr_t ids, int64_t T, uintptr_t packed, int type, int64_t N,
         const uint8_t* rec = w + b / L.groups() * L.record_bytes();
         const int64_t g = b % L.groups();
         for (int64_t k = 0; k < kBlock; ++k) {
-          // the dequantized value as GGUF defines it, d * u + c (exact: Q8_0's d * q, Q6_K's d sc (q - 32))
+          // the dequantized value as GGUF defines it, d * u + c in one rounding (fused: Q6_K's d sc u alone
+          // can need 25 bits), as gguf.py's load-time dequantization and qlinear_strips.cpp round it
           const Scale s = group_scale<Ty>(rec, j, g, static_cast<int>(k / per_half));
-          const float v = s.d * static_cast<float>(group_value<Ty>(rec + g * L.group_bytes(), j, k)) + s.c;
+          const float v = std::fma(s.d, static_cast<float>(group_value<Ty>(rec + g * L.group_bytes(), j, k)), s.c);
           const int64_t off = r * K + b * kBlock + k;
           if (f32) reinterpret_cast<float*>(out)[off] = v;
           else reinterpret_cast<uint16_t*>(out)[off] = float_to_bf16(v);
