@@ -45,7 +45,9 @@ inline void store_pair(uint16_t* line, __m512 v0, __m512 v1) {
 // Byte t of each 32-bit lane of `bytes` (row j's value k = 4 i + t of a line), as d * u + c.
 template <int t>
 inline __m512 value(__m512i bytes, __m512 d, __m512 c) {
-  const __m512i u = _mm512_and_si512(_mm512_srli_epi32(bytes, 8 * t), _mm512_set1_epi32(0xFF));
+  __m512i u = bytes;
+  if constexpr (t > 0) u = _mm512_srli_epi32(u, 8 * t);
+  if constexpr (t < 3) u = _mm512_and_si512(u, _mm512_set1_epi32(0xFF));
   return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(u), c);
 }
 
@@ -105,12 +107,14 @@ bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, vo
   if (min_rows == 0 || M < min_rows || !linear_bf16_simd(K)) return false;
   const int64_t KB = K / kBlock, tile_bytes = K * kTileRows * 2;
   auto& pool = ThreadPool::instance();
-  // Strips of about kStripBytes, at least one per thread where the segment has the tiles for it.
+  // Strips of at most about kStripBytes, a multiple of the thread count where the segment has the tiles
+  // for it: equal shares (at 3 strips for 2 threads, one thread idled a third of the time).
   std::vector<Strip> strips;
+  const int64_t threads = pool.num_threads();
   for (int64_t s = 0, col = 0; s < seg[0]; col += seg[2 + 3 * s], ++s) {
     const int64_t rows = seg[2 + 3 * s], tiles = (rows + kTileRows - 1) / kTileRows;
-    const int64_t n = std::min(tiles, std::max<int64_t>((tiles * tile_bytes + kStripBytes - 1) / kStripBytes,
-                                                        pool.num_threads()));
+    const int64_t rounds = (tiles * tile_bytes + kStripBytes * threads - 1) / (kStripBytes * threads);
+    const int64_t n = std::min(tiles, rounds * threads);
     for (int64_t i = 0; i < n; ++i)
       strips.push_back({static_cast<int>(seg[1 + 3 * s]), reinterpret_cast<const uint8_t*>(seg[3 + 3 * s]),
                         tiles * i / n, tiles * (i + 1) / n, col, rows});
