@@ -23,6 +23,9 @@
 //     The prefill kernel's path for prompts (>= 16 query tokens of a bf16 step; native/cpu/
 //     prefill_attention.cpp): "amx", "avx512_bf16" or "portable". set caps it (tests run each path;
 //     default "amx": the best the build and machine have); get names the one that runs.
+//   set_decode_attention_path(name) -> None; decode_attention_path() -> str   (CPU only)
+//     The decode kernel's path (the other sequences of a step; native/cpu/attention.cpp):
+//     "avx512_bf16" or "fp32", capped the same way (default "avx512_bf16").
 //
 //   read_bandwidth(ptr, nbytes, stream) -> int       (CPU only: benchmark probe)
 //     Reads nbytes (a multiple of 64) once with the thread pool; returns a checksum.
@@ -129,6 +132,9 @@ void register_attention_ops(py::module_& m) {
   m.def("set_prefill_attention_path", &set_prefill_attention_path, py::arg("name"),
         "Cap the prefill attention kernel's path: amx (default: the best available), avx512_bf16, portable.");
   m.def("prefill_attention_path", &prefill_attention_path, "The prefill attention kernel's path in use.");
+  m.def("set_decode_attention_path", &set_decode_attention_path, py::arg("name"),
+        "Cap the decode attention kernel's path: avx512_bf16 (default: the best available) or fp32.");
+  m.def("decode_attention_path", &decode_attention_path, "The decode attention kernel's path for bf16 q.");
   m.def("read_bandwidth", &read_bandwidth, py::arg("ptr"), py::arg("nbytes"), py::arg("stream") = 0,
         py::call_guard<py::gil_scoped_release>(),
         "Benchmark probe: read nbytes once with the thread pool, return a checksum.");
