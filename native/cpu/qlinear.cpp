@@ -307,9 +307,8 @@ inline void vnni_scales(const uint8_t* rec, int64_t g, int h, __m512& d, __m512&
 }
 
 // One group's (or half's) int32 dot products of a row pair (a row of x and its residual, scales dx1,
-// dx2) for the 16 rows of a tile, scaled (d, c: vnni_scales; s12: the pair's offset sums added) into
-// acc. The vnni and amx paths both scale this way, so a row's result does not depend on which path,
-// that is on how many rows its batch has.
+// dx2) for the 16 rows of a tile, scaled into acc (d, c: vnni_scales; s12: the pair's offset sums
+// added). Shared by the vnni and amx paths: see the top of the file.
 inline __m512 scale_pair(__m512i dot1, __m512i dot2, float dx1, float dx2, __m512 d, __m512 c, float s12, __m512 acc) {
   __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dx1));
   t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2), _mm512_set1_ps(dx2), t);
