@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from model_helpers import natural_text_ids, real_engine
+from pyengine.engine.output import TokenLogprob
 from pyengine.llm import LLM
 from pyengine.sampling_params import SamplingParams
 from test_server_e2e import ServerProcess
@@ -45,6 +46,7 @@ from test_server_e2e import ServerProcess
 N = 2048
 MIN_AGREEMENT = {"bf16": 0.99, "fp8": 0.965, "int8": 0.98}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
 MIN_VS_FP32_CACHE = {"fp8": 0.965, "int8": 0.987}
+MAX_LOGPROB_SHIFT = {"fp8": 1.0, "int8": 1.0}  # against the fp32 cache
 CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
@@ -53,11 +55,15 @@ def text(real_parts) -> list[int]:
     return natural_text_ids(real_parts[2], N)
 
 
-def top1(engine, text: list[int]) -> list[int]:
-    """The engine's argmax after each prefix of `text` (its prompt logprobs' top 1)."""
+def prompt_logprobs(engine, text: list[int]) -> list[TokenLogprob]:
+    """The engine's logprob of each token of `text` after its prefix, with the argmax (top 1)."""
     llm = LLM.from_engine(engine)
     out = llm.generate([text], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)[0]
-    return [lp.top[0][0] for lp in out.prompt_logprobs[1:]]
+    return out.prompt_logprobs[1:]
+
+
+def top1(lps: list[TokenLogprob]) -> list[int]:
+    return [lp.top[0][0] for lp in lps]
 
 
 def agreement(a: list, b: list) -> float:
@@ -65,6 +71,15 @@ def agreement(a: list, b: list) -> float:
     rate = sum(x == y for x, y in zip(a, b)) / len(a)
     print(f"top-1 agreement {rate:.4f} over {len(a)} positions")  # shown with -s or on failure
     return rate
+
+
+def logprob_shift(a: list[TokenLogprob], b: list[TokenLogprob]) -> float:
+    """Mean |difference| of the text tokens' logprobs: a smoother measure than agreement, which counts
+    only the positions whose top two were close enough to swap."""
+    assert [x.token_id for x in a] == [y.token_id for y in b]
+    shift = sum(abs(x.logprob - y.logprob) for x, y in zip(a, b)) / len(a)
+    print(f"mean |logprob difference| {shift:.4f}")
+    return shift
 
 
 @pytest.fixture(scope="module")
@@ -77,31 +92,33 @@ def bf16_parts(real_parts):
 
 @pytest.fixture(scope="module")
 def bf16_top1(bf16_parts, text) -> list[int]:
-    return top1(real_engine(bf16_parts, N + 16, dtype="bfloat16"), text)
+    return top1(prompt_logprobs(real_engine(bf16_parts, N + 16, dtype="bfloat16"), text))
 
 
 @pytest.fixture(scope="module")
-def fp32_top1(real_parts, text) -> list[int]:
-    return top1(real_engine(real_parts, N + 16), text)
+def fp32_lps(real_parts, text) -> list[TokenLogprob]:
+    return prompt_logprobs(real_engine(real_parts, N + 16), text)
 
 
-def test_bf16_engine_agrees_with_fp32(fp32_top1, bf16_top1):
-    assert agreement(bf16_top1, fp32_top1) >= MIN_AGREEMENT["bf16"]
+def test_bf16_engine_agrees_with_fp32(fp32_lps, bf16_top1):
+    assert agreement(bf16_top1, top1(fp32_lps)) >= MIN_AGREEMENT["bf16"]
 
 
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
-def test_quantized_kv_against_an_fp32_cache(kv, real_parts, text, fp32_top1):
+def test_quantized_kv_against_an_fp32_cache(kv, real_parts, text, fp32_lps):
     """The fp32 model with a quantized cache against its fp32 cache: the cache's rounding alone."""
     engine = real_engine(real_parts, N + 16, kv_cache_dtype=kv)
     assert engine.runner.kv_caches[0].k.dtype == CACHE_DTYPES[kv]
-    assert agreement(top1(engine, text), fp32_top1) >= MIN_VS_FP32_CACHE[kv]
+    lps = prompt_logprobs(engine, text)
+    assert agreement(top1(lps), top1(fp32_lps)) >= MIN_VS_FP32_CACHE[kv]
+    assert logprob_shift(lps, fp32_lps) <= MAX_LOGPROB_SHIFT[kv]
 
 
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
 def test_quantized_kv_through_llm(kv, bf16_parts, text, bf16_top1):
     engine = real_engine(bf16_parts, N + 16, dtype="bfloat16", kv_cache_dtype=kv)
     assert engine.runner.kv_caches[0].k.dtype == CACHE_DTYPES[kv]
-    assert agreement(top1(engine, text), bf16_top1) >= MIN_AGREEMENT[kv]
+    assert agreement(top1(prompt_logprobs(engine, text)), bf16_top1) >= MIN_AGREEMENT[kv]
 
 
 @pytest.fixture(scope="module")
