@@ -11,7 +11,7 @@ import torch
 
 from pyengine.ops.layers import add_rms_norm, hadamard_heads, rms_norm, rotary_embedding, silu_and_mul
 # the same torch references as the CPU tests
-from test_cache_ops import ref_kv_quantize
+from test_cache_ops import assert_kv_quantized, ref_kv_quantize
 from test_layer_ops import cos_sin_cache, ref_hadamard, ref_rms_norm, ref_rope
 
 pytestmark = pytest.mark.cuda
@@ -187,9 +187,7 @@ def test_reshape_and_cache(dtype, cache_kind):
         blk, off = divmod(s, bs)
         for src, cache, sc in ((key, kc, ks), (value, vc, vs)):
             if quant:
-                codes, scale = ref_kv_quantize(src[t], cache_kind)
-                assert torch.equal(cache[blk, :, off].view(torch.uint8), codes.view(torch.uint8))
-                assert torch.equal(sc.cpu()[blk, :, off], scale)
+                assert_kv_quantized(src[t], cache[blk, :, off], sc.cpu()[blk, :, off], cache_kind)
             else:
                 assert torch.equal(cache[blk, :, off], src[t])
     untouched = torch.ones(nb * bs, dtype=torch.bool)

@@ -5,8 +5,8 @@ cache's rounding differs) and against the bf16 cache (bf16 model, the kernels bf
 compared; agreement is what greedy decoding would see, position by position, without drifting apart.
 
 Thresholds sit a little below what was measured on this text (2,047 positions, AVX512-BF16 CPU):
-bf16 vs fp32 99.1%; against an fp32 cache int8 99.1%, fp8 96.8%; against a bf16 cache int8 98.9%,
-fp8 96.8%. They depend on the text: on a code-heavy one our bf16 got 98.6% where transformers' own
+bf16 vs fp32 99.1%; against an fp32 cache int8 99.1%, fp8 98.0% (mean |logprob change| 0.013 and
+0.034); against a bf16 cache int8 98.7%, fp8 97.8%. They depend on the text: on a code-heavy one our bf16 got 98.6% where transformers' own
 bf16 forward got 97.1% (both against fp32, before our residual stream was fp32), so bf16 itself, not
 our kernels, sets that ceiling.
 Where it went: bf16 rounding injected one place at a time into the fp32 op-by-op path (the first 384
@@ -20,14 +20,25 @@ What held int8 and fp8 at 98.6% / 96.5% against an fp32 cache: K, not V, nor the
 (the fp32 path dequantizes exactly). Rounding only K or only V of transformers' fp32 forward (the
 same per (token, kv head) scales) gives int8 98.7% / 99.9% and fp8 96.2% / 98.9%. K has a few large
 channels, so a per-token scale leaves the others few levels (int8), and q.k's rounding error is that
-of the one or two terms that dominate it (fp8). Now q, k and v are rotated per head after RoPE by a
+of the one or two terms that dominate it (fp8). So q, k and v are rotated per head after RoPE by a
 normalised Walsh-Hadamard transform (ops/layers.py: hadamard_heads; the attention output is rotated
-back), which spreads those channels over all of them: measured above. Simulated on the fp32 path
-(a matmul, not our kernel): rotating q and k alone gave int8 99.5%, fp8 97.0%; q, k and v fp8 97.4%,
-so the metric moves by about 0.3% with the rounding of the rotation itself. fp8 stays below 97.5%:
-e4m3 keeps 3 mantissa bits, so every value is rounded by up to 6% of itself whatever the scale, and
-the rotation only averages those errors over the dot product; a per-channel K scale from k_proj
-(int8 99.1% in a simulation) did nothing for it either.
+back), which spreads those channels over all of them: int8 99.1%, fp8 96.8%.
+
+fp8 after the rotation, simulated on transformers' fp32 forward with a fake-quantized cache (mean
+|logprob change| of the text tokens, this text; agreement moves by +-0.4% with no change in it): the
+encoder was already torch's round-to-nearest-even of x / (absmax / 448). K alone costs 0.056, V alone
+0.018; K and V 0.056. Not the cause, or no help: attention sinks (the first 1-64 tokens exact: 0.053-
+0.057), finer scales (per 32 or 16 values: 0.056), rotating V or not, balancing q against k per RoPE
+pair (0.054), subtracting a per-(layer, head) mean from K (exact for softmax; 0.051, and it needs
+calibration data). e4m3's error is relative, so its energy is about |k|^2 / 1000 whatever the
+rotation; what counts is its projection on the queries, and queries share a large common direction
+(55-70% of their energy), along which a token's own q points. Two write-side changes (kv_quant.h,
+native/cpu/cache.cpp): each fp8 row takes the best of 16 scales absmax / 448 * (16 + j) / 16 (least
+squared error; 0.054 -> 0.049 for K alone, more on other texts), and K's values are rounded to the
+nearest or the other neighbouring code so as to cut the error along the token's own q heads
+(round_k_for_queries; 0.039). Both: 0.035, agreement 98.2% in the simulation; on a second text (the
+GPL) 0.082 -> 0.042, 95.1% -> 97.3%. Measured through the engine on this text: fp8 96.8% -> 98.0%,
+mean |logprob change| 0.058 -> 0.034 (int8 unchanged: 99.1%, 0.013).
 """
 from __future__ import annotations
 
@@ -44,9 +55,9 @@ from pyengine.sampling_params import SamplingParams
 from test_server_e2e import ServerProcess
 
 N = 2048
-MIN_AGREEMENT = {"bf16": 0.99, "fp8": 0.965, "int8": 0.98}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
-MIN_VS_FP32_CACHE = {"fp8": 0.965, "int8": 0.987}
-MAX_LOGPROB_SHIFT = {"fp8": 1.0, "int8": 1.0}  # against the fp32 cache
+MIN_AGREEMENT = {"bf16": 0.99, "fp8": 0.975, "int8": 0.98}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
+MIN_VS_FP32_CACHE = {"fp8": 0.975, "int8": 0.99}
+MAX_LOGPROB_SHIFT = {"fp8": 0.04, "int8": 0.015}  # against the fp32 cache
 CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 

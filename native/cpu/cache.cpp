@@ -57,28 +57,38 @@ void row_to_float(const void* src, DType t, int64_t n, float* dst) {
   }
 }
 
-// sum over the row of fp8_sq_error(x[i], scale).
+#if defined(__AVX512F__)
+// e4m3's rounding of magnitudes a (float_to_fp8e4m3 then fp8e4m3_to_float) on the fp32 bits: 3 mantissa
+// bits, ties to even, at most 448; below 2^-6 steps of 2^-9.
+inline __m512 fp8_round_magnitude(__m512 a) {
+  const __m512i b = _mm512_castps_si512(a);
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7ffff)),
+                                                      _mm512_and_si512(_mm512_srli_epi32(b, 20), _mm512_set1_epi32(1))),
+                                     _mm512_set1_epi32(~0xfffff));
+  const __m512 normal = _mm512_min_ps(_mm512_castsi512_ps(r), _mm512_set1_ps(kFp8E4M3Max));
+  const __m512 sub = _mm512_mul_ps(
+      _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+      _mm512_set1_ps(0.001953125f));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ), normal, sub);
+}
+
+inline __m512 sign_of(__m512 y) { return _mm512_and_ps(y, _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN))); }
+#endif
+
+// About sum over the row of fp8_sq_error(x[i], scale): AVX-512 takes |x| times 1 / scale (not x / scale,
+// which rounds differently only at ties) and rounds values below e4m3's normals as normals (their
+// errors are under 2^-10 of the scale): the choice between two scales of almost equal error may differ.
 float fp8_row_error(const float* x, int64_t n, float scale) {
 #if defined(__AVX512F__)
-  // fp8_sq_error on 16 lanes: e4m3's rounding done on the fp32 bits (float_to_fp8e4m3 then
-  // fp8e4m3_to_float: 3 mantissa bits, ties to even, at most 448; below 2^-6 steps of 2^-9)
-  const __m512 s = _mm512_set1_ps(scale);
-  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7ffff), keep = _mm512_set1_epi32(~0xfffff);
+  const __m512 s = _mm512_set1_ps(scale), inv = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+  const __m512i half = _mm512_set1_epi32(0x7ffff), one = _mm512_set1_epi32(1), keep = _mm512_set1_epi32(~0xfffff);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
-    const __m512 y = scale > 0.0f ? _mm512_div_ps(xv, s) : _mm512_setzero_ps();
-    const __m512 a = _mm512_abs_ps(y);
-    const __m512i b = _mm512_castps_si512(a);
+    const __m512 ax = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + i));
+    const __m512i b = _mm512_castps_si512(_mm512_mul_ps(ax, inv));
     const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, half), _mm512_and_si512(_mm512_srli_epi32(b, 20), one)), keep);
-    const __m512 normal = _mm512_min_ps(_mm512_castsi512_ps(r), _mm512_set1_ps(kFp8E4M3Max));
-    const __m512 sub = _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                                     _mm512_set1_ps(0.001953125f));
-    const __m512 mag = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ), normal, sub);
-    const __m512 back = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag),
-        _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int>(0x80000000u)))));
-    const __m512 e = _mm512_sub_ps(_mm512_mul_ps(back, s), xv);
+    const __m512 e = _mm512_fmsub_ps(_mm512_min_ps(_mm512_castsi512_ps(r), _mm512_set1_ps(kFp8E4M3Max)), s, ax);
     acc = _mm512_fmadd_ps(e, e, acc);
   }
   return _mm512_reduce_add_ps(acc);
@@ -125,41 +135,97 @@ float quantize_row(const float* x, int64_t n, DType cache, void* dst) {
 // tokens, fp32), it cuts fp8's mean |logprob| change by 30% (tests/test_kv_accuracy.py).
 constexpr int kMaxFlips = 16;
 
+float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Index of v's least value (the first of equals), n > 0.
+int64_t argmin(const float* v, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 m = _mm512_loadu_ps(v);
+    for (int64_t i = 16; i < n; i += 16) m = _mm512_min_ps(m, _mm512_loadu_ps(v + i));
+    const __m512 least = _mm512_set1_ps(_mm512_reduce_min_ps(m));
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), least, _CMP_EQ_OQ);
+      if (eq) return i + __builtin_ctz(eq);
+    }
+  }
+#endif
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (v[i] < v[best]) best = i;
+  return best;
+}
+
 // u [G][D] unit rows; scratch >= (3 + G) * D floats + G.
 void round_k_for_queries(const float* x, int64_t D, float scale, const float* u, int64_t G, uint8_t* codes,
                          float* scratch) {
   if (!(scale > 0.0f)) return;
   float *d = scratch, *a = d + D, *dj = a + D, *b = dj + D, *p = b + G * D;  // b [G][D]
   const float lambda = 1.0f / static_cast<float>(D);
-  for (int64_t g = 0; g < G; ++g) p[g] = 0.0f;
-  for (int64_t i = 0; i < D; ++i) {
+  // d: the move to the other neighbour (0: none); dj: the error e, for now; a: J's change less its p terms
+  int64_t i0 = 0;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(scale), lam = _mm512_set1_ps(lambda), tiny = _mm512_set1_ps(0.015625f),
+               sub_step = _mm512_set1_ps(0.001953125f);
+  const __m512i ulp = _mm512_set1_epi32(1 << 20);  // one step of a 3-bit mantissa
+  for (; i0 + 16 <= D; i0 += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i0), y = _mm512_div_ps(xv, s), ay = _mm512_abs_ps(y);
+    const __m512 an = fp8_round_magnitude(ay);
+    const __m512i bits = _mm512_castps_si512(an);
+    const __mmask16 up = _mm512_cmp_ps_mask(an, ay, _CMP_LT_OQ) &
+                         _mm512_cmp_ps_mask(an, _mm512_set1_ps(kFp8E4M3Max), _CMP_LT_OQ);
+    const __mmask16 down = _mm512_cmp_ps_mask(an, ay, _CMP_GT_OQ);
+    const __m512 above = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(an, tiny, _CMP_LT_OQ),
+                                              _mm512_castsi512_ps(_mm512_add_epi32(bits, ulp)), _mm512_add_ps(an, sub_step));
+    const __m512 below = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(an, tiny, _CMP_LE_OQ),
+                                              _mm512_castsi512_ps(_mm512_sub_epi32(bits, ulp)), _mm512_sub_ps(an, sub_step));
+    const __m512 other = _mm512_mask_blend_ps(up, _mm512_mask_blend_ps(down, an, below), above);
+    const __m512 sign = sign_of(y);
+    const __m512 dv = _mm512_mul_ps(_mm512_xor_ps(_mm512_sub_ps(other, an), sign), s);
+    const __m512 ev = _mm512_sub_ps(_mm512_mul_ps(_mm512_xor_ps(an, sign), s), xv);
+    const __m512 av = _mm512_mul_ps(lam, _mm512_mul_ps(dv, _mm512_fmadd_ps(_mm512_set1_ps(2.0f), ev, dv)));
+    _mm512_storeu_ps(d + i0, dv);
+    _mm512_storeu_ps(dj + i0, ev);
+    _mm512_storeu_ps(a + i0, _mm512_mask_blend_ps(up | down, _mm512_set1_ps(INFINITY), av));
+  }
+#endif
+  for (int64_t i = i0; i < D; ++i) {
     const uint8_t c = codes[i], m = c & 0x7f;
     const float v = fp8e4m3_to_float(c), av = std::fabs(v), ay = std::fabs(kv_scaled(x[i], scale));
-    const float e = v * scale - x[i];
     const int other = av < ay && m < 0x7e ? (c & 0x80) | (m + 1) : av > ay ? (c & 0x80) | (m - 1) : -1;
-    d[i] = other < 0 ? 0.0f : (fp8e4m3_to_float(static_cast<uint8_t>(other)) - v) * scale;  // the move
-    float uu = 0.0f;
-    for (int64_t g = 0; g < G; ++g) {
-      p[g] += u[g * D + i] * e;
-      uu += u[g * D + i] * u[g * D + i];
-      b[g * D + i] = 2.0f * d[i] * u[g * D + i];
+    d[i] = other < 0 ? 0.0f : (fp8e4m3_to_float(static_cast<uint8_t>(other)) - v) * scale;
+    dj[i] = v * scale - x[i];  // e, for now
+    a[i] = other < 0 ? INFINITY : d[i] * d[i] * lambda + 2.0f * lambda * dj[i] * d[i];
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float* ug = u + g * D;
+    p[g] = dot(ug, dj, D);
+    for (int64_t i = 0; i < D; ++i) {
+      a[i] += d[i] * d[i] * ug[i] * ug[i];
+      b[g * D + i] = 2.0f * d[i] * ug[i];
     }
-    a[i] = d[i] * d[i] * (uu + lambda) + 2.0f * lambda * e * d[i];  // J's change, less its p terms
   }
   for (int flip = 0; flip < kMaxFlips; ++flip) {
     for (int64_t i = 0; i < D; ++i) dj[i] = a[i];
     for (int64_t g = 0; g < G; ++g)
       for (int64_t i = 0; i < D; ++i) dj[i] += p[g] * b[g * D + i];
-    int64_t best = -1;
-    float best_dj = 0.0f;
-    for (int64_t i = 0; i < D; ++i)
-      if (d[i] != 0.0f && dj[i] < best_dj) best = i, best_dj = dj[i];
-    if (best < 0) break;
+    const int64_t best = argmin(dj, D);
+    if (!(dj[best] < 0.0f)) break;
     const uint8_t c = codes[best], m = c & 0x7f;
-    const float v = fp8e4m3_to_float(c), ay = std::fabs(kv_scaled(x[best], scale));
-    codes[best] = static_cast<uint8_t>((c & 0x80) | (std::fabs(v) < ay ? m + 1 : m - 1));
+    const bool up = std::fabs(fp8e4m3_to_float(c)) < std::fabs(kv_scaled(x[best], scale));
+    codes[best] = static_cast<uint8_t>((c & 0x80) | (up ? m + 1 : m - 1));
     for (int64_t g = 0; g < G; ++g) p[g] += u[g * D + best] * d[best];
-    d[best] = 0.0f;  // moved once
+    a[best] = INFINITY;  // moved once
   }
 }
 
@@ -167,8 +233,7 @@ void round_k_for_queries(const float* x, int64_t D, float scale, const float* u,
 void unit_queries(const char* q, DType t, int64_t h, int64_t G, int64_t D, size_t es, float* u) {
   row_to_float(q + h * G * D * es, t, G * D, u);
   for (int64_t g = 0; g < G; ++g) {
-    float n = 0.0f;
-    for (int64_t i = 0; i < D; ++i) n += u[g * D + i] * u[g * D + i];
+    const float n = dot(u + g * D, u + g * D, D);
     const float inv = n > 0.0f ? 1.0f / std::sqrt(n) : 0.0f;
     for (int64_t i = 0; i < D; ++i) u[g * D + i] *= inv;
   }
