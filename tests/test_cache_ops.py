@@ -20,10 +20,14 @@ def ref_kv_quantize(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Te
     if cache_dtype == torch.int8:
         scale = amax / QMAX[cache_dtype]
     else:
-        cands = (amax / QMAX[cache_dtype])[..., None] * FP8_SCALE_STEPS  # [..., 16]
-        y = torch.where(cands[..., None] > 0, xf[..., None, :] / cands[..., None], torch.zeros(()))
-        err = ((y.to(cache_dtype).float() * cands[..., None] - xf[..., None, :]).double() ** 2).sum(-1)
-        scale = cands.gather(-1, err.argmin(-1, keepdim=True)).squeeze(-1)
+        scale, least = None, None
+        for step in FP8_SCALE_STEPS:
+            cand = amax / QMAX[cache_dtype] * step
+            y = torch.where(cand[..., None] > 0, xf / cand[..., None], torch.zeros(()))
+            err = ((y.to(cache_dtype).float() * cand[..., None] - xf).double() ** 2).sum(-1)
+            better = err < least if least is not None else torch.ones_like(err, dtype=torch.bool)
+            scale = torch.where(better, cand, scale) if scale is not None else cand
+            least = torch.where(better, err, least) if least is not None else err
     y = torch.where(scale[..., None] > 0, xf / scale[..., None], torch.zeros_like(xf))
     if cache_dtype == torch.int8:
         return y.round().clamp(-127, 127).to(torch.int8), scale
