@@ -37,7 +37,8 @@ std::string decode_attention_path();
 void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, void* v_cache, float* k_scales,
                            float* v_scales, const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
                            int64_t head_dim, int64_t key_stride, int64_t value_stride, int64_t num_blocks,
-                           int64_t block_size, DType src_dtype, DType cache_dtype);
+                           int64_t block_size, DType src_dtype, DType cache_dtype, const void* query = nullptr,
+                           int64_t query_stride = 0, int64_t num_heads = 0);
 
 namespace cpu {
 
