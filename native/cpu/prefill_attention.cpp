@@ -40,6 +40,8 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "prefill_attention.h"
@@ -231,6 +233,14 @@ alignas(64) const uint16_t kZeroGroup[16 * 256] = {};
 // 16-token groups already lies in the packed layout, only the group stride differs.
 bool reads_cache(const AttentionStep& a) { return a.cdt == DType::kBFloat16 && a.BS % 16 == 0; }
 
+// The K (dims pair 0; rows 2 BS apart) and V (16 D contiguous) of the 16-token group at pos of pair P,
+// in the cache.
+std::pair<const uint16_t*, const uint16_t*> cache_group(const AttentionStep& a, const Packed& P, int64_t pos) {
+  const int64_t tile = static_cast<int64_t>(a.block_tables[P.seq * a.MB + pos / a.BS]) * a.KVH + P.kvh;
+  const int64_t at = tile * a.BS * a.D, off = pos % a.BS;
+  return {static_cast<const uint16_t*>(a.k) + at + off * 2, static_cast<const uint16_t*>(a.v) + at + off * a.D};
+}
+
 // The chunk [c0, c0 + kChunk) of pair P: from its packed run, or (P.k null) from the cache, where
 // groups past the sequence's end read zeros and the group holding its last position is packed into
 // `edge` first (the slots past the end are not the sequence's: they may hold anything, even NaN).
@@ -239,20 +249,19 @@ ChunkKV chunk_kv(const AttentionStep& a, const Packed& P, int64_t c0, uint16_t* 
   const int64_t D = a.D, len = a.seq_lens[P.seq];
   for (int g = 0; g < 4; ++g) {
     const int64_t pos = c0 + 16 * g;
+    kv.kld[g] = 32;
     if (P.k) {
-      kv.k[g] = P.k + (pos - P.lo) * D, kv.kld[g] = 32, kv.v[g] = P.v + (pos - P.lo) * D;
+      kv.k[g] = P.k + (pos - P.lo) * D, kv.v[g] = P.v + (pos - P.lo) * D;
     } else if (pos >= len) {
-      kv.k[g] = kv.v[g] = kZeroGroup, kv.kld[g] = 32;
+      kv.k[g] = kv.v[g] = kZeroGroup;
     } else if (pos + 16 > len) {
       float scales[32];
       const Packed one{P.seq, P.kvh, pos, 16, edge, edge + 16 * D, scales, scales + 16};
       pack(a, one, 0, 16);
-      kv.k[g] = one.k, kv.kld[g] = 32, kv.v[g] = one.v;
+      kv.k[g] = one.k, kv.v[g] = one.v;
     } else {
-      const int64_t tile = static_cast<int64_t>(a.block_tables[P.seq * a.MB + pos / a.BS]) * a.KVH + P.kvh;
-      const int64_t off = pos % a.BS;
-      kv.k[g] = static_cast<const uint16_t*>(a.k) + tile * a.BS * D + off * 2, kv.kld[g] = 2 * a.BS;
-      kv.v[g] = static_cast<const uint16_t*>(a.v) + tile * a.BS * D + off * D;
+      std::tie(kv.k[g], kv.v[g]) = cache_group(a, P, pos);
+      kv.kld[g] = 2 * a.BS;
     }
   }
   return kv;
@@ -263,10 +272,7 @@ ChunkKV chunk_kv(const AttentionStep& a, const Packed& P, int64_t c0, uint16_t* 
 void prefetch_chunk(const AttentionStep& a, const Packed& P, int64_t c0) {
   const int64_t len = a.seq_lens[P.seq], D = a.D;
   for (int64_t pos = c0; pos < std::min(len, c0 + kChunk); pos += 16) {
-    const int64_t tile = static_cast<int64_t>(a.block_tables[P.seq * a.MB + pos / a.BS]) * a.KVH + P.kvh;
-    const int64_t off = pos % a.BS;
-    const uint16_t* k = static_cast<const uint16_t*>(a.k) + tile * a.BS * D + off * 2;  // D / 2 lines, 2 BS apart
-    const uint16_t* v = static_cast<const uint16_t*>(a.v) + tile * a.BS * D + off * D;  // 16 D contiguous
+    const auto [k, v] = cache_group(a, P, pos);
     for (int64_t j = 0; j < D / 2; ++j) __builtin_prefetch(k + j * 2 * a.BS);
     for (int64_t i = 0; i < 16 * D; i += 32) __builtin_prefetch(v + i);
   }
