@@ -347,12 +347,14 @@ void pv_portable(int nr, const uint16_t* p, const ChunkKV& kv, int64_t D, int np
 
 // The softmax of rows [0, nr) of a row group (probabilities p; alpha[r] for row r's accumulator);
 // rows that see nothing of the chunk get zero probabilities. Returns the end of the last visible
-// token over the rows (PV stops there).
-template <auto Softmax>
+// token over the rows (PV stops there). before_row(r) runs before row r (the AMX path issues its tile
+// work there).
+template <auto Softmax, class BeforeRow>
 int softmax_rows(int nr, const RowSoftmax& c, const float* s, const int* lo, const int* hi, float* m,
-                 float* l, uint16_t* p, float* alpha) {
+                 float* l, uint16_t* p, float* alpha, BeforeRow before_row) {
   int maxhi = 0;
   for (int r = 0; r < nr; ++r) {
+    before_row(r);
     if (lo[r] < hi[r]) {
       alpha[r] = Softmax(c, s + r * kChunk, lo[r], hi[r], m[r], l + r * kLanes, p + r * kChunk);
       maxhi = std::max(maxhi, hi[r]);
@@ -378,7 +380,7 @@ void row_group(int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const 
                const int* hi, float* m, float* l, float* o, Scratch& w) {
   Kernels::qk(nr, q, D, kv, w.s.data());
   float alpha[kRows];
-  const int maxhi = softmax_rows<Kernels::softmax>(nr, c, w.s.data(), lo, hi, m, l, w.p.data(), alpha);
+  const int maxhi = softmax_rows<Kernels::softmax>(nr, c, w.s.data(), lo, hi, m, l, w.p.data(), alpha, [](int) {});
   Kernels::pv(nr, w.p.data(), kv, D, (maxhi + 1) / 2, alpha, o);
 }
 
@@ -519,58 +521,106 @@ struct AvxKernels {
     _tile_dpbf16ps(C, A, B);                       \
   } while (0)
 
-// S += q[:, 32 kb, 32 kb + 32) . k for the chunk's four groups, q in tmm A.
-#define PYENGINE_QK_STEP(A, q, D, kv, kb)                                                  \
-  do {                                                                                     \
-    _tile_loadd(A, (q) + (kb) * 32, (D) * 2);                                              \
-    PYENGINE_TILE_PRODUCT(0, A, 6, kv.k[0] + (kb) * 16 * kv.kld[0], kv.kld[0] * 2);        \
-    PYENGINE_TILE_PRODUCT(1, A, 7, kv.k[1] + (kb) * 16 * kv.kld[1], kv.kld[1] * 2);        \
-    PYENGINE_TILE_PRODUCT(2, A, 6, kv.k[2] + (kb) * 16 * kv.kld[2], kv.kld[2] * 2);        \
-    PYENGINE_TILE_PRODUCT(3, A, 7, kv.k[3] + (kb) * 16 * kv.kld[3], kv.kld[3] * 2);        \
-  } while (0)
+// One row group's pass over one chunk.
+struct RowGroup {
+  RowSoftmax c;
+  ChunkKV kv;
+  const uint16_t* vb[2];  // v_blocks
+  const uint16_t* q;
+  float *m, *l, *o;
+  int lo[kAmxRows], hi[kAmxRows];
+};
 
-// O += p[:, 32 tb, 32 tb + 32) . V block vb, dims [d0, d0 + 64), p in tmm A.
-#define PYENGINE_PV_STEP(A, p, vb, D, d0, tb)                                \
-  do {                                                                       \
-    _tile_loadd(A, (p) + (tb) * 32, kChunk * 2);                             \
-    const uint16_t* vt = (vb) + 2 * (d0);                                    \
-    PYENGINE_TILE_PRODUCT(0, A, 6, vt, (D) * 4);                             \
-    PYENGINE_TILE_PRODUCT(1, A, 7, vt + 32, (D) * 4);                        \
-    PYENGINE_TILE_PRODUCT(2, A, 6, vt + 64, (D) * 4);                        \
-    PYENGINE_TILE_PRODUCT(3, A, 7, vt + 96, (D) * 4);                        \
-  } while (0)
+// A PV to run: o[16 rows][D] += p[16 rows][32 * nblocks tokens] . v (nblocks <= 2).
+struct Pv {
+  const uint16_t* p = nullptr;
+  const uint16_t* vb[2];
+  float* o;
+  int nblocks;
+};
 
-// S[16 rows][kChunk] = q . k (raw dot products).
-void qk_amx(const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t kb = 0; kb < D / 32; kb += 2) {  // D is a multiple of 64
-    PYENGINE_QK_STEP(4, q, D, kv, kb);
-    PYENGINE_QK_STEP(5, q, D, kv, kb + 1);
+// tmm g += tmm A . (the tile at b), for an accumulator g in 0..3 (B operand tmm6 or tmm7).
+#define PYENGINE_PRODUCT_INTO(g, A, b, stride)                   \
+  switch (g) {                                                  \
+    case 0: PYENGINE_TILE_PRODUCT(0, A, 6, b, stride); break;   \
+    case 1: PYENGINE_TILE_PRODUCT(1, A, 7, b, stride); break;   \
+    case 2: PYENGINE_TILE_PRODUCT(2, A, 6, b, stride); break;   \
+    default: PYENGINE_TILE_PRODUCT(3, A, 7, b, stride); break;  \
   }
-  _tile_stored(0, s, kChunk * 4);
-  _tile_stored(1, s + 16, kChunk * 4);
-  _tile_stored(2, s + 32, kChunk * 4);
-  _tile_stored(3, s + 48, kChunk * 4);
-}
 
-// o[16 rows][D] += p[16 rows][32 * nblocks tokens] . v (nblocks <= 2).
-void pv_amx(const uint16_t* p, const uint16_t* const* vb, int64_t D, int nblocks, float* o) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    _tile_loadd(0, o + d0, D * 4);
-    _tile_loadd(1, o + d0 + 16, D * 4);
-    _tile_loadd(2, o + d0 + 32, D * 4);
-    _tile_loadd(3, o + d0 + 48, D * 4);
-    PYENGINE_PV_STEP(4, p, vb[0], D, d0, 0);
-    if (nblocks > 1) PYENGINE_PV_STEP(5, p, vb[1], D, d0, 1);
-    _tile_stored(0, o + d0, D * 4);
-    _tile_stored(1, o + d0 + 16, D * 4);
-    _tile_stored(2, o + d0 + 32, D * 4);
-    _tile_stored(3, o + d0 + 48, D * 4);
+// The tile work of one pipeline step as single tile products, which the softmax runs between its
+// rows (see AmxPipeline): one group's QK, S[16 rows][kChunk] = q . k (D / 32 x 4 products), then
+// one PV (D / 64 x nblocks x 4 products), with the A operand loads, zeroing and stores around them.
+class TileWork {
+ public:
+  TileWork(const RowGroup* qk, float* s, const Pv& pv, int64_t D)
+      : qk_(qk), s_(s), pv_(pv), D_(D), nqk_(qk ? D / 32 * 4 : 0), npv_(pv.p ? D / 64 * pv.nblocks * 4 : 0) {}
+
+  int size() const { return nqk_ + npv_; }
+  void run_all() {
+    for (int i = 0; i < size(); ++i) run(i);
   }
-}
+
+  void run(int i) {
+    if (i < nqk_) return qk_product(i / 4, i % 4);
+    i -= nqk_;
+    const int g = i % 4, tb = i / 4 % pv_.nblocks;
+    const int64_t d0 = i / 4 / pv_.nblocks * 64;
+    float* o = pv_.o + d0;
+    if (tb == 0 && g == 0) {
+      _tile_loadd(0, o, D_ * 4);
+      _tile_loadd(1, o + 16, D_ * 4);
+      _tile_loadd(2, o + 32, D_ * 4);
+      _tile_loadd(3, o + 48, D_ * 4);
+    }
+    const uint16_t* vt = pv_.vb[tb] + 2 * d0 + 32 * g;  // dims d0 + 16 g ..
+    if (tb == 0) {
+      if (g == 0) _tile_loadd(4, pv_.p, kChunk * 2);
+      PYENGINE_PRODUCT_INTO(g, 4, vt, D_ * 4);
+    } else {
+      if (g == 0) _tile_loadd(5, pv_.p + 32, kChunk * 2);
+      PYENGINE_PRODUCT_INTO(g, 5, vt, D_ * 4);
+    }
+    if (tb == pv_.nblocks - 1 && g == 3) {
+      _tile_stored(0, o, D_ * 4);
+      _tile_stored(1, o + 16, D_ * 4);
+      _tile_stored(2, o + 32, D_ * 4);
+      _tile_stored(3, o + 48, D_ * 4);
+    }
+  }
+
+ private:
+  // S += q[:, 32 kb, 32 kb + 32) . k of group g.
+  void qk_product(int kb, int g) {
+    if (kb == 0 && g == 0) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    const ChunkKV& kv = qk_->kv;
+    const uint16_t* kt = kv.k[g] + kb * 16 * kv.kld[g];
+    if (kb % 2 == 0) {
+      if (g == 0) _tile_loadd(4, qk_->q + kb * 32, D_ * 2);
+      PYENGINE_PRODUCT_INTO(g, 4, kt, kv.kld[g] * 2);
+    } else {
+      if (g == 0) _tile_loadd(5, qk_->q + kb * 32, D_ * 2);
+      PYENGINE_PRODUCT_INTO(g, 5, kt, kv.kld[g] * 2);
+    }
+    if (kb == nqk_ / 4 - 1 && g == 3) {
+      _tile_stored(0, s_, kChunk * 4);
+      _tile_stored(1, s_ + 16, kChunk * 4);
+      _tile_stored(2, s_ + 32, kChunk * 4);
+      _tile_stored(3, s_ + 48, kChunk * 4);
+    }
+  }
+
+  const RowGroup* qk_;
+  float* s_;
+  Pv pv_;
+  int64_t D_;
+  int nqk_, npv_;
+};
 
 // The chunk's two 32-token V blocks ([16 pairs][D][2], one tile row per pair): a block's groups as
 // they lie where contiguous (a packed run, blocks of >= 32 tokens), else copied into buf (64 x D).
@@ -587,21 +637,13 @@ void v_blocks(const ChunkKV& kv, int64_t D, uint16_t* buf, const uint16_t* vb[2]
   }
 }
 
-// One row group's pass over one chunk.
-struct RowGroup {
-  RowSoftmax c;
-  ChunkKV kv;
-  const uint16_t* vb[2];  // v_blocks
-  const uint16_t* q;
-  float *m, *l, *o;
-  int lo[kAmxRows], hi[kAmxRows];
-};
-
 // The AMX path's row groups in order, software-pipelined so that the tile unit works while the
-// vector units run a softmax: push(k) starts group k's QK, then group k - 2's PV, then runs group
-// k - 1's softmax (its scores are in). The scores and probabilities are double-buffered; the tile
-// loads of a PV find its probabilities (vector stores, which tile loads do not forward from) in L1.
-// The V blocks of a group's chunk must stay put until its PV: up to three chunks are in flight.
+// vector units run a softmax: push(k) runs group k - 1's softmax (its scores are in) and, spread
+// between its rows, group k's QK and group k - 2's PV. Issued in one block, the tile work would hold
+// the reorder buffer until it retires and the two would run one after the other. The scores and
+// probabilities are double-buffered; the tile loads of a PV find its probabilities (vector stores,
+// which tile loads do not forward from) in L1. The V blocks of a group's chunk must stay put until
+// its PV: up to three chunks are in flight.
 class AmxPipeline {
  public:
   AmxPipeline(Scratch& w, int64_t D) : w_(w), D_(D) { configure_tiles(8); }
@@ -611,46 +653,48 @@ class AmxPipeline {
   }
 
   void push(const RowGroup& g) {
-    qk_amx(g.q, D_, g.kv, scores(k_));
-    run_pv();
-    if (k_ > 0) softmax(scored_, scores(k_ - 1));
+    step(&g);
     scored_ = g;
     ++k_;
   }
 
   void flush() {
-    run_pv();
-    if (k_ > 0) softmax(scored_, scores(k_ - 1)), run_pv();
+    step(nullptr);  // the last softmax, the PV before it
+    TileWork(nullptr, nullptr, pending_, D_).run_all();
+    pending_.p = nullptr;
     k_ = 0;
   }
 
  private:
   float* scores(int64_t k) { return w_.s.data() + k % 2 * kAmxRows * kChunk; }
 
-  void softmax(const RowGroup& g, const float* s) {
+  // Group k - 1's softmax with g's QK (if any) and the pending PV interleaved; then k - 1's PV pends.
+  void step(const RowGroup* g) {
+    TileWork work(g, scores(k_), pending_, D_);
+    pending_.p = nullptr;
+    int next = 0;  // tile steps run so far: step i before row i * kAmxRows / size
+    auto before_row = [&](int r) {
+      while (next < work.size() && next * kAmxRows <= r * work.size()) work.run(next++);
+    };
+    if (k_ == 0) {
+      while (next < work.size()) work.run(next++);
+      return;
+    }
+    const RowGroup& sg = scored_;
     uint16_t* p = w_.p.data() + k_ % 2 * kAmxRows * kChunk;
     float alpha[kAmxRows];
-    const int maxhi = softmax_rows<softmax_row_avx>(kAmxRows, g.c, s, g.lo, g.hi, g.m, g.l, p, alpha);
-    for (int r = 0; r < kAmxRows; ++r) {
+    const int maxhi = softmax_rows<softmax_row_avx>(kAmxRows, sg.c, scores(k_ - 1), sg.lo, sg.hi, sg.m, sg.l, p, alpha,
+                                                    before_row);
+    while (next < work.size()) work.run(next++);
+    for (int r = 0; r < kAmxRows; ++r) {  // after the PV above: it may add to the same rows
       if (alpha[r] == 1.0f) continue;
       const __m512 va = _mm512_set1_ps(alpha[r]);
       for (int64_t d = 0; d < D_; d += 16)
-        _mm512_storeu_ps(g.o + r * D_ + d, _mm512_mul_ps(_mm512_loadu_ps(g.o + r * D_ + d), va));
+        _mm512_storeu_ps(sg.o + r * D_ + d, _mm512_mul_ps(_mm512_loadu_ps(sg.o + r * D_ + d), va));
     }
-    pending_ = {p, {g.vb[0], g.vb[1]}, g.o, (maxhi + 31) / 32};  // 32-token blocks holding a probability
+    pending_ = {p, {sg.vb[0], sg.vb[1]}, sg.o, (maxhi + 31) / 32};  // 32-token blocks holding a probability
   }
 
-  void run_pv() {
-    if (pending_.p) pv_amx(pending_.p, pending_.vb, D_, pending_.nblocks, pending_.o);
-    pending_.p = nullptr;
-  }
-
-  struct Pv {
-    const uint16_t* p = nullptr;
-    const uint16_t* vb[2];
-    float* o;
-    int nblocks;
-  };
   Scratch& w_;
   const int64_t D_;
   int64_t k_ = 0;  // groups pushed
