@@ -36,7 +36,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -64,7 +63,6 @@ namespace {
 constexpr int kChunk = 64;              // kv tokens per online-softmax step: 4 groups of 16
 constexpr int kRows = 6;                // q rows per micro-kernel pass (6 x 4 accumulators)
 constexpr int kAmxRows = 16;            // q rows per AMX pass (a tile's rows)
-constexpr int kLanes = 16;              // partial softmax sums per q row (one vector)
 constexpr int64_t kItemRows = 96;       // q rows (query tokens x G heads) per work item
 constexpr int64_t kPackTokens = 1024;   // positions per packing task
 constexpr int64_t kPackBudget = 64 << 20;  // bytes of packed K/V per batch of pairs
@@ -92,7 +90,7 @@ struct Item {
   int64_t work;
 };
 
-// Per-thread scratch of an item: its q rows (bf16), accumulators, running max, sums (kLanes per row),
+// Per-thread scratch of an item: its q rows (bf16), accumulators, running max/sum,
 // scores and bf16 probabilities of a row group (two of each for the AMX pipeline), a K/V group
 // packed from the cache (the one holding a sequence's last position) and the AMX path's V blocks.
 struct Scratch {
@@ -101,7 +99,7 @@ struct Scratch {
   void fit(int64_t rows, int64_t D) {
     const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;  // whole AMX tiles of q rows
     if (static_cast<int64_t>(q.size()) < padded * D) q.resize(padded * D), o.resize(padded * D);
-    if (static_cast<int64_t>(m.size()) < padded) m.resize(padded), l.resize(padded * kLanes);
+    if (static_cast<int64_t>(m.size()) < padded) m.resize(padded), l.resize(padded);
     s.resize(2 * kAmxRows * kChunk);
     p.resize(2 * kAmxRows * kChunk);
     edge.resize(32 * D);
@@ -285,15 +283,14 @@ void prefetch_chunk(const AttentionStep& a, const Packed& P, int64_t c0) {
 
 // The softmax of one row's chunk: scores s (raw dot products) of the visible tokens [lo, hi) are
 // scaled (and capped), the running max m and sum l updated; p gets bf16(prob * vs) (zero outside
-// [lo, hi)); returns alpha = exp(m_old - m_new), the factor for the row's accumulator. l is 16
-// partial sums (the AVX-512 kernel adds whole vectors; the row's sum is their total at the end).
+// [lo, hi)); returns alpha = exp(m_old - m_new), the factor for the row's accumulator.
 struct RowSoftmax {
   float scale, softcap;
   const float* ks;  // the chunk's per-token scales, null for a bf16 cache
   const float* vs;
 };
 
-float softmax_row_portable(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float* l, uint16_t* p) {
+float softmax_row_portable(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
   float x[kChunk];
   float mx = kNegInf;
   for (int t = lo; t < hi; ++t) {
@@ -309,7 +306,7 @@ float softmax_row_portable(const RowSoftmax& c, const float* s, int lo, int hi, 
     sum += e;
     p[t] = float_to_bf16(c.vs ? e * c.vs[t] : e);
   }
-  l[0] = l[0] * alpha + sum;
+  l = l * alpha + sum;
   m = m_new;
   return alpha;
 }
@@ -356,7 +353,7 @@ int softmax_rows(int nr, const RowSoftmax& c, const float* s, const int* lo, con
   for (int r = 0; r < nr; ++r) {
     before_row(r);
     if (lo[r] < hi[r]) {
-      alpha[r] = Softmax(c, s + r * kChunk, lo[r], hi[r], m[r], l + r * kLanes, p + r * kChunk);
+      alpha[r] = Softmax(c, s + r * kChunk, lo[r], hi[r], m[r], l[r], p + r * kChunk);
       maxhi = std::max(maxhi, hi[r]);
     } else {
       alpha[r] = 1.0f;
@@ -417,8 +414,8 @@ inline __m512 exp2_prob(__m512 x) {
 // As softmax_row_portable, with m in log2 units (scores times log2 e, so exp is exp2). The running
 // max moves only when a score passes it by more than kMaxSlack: until then the row's probabilities
 // stay <= 2^kMaxSlack (harmless in fp32 and bf16), alpha is exactly 1 (the accumulator is not
-// rescaled) and the row needs no horizontal max; the sum stays 16 lanes wide.
-inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float* l, uint16_t* p) {
+// rescaled) and the row needs no horizontal max.
+inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
   __m512 x[4];
   __mmask16 keep[4];
   const bool capped = c.softcap > 0.0f;
@@ -442,14 +439,14 @@ inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi
   }
   const float alpha = m_new == m ? 1.0f : std::exp2(m - m_new);
   const __m512 vm = _mm512_set1_ps(m_new);
-  __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l), _mm512_set1_ps(alpha));
+  __m512 sum = _mm512_setzero_ps();
   for (int g = 0; g < 4; ++g) {
     __m512 e = _mm512_maskz_mov_ps(keep[g], exp2_prob(_mm512_sub_ps(x[g], vm)));
     sum = _mm512_add_ps(sum, e);
     if (c.vs) e = _mm512_mul_ps(e, _mm512_loadu_ps(c.vs + 16 * g));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * g), (__m256i)_mm512_cvtneps_pbh(e));
   }
-  _mm512_storeu_ps(l, sum);
+  l = l * alpha + _mm512_reduce_add_ps(sum);
   m = m_new;
   return alpha;
 }
@@ -735,7 +732,7 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
     if (r < rows) std::memcpy(w.q.data() + r * D, static_cast<const uint16_t*>(a.q) + tok * a.q_stride + head * D, D * 2);
     else std::fill(w.q.data() + r * D, w.q.data() + (r + 1) * D, uint16_t{0});
     std::fill(w.o.data() + r * D, w.o.data() + (r + 1) * D, 0.0f);
-    std::fill(w.l.data() + r * kLanes, w.l.data() + (r + 1) * kLanes, 0.0f);
+    w.l[r] = 0.0f;
     w.m[r] = kNegInf;
   }
 #if defined(PYENGINE_AMX)
@@ -766,7 +763,7 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
         any |= lo[r] < hi[r];
       }
       if (!any) continue;
-      float *m = w.m.data() + r0, *l = w.l.data() + r0 * kLanes, *o = w.o.data() + r0 * D;
+      float *m = w.m.data() + r0, *l = w.l.data() + r0, *o = w.o.data() + r0 * D;
 #if defined(PYENGINE_AMX)
       if (amx) {
         RowGroup g{sm, kv, {vb[0], vb[1]}, w.q.data() + r0 * D, m, l, o, {}, {}};
@@ -785,8 +782,7 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
   uint16_t* out = static_cast<uint16_t*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = q_start + tok0 + r / G, head = P.kvh * G + r % G;
-    const float* l = w.l.data() + r * kLanes;
-    const float inv = 1.0f / std::accumulate(l, l + kLanes, 0.0f);
+    const float inv = 1.0f / w.l[r];
     for (int64_t d = 0; d < D; ++d) out[(tok * a.H + head) * D + d] = float_to_bf16(w.o[r * D + d] * inv);
   }
 }
