@@ -508,7 +508,8 @@ struct AvxKernels {
 //   PV: O tiles tmm0..3 (16 rows x 16 dims, a 64-dim slice) += P tile (16 rows x 32 tokens) . V tile
 //       (16 token pairs x 16 dims x 2: a 32-token V block, as it lies where its two groups are
 //       contiguous, else copied so; see v_blocks)
-// Softmax between the two runs on the AVX-512 units, row by row, as in the vdpbf16ps path.
+// The softmax runs on the AVX-512 units, row by row, as in the vdpbf16ps path, with other groups'
+// tile products issued between its rows (AmxPipeline).
 
 // The tile intrinsics take register numbers as literals (they are spliced into the asm), hence macros.
 // tmm C += tmm A . (the tile at b, rows `stride` bytes apart), loaded into tmm B.
