@@ -82,8 +82,11 @@ class EngineConfig:
     # Most tokens one sequence computes in a step (0: up to max_num_batched_tokens): a long prompt is
     # prefilled in chunks of this size, and a request arriving meanwhile goes first (the chunk shrinks to
     # make room for its first chunk; scheduler.pyx), so it starts within about one chunk's time.
-    # None: 64 on CPU (a step's cost is about linear in its tokens there; bench/bench_fairness.py),
-    # 512 on CUDA (where small steps leave the GPU idle).
+    # None: 64 on CPU, 512 on CUDA (where small steps leave the GPU idle). On the CPU the chunk bounds a
+    # newcomer's wait: with the heaviest step of an n=8 echo+logprobs 2k prompt in flight, its TTFT is
+    # 1.9x idle at 64 and 4.0x at 128 (bench/bench_fairness.py --cpu-steps). Prefill attention reads a
+    # bf16 cache in place, so 64-token chunks cost a long prompt little: 1.2x (2k), about 1.0x (8k)
+    # the CPU time of unchunked steps (1 thread).
     long_prefill_tokens: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     num_threads: int | None = None  # CPU threads for torch and the native kernels

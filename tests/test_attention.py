@@ -286,12 +286,26 @@ DECODE = [(1, 1), (7, 1), (16, 1), (33, 1), (64, 1), (65, 1), (250, 1), (1000, 1
 CACHE_DTYPES = {"bf16": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
+@pytest.fixture(params=["avx512_bf16", "fp32"])
+def decode_path(request):
+    """Each decode kernel path this build has for bf16 q (set_decode_attention_path caps the choice):
+    CPUs without AVX512-BF16 run the fp32 one."""
+    _C.set_decode_attention_path(request.param)
+    try:
+        if _C.decode_attention_path() != request.param:
+            pytest.skip(f"no {request.param} decode path here (the best is {_C.decode_attention_path()})")
+        yield request.param
+    finally:
+        _C.set_decode_attention_path("avx512_bf16")
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("gqa,head_dim,block_size", [(3, 64, 16), (4, 128, 16), (3, 128, 8), (4, 64, 32)])
 @pytest.mark.parametrize("cache", list(CACHE_DTYPES))
-def test_decode_matches_reference(cache, gqa, head_dim, block_size, threads):
-    """Every decode path of bf16 q (bf16, int8 and fp8 caches; GQA 3:1 and 4:1; head_dim 64 and
-    128; block sizes 8, 16, 32; one thread and split over two) against the dequantized reference."""
+def test_decode_matches_reference(cache, gqa, head_dim, block_size, threads, decode_path):
+    """Every decode path of bf16 q (vdpbf16ps and fp32; bf16, int8 and fp8 caches; GQA 3:1 and 4:1;
+    head_dim 64 and 128; block sizes 8, 16, 32; one thread and split over two) against the
+    dequantized reference."""
     saved = _C.num_threads()
     _C.set_num_threads(threads)
     try:
@@ -306,7 +320,7 @@ def test_decode_matches_reference(cache, gqa, head_dim, block_size, threads):
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 8)])
-def test_int8_decode_error_is_below_bf16_rounding(head_dim, block_size):
+def test_int8_decode_error_is_below_bf16_rounding(head_dim, block_size, decode_path):
     """The int8 path rounds q and the weights to int16, finer than bf16: with sharp scores (q x 3)
     its error against the dequantized reference stays within bf16 output rounding (measured 1e-4
     beyond it; the kernel that widened codes to bf16 and rounded the weights to bf16: 4e-3)."""

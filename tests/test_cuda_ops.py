@@ -11,6 +11,7 @@ import torch
 
 from pyengine.ops.layers import add_rms_norm, hadamard_heads, rms_norm, rotary_embedding, silu_and_mul
 # the same torch references as the CPU tests
+from test_cache_ops import assert_kv_quantized, ref_kv_quantize
 from test_layer_ops import cos_sin_cache, ref_hadamard, ref_rms_norm, ref_rope
 
 pytestmark = pytest.mark.cuda
@@ -155,19 +156,6 @@ def test_layers_run_on_the_current_stream():
 
 # ---- paged KV cache -----------------------------------------------------------------------------
 
-QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
-
-
-def ref_quantize(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (codes [..., D] in cache_dtype, scales [...] fp32): the kv_quant.h convention."""
-    xf = x.float()
-    scale = xf.abs().amax(-1) / QMAX[cache_dtype]
-    y = torch.where(scale[..., None] > 0, xf / scale[..., None], torch.zeros_like(xf))
-    if cache_dtype == torch.int8:
-        return torch.round(y).clamp(-127, 127).to(torch.int8), scale
-    return y.clamp(-448, 448).to(torch.float8_e4m3fn), scale
-
-
 def dequant(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     return cache.float() if scales is None else cache.float() * scales[..., None]
 
@@ -199,9 +187,7 @@ def test_reshape_and_cache(dtype, cache_kind):
         blk, off = divmod(s, bs)
         for src, cache, sc in ((key, kc, ks), (value, vc, vs)):
             if quant:
-                codes, scale = ref_quantize(src[t], cache_kind)
-                assert torch.equal(cache[blk, :, off].view(torch.uint8), codes.view(torch.uint8))
-                assert torch.equal(sc.cpu()[blk, :, off], scale)
+                assert_kv_quantized(src[t], cache[blk, :, off], sc.cpu()[blk, :, off], cache_kind)
             else:
                 assert torch.equal(cache[blk, :, off], src[t])
     untouched = torch.ones(nb * bs, dtype=torch.bool)
@@ -251,7 +237,7 @@ def make_step(seq_lens, q_lens, H, kvh, D, bs, dtype, cache_kind, seed):
     if cache_kind == "same":
         kc, vc, ks, vs = kf.to(dtype), vf.to(dtype), None, None
     else:
-        (kc, ks), (vc, vs) = ref_quantize(kf, cache_kind), ref_quantize(vf, cache_kind)
+        (kc, ks), (vc, vs) = ref_kv_quantize(kf, cache_kind), ref_kv_quantize(vf, cache_kind)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return q, kc, vc, ks, vs, block_tables, torch.tensor(seq_lens, dtype=torch.int32), qsl
 

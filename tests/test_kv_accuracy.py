@@ -5,8 +5,8 @@ cache's rounding differs) and against the bf16 cache (bf16 model, the kernels bf
 compared; agreement is what greedy decoding would see, position by position, without drifting apart.
 
 Thresholds sit a little below what was measured on this text (2,047 positions, AVX512-BF16 CPU):
-bf16 vs fp32 99.1%; against an fp32 cache int8 99.1%, fp8 96.8%; against a bf16 cache int8 98.9%,
-fp8 96.8%. They depend on the text: on a code-heavy one our bf16 got 98.6% where transformers' own
+bf16 vs fp32 99.1%; against an fp32 cache int8 99.1%, fp8 98.0% (mean |logprob change| 0.013 and
+0.034); against a bf16 cache int8 98.7%, fp8 97.8%. They depend on the text: on a code-heavy one our bf16 got 98.6% where transformers' own
 bf16 forward got 97.1% (both against fp32, before our residual stream was fp32), so bf16 itself, not
 our kernels, sets that ceiling.
 Where it went: bf16 rounding injected one place at a time into the fp32 op-by-op path (the first 384
@@ -20,14 +20,26 @@ What held int8 and fp8 at 98.6% / 96.5% against an fp32 cache: K, not V, nor the
 (the fp32 path dequantizes exactly). Rounding only K or only V of transformers' fp32 forward (the
 same per (token, kv head) scales) gives int8 98.7% / 99.9% and fp8 96.2% / 98.9%. K has a few large
 channels, so a per-token scale leaves the others few levels (int8), and q.k's rounding error is that
-of the one or two terms that dominate it (fp8). Now q, k and v are rotated per head after RoPE by a
+of the one or two terms that dominate it (fp8). So q, k and v are rotated per head after RoPE by a
 normalised Walsh-Hadamard transform (ops/layers.py: hadamard_heads; the attention output is rotated
-back), which spreads those channels over all of them: measured above. Simulated on the fp32 path
-(a matmul, not our kernel): rotating q and k alone gave int8 99.5%, fp8 97.0%; q, k and v fp8 97.4%,
-so the metric moves by about 0.3% with the rounding of the rotation itself. fp8 stays below 97.5%:
-e4m3 keeps 3 mantissa bits, so every value is rounded by up to 6% of itself whatever the scale, and
-the rotation only averages those errors over the dot product; a per-channel K scale from k_proj
-(int8 99.1% in a simulation) did nothing for it either.
+back), which spreads those channels over all of them: int8 99.1%, fp8 96.8%.
+
+fp8 after the rotation, simulated on transformers' fp32 forward with a fake-quantized cache (mean
+|logprob change| of the text tokens, this text; agreement moves by +-0.4% with no change in it): the
+encoder was already torch's round-to-nearest-even of x / (absmax / 448). K alone costs 0.056, V alone
+0.018; K and V 0.056. Not the cause, or no help: attention sinks (the first 1-64 tokens exact: 0.053-
+0.057), finer scales (per 32 or 16 values: 0.056), rotating V or not, balancing q against k per RoPE
+pair (0.054), subtracting a per-(layer, head) mean from K (exact for softmax; 0.051, and it needs
+calibration data). e4m3's error is relative, so its energy is about |k|^2 / 1000 whatever the
+rotation; what counts is its projection on the queries, and queries share a large common direction
+(40-70% of their energy), along which a token's own q points. Two write-side changes (kv_quant.h,
+native/cpu/cache.cpp): each fp8 row takes the best of 16 scales absmax / 448 * (16 + j) / 16 (least
+squared error; 0.056 -> 0.049 for K alone), and K's values are rounded to the nearest or the other
+neighbouring code so as to cut the error along the token's own q heads (round_k_for_queries; 0.039). Both: 0.035, agreement 98.2% in the simulation; on a second text (the
+GPL) 0.082 -> 0.042, 95.1% -> 97.3%. Measured through the engine on this text: fp8 96.8% -> 98.0%,
+mean |logprob change| 0.058 -> 0.034 (int8 unchanged: 99.1%, 0.013); on the GPL 95.4% -> 97.1%,
+0.080 -> 0.043; on other Python docs (import, objects, customization, ...) 97.6% -> 97.5%, 0.067 ->
+0.036: the logprob change halves on every text, the agreement moves within its noise there.
 """
 from __future__ import annotations
 
@@ -38,13 +50,15 @@ import pytest
 import torch
 
 from model_helpers import natural_text_ids, real_engine
+from pyengine.engine.output import TokenLogprob
 from pyengine.llm import LLM
 from pyengine.sampling_params import SamplingParams
 from test_server_e2e import ServerProcess
 
 N = 2048
-MIN_AGREEMENT = {"bf16": 0.99, "fp8": 0.965, "int8": 0.98}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
-MIN_VS_FP32_CACHE = {"fp8": 0.965, "int8": 0.987}
+MIN_AGREEMENT = {"bf16": 0.99, "fp8": 0.975, "int8": 0.98}  # bf16 vs fp32, fp8/int8 vs a bf16 cache
+MIN_VS_FP32_CACHE = {"fp8": 0.975, "int8": 0.99}
+MAX_LOGPROB_SHIFT = {"fp8": 0.04, "int8": 0.015}  # against the fp32 cache
 CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
@@ -53,11 +67,15 @@ def text(real_parts) -> list[int]:
     return natural_text_ids(real_parts[2], N)
 
 
-def top1(engine, text: list[int]) -> list[int]:
-    """The engine's argmax after each prefix of `text` (its prompt logprobs' top 1)."""
+def prompt_logprobs(engine, text: list[int]) -> list[TokenLogprob]:
+    """The engine's logprob of each token of `text` after its prefix, with the argmax (top 1)."""
     llm = LLM.from_engine(engine)
     out = llm.generate([text], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)[0]
-    return [lp.top[0][0] for lp in out.prompt_logprobs[1:]]
+    return out.prompt_logprobs[1:]
+
+
+def top1(lps: list[TokenLogprob]) -> list[int]:
+    return [lp.top[0][0] for lp in lps]
 
 
 def agreement(a: list, b: list) -> float:
@@ -65,6 +83,15 @@ def agreement(a: list, b: list) -> float:
     rate = sum(x == y for x, y in zip(a, b)) / len(a)
     print(f"top-1 agreement {rate:.4f} over {len(a)} positions")  # shown with -s or on failure
     return rate
+
+
+def logprob_shift(a: list[TokenLogprob], b: list[TokenLogprob]) -> float:
+    """Mean |difference| of the text tokens' logprobs: a smoother measure than agreement, which counts
+    only the positions whose top two were close enough to swap."""
+    assert [x.token_id for x in a] == [y.token_id for y in b]
+    shift = sum(abs(x.logprob - y.logprob) for x, y in zip(a, b)) / len(a)
+    print(f"mean |logprob difference| {shift:.4f}")
+    return shift
 
 
 @pytest.fixture(scope="module")
@@ -77,31 +104,33 @@ def bf16_parts(real_parts):
 
 @pytest.fixture(scope="module")
 def bf16_top1(bf16_parts, text) -> list[int]:
-    return top1(real_engine(bf16_parts, N + 16, dtype="bfloat16"), text)
+    return top1(prompt_logprobs(real_engine(bf16_parts, N + 16, dtype="bfloat16"), text))
 
 
 @pytest.fixture(scope="module")
-def fp32_top1(real_parts, text) -> list[int]:
-    return top1(real_engine(real_parts, N + 16), text)
+def fp32_lps(real_parts, text) -> list[TokenLogprob]:
+    return prompt_logprobs(real_engine(real_parts, N + 16), text)
 
 
-def test_bf16_engine_agrees_with_fp32(fp32_top1, bf16_top1):
-    assert agreement(bf16_top1, fp32_top1) >= MIN_AGREEMENT["bf16"]
+def test_bf16_engine_agrees_with_fp32(fp32_lps, bf16_top1):
+    assert agreement(bf16_top1, top1(fp32_lps)) >= MIN_AGREEMENT["bf16"]
 
 
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
-def test_quantized_kv_against_an_fp32_cache(kv, real_parts, text, fp32_top1):
+def test_quantized_kv_against_an_fp32_cache(kv, real_parts, text, fp32_lps):
     """The fp32 model with a quantized cache against its fp32 cache: the cache's rounding alone."""
     engine = real_engine(real_parts, N + 16, kv_cache_dtype=kv)
     assert engine.runner.kv_caches[0].k.dtype == CACHE_DTYPES[kv]
-    assert agreement(top1(engine, text), fp32_top1) >= MIN_VS_FP32_CACHE[kv]
+    lps = prompt_logprobs(engine, text)
+    assert agreement(top1(lps), top1(fp32_lps)) >= MIN_VS_FP32_CACHE[kv]
+    assert logprob_shift(lps, fp32_lps) <= MAX_LOGPROB_SHIFT[kv]
 
 
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
 def test_quantized_kv_through_llm(kv, bf16_parts, text, bf16_top1):
     engine = real_engine(bf16_parts, N + 16, dtype="bfloat16", kv_cache_dtype=kv)
     assert engine.runner.kv_caches[0].k.dtype == CACHE_DTYPES[kv]
-    assert agreement(top1(engine, text), bf16_top1) >= MIN_AGREEMENT[kv]
+    assert agreement(top1(prompt_logprobs(engine, text)), bf16_top1) >= MIN_AGREEMENT[kv]
 
 
 @pytest.fixture(scope="module")

@@ -70,16 +70,18 @@ def test_window_and_softcap(path, window, softcap, cache_dtype):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_long_prompt_and_nan_in_unowned_slots(path):
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_long_prompt_and_nan_in_unowned_slots(path, block_size):
     """A 2k-token prompt (several kv chunks per query block, items of unequal causal work) beside a
-    shorter chunk; NaN in every slot no sequence owns must not leak."""
-    specs = [(2048, 2048), (1100, 100)]
-    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, 16, torch.bfloat16, seed=4)
+    shorter chunk; NaN in every slot no sequence owns must not leak (a bf16 cache is read in place:
+    the block holding a sequence's last position also holds slots past its end)."""
+    specs = [(2048, 2048), (1100, 100), (70, 37)]
+    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, block_size, torch.bfloat16, seed=4)
     k, v = from_cache_layout(kc, vc)
-    owned = torch.zeros(k.shape[0], 16, dtype=torch.bool)
+    owned = torch.zeros(k.shape[0], block_size, dtype=torch.bool)
     for s, (L, _) in enumerate(specs):
         for pos in range(L):
-            owned[bt[s, pos // 16], pos % 16] = True
+            owned[bt[s, pos // block_size], pos % block_size] = True
     k[~owned[:, None, :, None].expand_as(k)] = float("nan")
     v[~owned[:, None, :, None].expand_as(v)] = float("nan")
     kc, vc = to_cache_layout(k, v, "cpu")

@@ -128,6 +128,19 @@ def test_prefill_sized_batch(type_name):
 
 
 @pytest.mark.parametrize("type_name", list(QUANT_TYPES))
+def test_a_rows_result_does_not_depend_on_its_batch(path, type_name):
+    """Row i of a 70-row call (on AMX: 64 rows on tiles, 6 on VNNI) equals row i alone (a decode step:
+    VNNI), to the bit: a request's tokens do not change with the batch it is scheduled in."""
+    blocks, _ = quantized_weight(type_name, 40, 512, seed=7)
+    lin = QuantLinear(blocks, type_name, torch.randn(40) * 0.1)
+    x = torch.randn(70, 512, dtype=torch.bfloat16)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        batch = lin(x, out_dtype=out_dtype)
+        alone = torch.cat([lin(x[i : i + 1], out_dtype=out_dtype) for i in range(70)])
+        assert torch.equal(batch, alone), (path, out_dtype)
+
+
+@pytest.mark.parametrize("type_name", list(QUANT_TYPES))
 def test_embedding_rows_are_the_dequantized_rows(type_name):
     blocks, w = quantized_weight(type_name, 37, 256, seed=5)
     lin = QuantLinear(blocks, type_name)

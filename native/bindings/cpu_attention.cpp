@@ -15,14 +15,19 @@
 //
 //   reshape_and_cache(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, num_tokens,
 //                     num_kv_heads, head_dim, key_token_stride, value_token_stride, num_blocks,
-//                     block_size, src_dtype, cache_dtype, stream) -> None
+//                     block_size, src_dtype, cache_dtype, stream, query=0, query_token_stride=0,
+//                     num_heads=0) -> None
 //     key/value [T, KVH, D] with the given token strides; slot_mapping [T] int64 (-1 = skip);
-//     k_scales/v_scales as above (0 for unquantized caches).
+//     k_scales/v_scales as above (0 for unquantized caches); query [T, num_heads, D] (src dtype) or 0:
+//     the step's q, for which an fp8 cache rounds K (native/cpu/cache.cpp).
 //
 //   set_prefill_attention_path(name) -> None; prefill_attention_path() -> str   (CPU only)
 //     The prefill kernel's path for prompts (>= 16 query tokens of a bf16 step; native/cpu/
 //     prefill_attention.cpp): "amx", "avx512_bf16" or "portable". set caps it (tests run each path;
 //     default "amx": the best the build and machine have); get names the one that runs.
+//   set_decode_attention_path(name) -> None; decode_attention_path() -> str   (CPU only)
+//     The decode kernel's path (the other sequences of a step; native/cpu/attention.cpp):
+//     "avx512_bf16" or "fp32", capped the same way (default "avx512_bf16").
 //
 //   read_bandwidth(ptr, nbytes, stream) -> int       (CPU only: benchmark probe)
 //     Reads nbytes (a multiple of 64) once with the thread pool; returns a checksum.
@@ -115,20 +120,25 @@ void register_attention_ops(py::module_& m) {
       [](uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
          uintptr_t v_scales, uintptr_t slot_mapping, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
          int64_t key_token_stride, int64_t value_token_stride, int64_t num_blocks, int64_t block_size, int src_dtype,
-         int cache_dtype, uintptr_t /*stream*/) {
+         int cache_dtype, uintptr_t /*stream*/, uintptr_t query, int64_t query_token_stride, int64_t num_heads) {
         reshape_and_cache_cpu(ptr<const void>(key), ptr<const void>(value), ptr<void>(k_cache), ptr<void>(v_cache),
                               ptr<float>(k_scales), ptr<float>(v_scales), ptr<const int64_t>(slot_mapping),
                               num_tokens, num_kv_heads, head_dim, key_token_stride, value_token_stride, num_blocks,
-                              block_size, to_dtype(src_dtype), to_dtype(cache_dtype));
+                              block_size, to_dtype(src_dtype), to_dtype(cache_dtype), ptr<const void>(query),
+                              query_token_stride, num_heads);
       },
       py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scales"),
       py::arg("v_scales"), py::arg("slot_mapping"), py::arg("num_tokens"), py::arg("num_kv_heads"),
       py::arg("head_dim"), py::arg("key_token_stride"), py::arg("value_token_stride"), py::arg("num_blocks"),
-      py::arg("block_size"), py::arg("src_dtype"), py::arg("cache_dtype"), py::arg("stream"),
-      py::call_guard<py::gil_scoped_release>(), "Write K/V rows into the paged cache at slot_mapping.");
+      py::arg("block_size"), py::arg("src_dtype"), py::arg("cache_dtype"), py::arg("stream"), py::arg("query") = 0,
+      py::arg("query_token_stride") = 0, py::arg("num_heads") = 0, py::call_guard<py::gil_scoped_release>(),
+      "Write K/V rows into the paged cache at slot_mapping.");
   m.def("set_prefill_attention_path", &set_prefill_attention_path, py::arg("name"),
         "Cap the prefill attention kernel's path: amx (default: the best available), avx512_bf16, portable.");
   m.def("prefill_attention_path", &prefill_attention_path, "The prefill attention kernel's path in use.");
+  m.def("set_decode_attention_path", &set_decode_attention_path, py::arg("name"),
+        "Cap the decode attention kernel's path: avx512_bf16 (default: the best available) or fp32.");
+  m.def("decode_attention_path", &decode_attention_path, "The decode attention kernel's path for bf16 q.");
   m.def("read_bandwidth", &read_bandwidth, py::arg("ptr"), py::arg("nbytes"), py::arg("stream") = 0,
         py::call_guard<py::gil_scoped_release>(),
         "Benchmark probe: read nbytes once with the thread pool, return a checksum.");

@@ -31,7 +31,8 @@ void register_attention(py::module_& m) {
         py::arg("v_cache"), py::arg("k_scales"), py::arg("v_scales"), py::arg("slot_mapping"), py::arg("num_tokens"),
         py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("key_token_stride"), py::arg("value_token_stride"),
         py::arg("num_blocks"), py::arg("block_size"), py::arg("src_dtype"), py::arg("cache_dtype"),
-        py::arg("stream"), nogil, "Write K/V rows into the paged cache at slot_mapping (fp8/int8: quantize).");
+        py::arg("stream"), py::arg("query") = 0, py::arg("query_token_stride") = 0, py::arg("num_heads") = 0, nogil,
+        "Write K/V rows into the paged cache at slot_mapping (fp8/int8: quantize; fp8 K rounded for query).");
 }
 }  // namespace
 

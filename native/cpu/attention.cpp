@@ -30,6 +30,7 @@
 //     chunk once into fp32 scratch; AVX-512 intrinsics under __AVX512F__, otherwise portable loops in
 //     16-lane strips that GCC vectorizes for AVX2 (-march=x86-64-v3) and leaves scalar elsewhere.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -38,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "pyengine/cpu_ops.h"
 #include "pyengine/dtype.h"
 #include "pyengine/kv_quant.h"
 #include "prefill_attention.h"
@@ -56,6 +58,11 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kMinSplitTokens = 256;
+
+// The decode paths a build has, best first; set_decode_attention_path caps which one runs (tests:
+// a CPU without AVX512-BF16 runs the fp32 path, which this host would otherwise never test with bf16 q).
+enum class DecodePath { kAvx512Bf16, kFp32 };
+std::atomic<DecodePath> g_decode_cap{DecodePath::kAvx512Bf16};
 
 // One step's arguments (AttentionStep, prefill_attention.h) and what the decode kernel derives from them.
 struct Args : AttentionStep {
@@ -796,6 +803,7 @@ bool bf16_head_dim(const Args& a, const std::vector<Item>& items, Partials& part
 }
 
 bool try_bf16_path(const Args& a, const std::vector<Item>& items, Partials& parts) {
+  if (g_decode_cap.load() == DecodePath::kFp32) return false;
   if (a.qdt != DType::kBFloat16 || (a.BS != 8 && a.BS % 16 != 0)) return false;  // tiles of 16 tokens
   if (a.softcap > 0.0f) return false;  // run_item has the cap
   switch (a.cdt) {
@@ -915,6 +923,19 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
         }
     });
   }
+}
+
+void set_decode_attention_path(const std::string& name) {
+  if (name == "avx512_bf16") g_decode_cap.store(DecodePath::kAvx512Bf16);
+  else if (name == "fp32") g_decode_cap.store(DecodePath::kFp32);
+  else throw std::invalid_argument("decode attention path must be avx512_bf16 or fp32, got " + name);
+}
+
+std::string decode_attention_path() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  if (g_decode_cap.load() == DecodePath::kAvx512Bf16) return "avx512_bf16";
+#endif
+  return "fp32";
 }
 
 }  // namespace pyengine

@@ -1,17 +1,19 @@
 // prefill_attention (CPU): causal attention of prompt chunks (sequences with many query tokens) over
 // the paged KV cache, flash-attention style, built to run at the bf16 dot-product rate of the GEMMs.
 //
-// Two phases per batch of (sequence, kv head) pairs:
-//  1. Pack. Each pair's cache positions [lo, len) (lo = 0, or the earliest window start, rounded down
-//     to a chunk) are gathered from the scattered block tiles into one contiguous bf16 run:
-//       K [n/16][D/2][16][2]  16-token groups; a group's dims pair j is one 64-byte vector (16 tokens)
-//       V [n/2][D][2]         token pair (2p, 2p+1) at dims d..d+15 is one 64-byte vector
-//       ks, vs [n] fp32       per-token scales (fp8/int8 caches), 1 for bf16
-//     n rounded up to a whole chunk with zeros (never NaN: 0 * NaN would leak into the output).
-//     fp8/int8 codes become bf16 exactly (256-entry table); the scales stay fp32 and are applied to
-//     the scores (K) and to the probabilities before their bf16 rounding (V), as the decode kernel does.
-//     Packing once per pair costs one read of the K/V; every query block of the pair then reads the
-//     packed copy (any block size, any cache dtype, no per-block pointer chasing in the hot loops).
+// Per batch of (sequence, kv head) pairs:
+//  1. K/V in the packed layout (one 64-byte vector = 16 tokens of a dims pair, or 16 dims of a token pair):
+//       K groups [D/2][16][2]  16-token groups; a group's dims pair j is one 64-byte vector
+//       V [n/2][D][2]          token pair (2p, 2p+1) at dims d..d+15 is one 64-byte vector
+//     A bf16 cache with blocks of 16 or 32 tokens already lies so (K [D/2][BS][2], V [BS/2][D][2]
+//     per block and kv head): the kernels read it in place, block by block (no copy per step; the
+//     group holding a sequence's last position is copied with zeros past the end, whose slots are
+//     not the sequence's). Other caches (fp8/int8, blocks of 8 or 24) are packed first: each pair's
+//     positions [lo, len) (lo = 0, or the earliest window start, rounded down to a chunk) gathered
+//     into one contiguous bf16 run, with per-token fp32 scales ks, vs (1 for bf16), n rounded up to
+//     a whole chunk with zeros (never NaN: 0 * NaN would leak into the output). fp8/int8 codes
+//     become bf16 exactly (256-entry table); the scales are applied to the scores (K) and to the
+//     probabilities before their bf16 rounding (V), as the decode kernel does.
 //  2. Attend. Work items are (pair, block of about kItemRows / G query tokens), heaviest first. An
 //     item's rows (query tokens x the G q heads of its kv head) walk the kv range in chunks of kChunk
 //     tokens; per chunk, groups of kRows rows do
@@ -24,8 +26,8 @@
 //     on GPUs does); scores, sums and accumulators are fp32.
 // Paths, best first (set_prefill_attention_path caps the choice, for tests):
 //   amx          AMX tiles where the build (-march with AMX-TILE/BF16) and Linux (arch_prctl) allow:
-//                the same chunk loop with groups of 16 rows, QK and PV as tile products (see
-//                AmxPipeline), softmax on AVX-512; ~3x the vdpbf16ps path on the same core.
+//                the same chunk loop with groups of 16 rows, QK and PV as tile products overlapped
+//                with the softmax on AVX-512 (AmxPipeline); ~3x the vdpbf16ps path on the same core.
 //   avx512_bf16  the vdpbf16ps micro-kernels above.
 //   portable     plain loops over the same packed layout, same arithmetic in fp32 (every build).
 #include <algorithm>
@@ -37,6 +39,8 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "prefill_attention.h"
@@ -70,7 +74,8 @@ constexpr float kMaxSlack = 8.0f;  // log2 units (softmax_row_avx)
 enum class Path { kAmx, kAvx512Bf16, kPortable };
 std::atomic<Path> g_cap{Path::kAmx};
 
-// One (sequence, kv head)'s packed K/V: positions [lo, lo + n), n a multiple of kChunk.
+// One (sequence, kv head)'s packed K/V: positions [lo, lo + n), n a multiple of kChunk; k, v, ks, vs
+// stay null where the pair reads the cache in place (reads_cache).
 struct Packed {
   int32_t seq, kvh;
   int64_t lo, n;
@@ -85,17 +90,20 @@ struct Item {
   int64_t work;
 };
 
-// Per-thread scratch of an item: its q rows (bf16), accumulators, running max/sum, one row group's
-// scores and bf16 probabilities.
+// Per-thread scratch of an item: its q rows (bf16), accumulators, running max/sum,
+// scores and bf16 probabilities of a row group (two of each for the AMX pipeline), a K/V group
+// packed from the cache (the one holding a sequence's last position) and the AMX path's V blocks.
 struct Scratch {
-  std::vector<uint16_t> q, p;
+  std::vector<uint16_t> q, p, edge, vblocks;
   std::vector<float> o, m, l, s;
   void fit(int64_t rows, int64_t D) {
     const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;  // whole AMX tiles of q rows
     if (static_cast<int64_t>(q.size()) < padded * D) q.resize(padded * D), o.resize(padded * D);
     if (static_cast<int64_t>(m.size()) < padded) m.resize(padded), l.resize(padded);
-    s.resize(kAmxRows * kChunk);
-    p.resize(2 * kAmxRows * kChunk);  // AMX: two row groups in flight
+    s.resize(2 * kAmxRows * kChunk);
+    p.resize(2 * kAmxRows * kChunk);
+    edge.resize(32 * D);
+    vblocks.resize(3 * kChunk * D);
   }
 };
 
@@ -207,8 +215,70 @@ void pack(const AttentionStep& a, const Packed& P, int64_t t0, int64_t t1) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Micro-kernels over one chunk: k points at the chunk's packed K (4 groups), v at its packed V
-// (kChunk / 2 pairs), q at nr rows of D bf16, s / p at nr rows of kChunk scores / probabilities.
+// A chunk's K/V as the micro-kernels read them: 4 groups of 16 tokens, each in the packed layout
+// (a packed run, or a bf16 cache block as it lies).
+// ---------------------------------------------------------------------------------------------
+struct ChunkKV {
+  const uint16_t* k[4];  // group g: dims pair j of its token u at k[g][j * kld[g] + 2 u] (and + 1)
+  int64_t kld[4];        // 32 in a packed run, 2 BS in a cache block ([D/2][BS][2])
+  const uint16_t* v[4];  // group g: its token pair i (< 8) at dim d at v[g][2 D i + 2 d] (and + 1)
+};
+
+// A zero K/V group (positions past a sequence's end), the widest head_dim.
+alignas(64) const uint16_t kZeroGroup[16 * 256] = {};
+
+// Whether the pairs' K/V are read straight from the cache: a bf16 cache whose blocks hold whole
+// 16-token groups already lies in the packed layout, only the group stride differs.
+bool reads_cache(const AttentionStep& a) { return a.cdt == DType::kBFloat16 && a.BS % 16 == 0; }
+
+// The K (dims pair 0; rows 2 BS apart) and V (16 D contiguous) of the 16-token group at pos of pair P,
+// in the cache.
+std::pair<const uint16_t*, const uint16_t*> cache_group(const AttentionStep& a, const Packed& P, int64_t pos) {
+  const int64_t tile = static_cast<int64_t>(a.block_tables[P.seq * a.MB + pos / a.BS]) * a.KVH + P.kvh;
+  const int64_t at = tile * a.BS * a.D, off = pos % a.BS;
+  return {static_cast<const uint16_t*>(a.k) + at + off * 2, static_cast<const uint16_t*>(a.v) + at + off * a.D};
+}
+
+// The chunk [c0, c0 + kChunk) of pair P: from its packed run, or (P.k null) from the cache, where
+// groups past the sequence's end read zeros and the group holding its last position is packed into
+// `edge` first (the slots past the end are not the sequence's: they may hold anything, even NaN).
+ChunkKV chunk_kv(const AttentionStep& a, const Packed& P, int64_t c0, uint16_t* edge) {
+  ChunkKV kv;
+  const int64_t D = a.D, len = a.seq_lens[P.seq];
+  for (int g = 0; g < 4; ++g) {
+    const int64_t pos = c0 + 16 * g;
+    kv.kld[g] = 32;
+    if (P.k) {
+      kv.k[g] = P.k + (pos - P.lo) * D, kv.v[g] = P.v + (pos - P.lo) * D;
+    } else if (pos >= len) {
+      kv.k[g] = kv.v[g] = kZeroGroup;
+    } else if (pos + 16 > len) {
+      float scales[32];
+      const Packed one{P.seq, P.kvh, pos, 16, edge, edge + 16 * D, scales, scales + 16};
+      pack(a, one, 0, 16);
+      kv.k[g] = one.k, kv.v[g] = one.v;
+    } else {
+      std::tie(kv.k[g], kv.v[g]) = cache_group(a, P, pos);
+      kv.kld[g] = 2 * a.BS;
+    }
+  }
+  return kv;
+}
+
+// Asks for the cache lines of the chunk [c0, c0 + kChunk) of a pair that reads the cache: its blocks
+// lie anywhere, so the hardware prefetcher cannot guess them.
+void prefetch_chunk(const AttentionStep& a, const Packed& P, int64_t c0) {
+  const int64_t len = a.seq_lens[P.seq], D = a.D;
+  for (int64_t pos = c0; pos < std::min(len, c0 + kChunk); pos += 16) {
+    const auto [k, v] = cache_group(a, P, pos);
+    for (int64_t j = 0; j < D / 2; ++j) __builtin_prefetch(k + j * 2 * a.BS);
+    for (int64_t i = 0; i < 16 * D; i += 32) __builtin_prefetch(v + i);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Micro-kernels over one chunk: q at nr rows of D bf16, s / p at nr rows of kChunk scores /
+// probabilities, o at nr rows of D fp32 accumulators.
 // ---------------------------------------------------------------------------------------------
 
 // The softmax of one row's chunk: scores s (raw dot products) of the visible tokens [lo, hi) are
@@ -241,14 +311,18 @@ float softmax_row_portable(const RowSoftmax& c, const float* s, int lo, int hi, 
   return alpha;
 }
 
-void qk_portable(int nr, const uint16_t* q, int64_t D, const uint16_t* k, float* s) {
-  const int64_t half = D / 2;
+// Dims pair j of chunk token t.
+inline const uint16_t* k_at(const ChunkKV& kv, int t, int64_t j) { return kv.k[t / 16] + j * kv.kld[t / 16] + t % 16 * 2; }
+// Token pair i of the chunk (tokens 2i, 2i + 1), dim 0.
+inline const uint16_t* v_at(const ChunkKV& kv, int i, int64_t D) { return kv.v[i / 8] + i % 8 * 2 * D; }
+
+void qk_portable(int nr, const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) {
   for (int r = 0; r < nr; ++r) {
     float acc[kChunk] = {};
-    for (int64_t j = 0; j < half; ++j) {
+    for (int64_t j = 0; j < D / 2; ++j) {
       const float q0 = bf16_to_float(q[r * D + 2 * j]), q1 = bf16_to_float(q[r * D + 2 * j + 1]);
       for (int t = 0; t < kChunk; ++t) {
-        const uint16_t* kp = k + (t / 16 * half * 16 + j * 16 + t % 16) * 2;
+        const uint16_t* kp = k_at(kv, t, j);
         acc[t] += q0 * bf16_to_float(kp[0]) + q1 * bf16_to_float(kp[1]);
       }
     }
@@ -256,16 +330,55 @@ void qk_portable(int nr, const uint16_t* q, int64_t D, const uint16_t* k, float*
   }
 }
 
-void pv_portable(int nr, const uint16_t* p, const uint16_t* v, int64_t D, int npairs, const float* alpha, float* o) {
+void pv_portable(int nr, const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const float* alpha, float* o) {
   for (int r = 0; r < nr; ++r) {
     float* orow = o + r * D;
     for (int64_t d = 0; d < D; ++d) orow[d] *= alpha[r];
-    for (int pp = 0; pp < npairs; ++pp) {
-      const float p0 = bf16_to_float(p[r * kChunk + 2 * pp]), p1 = bf16_to_float(p[r * kChunk + 2 * pp + 1]);
-      const uint16_t* vp = v + pp * 2 * D;
+    for (int i = 0; i < npairs; ++i) {
+      const float p0 = bf16_to_float(p[r * kChunk + 2 * i]), p1 = bf16_to_float(p[r * kChunk + 2 * i + 1]);
+      const uint16_t* vp = v_at(kv, i, D);
       for (int64_t d = 0; d < D; ++d) orow[d] += p0 * bf16_to_float(vp[2 * d]) + p1 * bf16_to_float(vp[2 * d + 1]);
     }
   }
+}
+
+// The softmax of rows [0, nr) of a row group (probabilities p; alpha[r] for row r's accumulator);
+// rows that see nothing of the chunk get zero probabilities. Returns the end of the last visible
+// token over the rows (PV stops there). before_row(r) runs before row r (the AMX path issues its tile
+// work there).
+template <auto Softmax, class BeforeRow>
+int softmax_rows(int nr, const RowSoftmax& c, const float* s, const int* lo, const int* hi, float* m,
+                 float* l, uint16_t* p, float* alpha, BeforeRow before_row) {
+  int maxhi = 0;
+  for (int r = 0; r < nr; ++r) {
+    before_row(r);
+    if (lo[r] < hi[r]) {
+      alpha[r] = Softmax(c, s + r * kChunk, lo[r], hi[r], m[r], l[r], p + r * kChunk);
+      maxhi = std::max(maxhi, hi[r]);
+    } else {
+      alpha[r] = 1.0f;
+      std::memset(p + r * kChunk, 0, kChunk * 2);
+    }
+  }
+  return maxhi;
+}
+
+struct PortableKernels {
+  static void qk(int nr, const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) { qk_portable(nr, q, D, kv, s); }
+  static constexpr auto softmax = softmax_row_portable;
+  static void pv(int nr, const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const float* alpha, float* o) {
+    pv_portable(nr, p, kv, D, npairs, alpha, o);
+  }
+};
+
+// nr (<= kRows) rows of one chunk: QK, softmax, PV with one ISA's kernels.
+template <class Kernels>
+void row_group(int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const ChunkKV& kv, const int* lo,
+               const int* hi, float* m, float* l, float* o, Scratch& w) {
+  Kernels::qk(nr, q, D, kv, w.s.data());
+  float alpha[kRows];
+  const int maxhi = softmax_rows<Kernels::softmax>(nr, c, w.s.data(), lo, hi, m, l, w.p.data(), alpha, [](int) {});
+  Kernels::pv(nr, w.p.data(), kv, D, (maxhi + 1) / 2, alpha, o);
 }
 
 #if defined(__AVX512BF16__)
@@ -298,27 +411,32 @@ inline __m512 exp2_prob(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// As softmax_row_portable, with m in log2 units (scores times log2 e, so exp is exp2).
-float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
+// As softmax_row_portable, with m in log2 units (scores times log2 e, so exp is exp2). The running
+// max moves only when a score passes it by more than kMaxSlack: until then the row's probabilities
+// stay <= 2^kMaxSlack (harmless in fp32 and bf16), alpha is exactly 1 (the accumulator is not
+// rescaled) and the row needs no horizontal max.
+inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
   __m512 x[4];
   __mmask16 keep[4];
-  __m512 vmax = _mm512_set1_ps(kNegInf);
   const bool capped = c.softcap > 0.0f;
   const __m512 scale = _mm512_set1_ps(capped ? c.scale / c.softcap : c.scale * kLog2e);
   const __m512 cap = _mm512_set1_ps(c.softcap * kLog2e);
+  const __m512 limit = _mm512_set1_ps(m + kMaxSlack);
+  __mmask16 over = 0;
   for (int g = 0; g < 4; ++g) {
     keep[g] = tail_mask(hi - 16 * g) & static_cast<__mmask16>(~tail_mask(lo - 16 * g));
     __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * g), scale);
     if (c.ks) v = _mm512_mul_ps(v, _mm512_loadu_ps(c.ks + 16 * g));
     if (capped) v = _mm512_mul_ps(cap, tanh512(v));
     x[g] = v;
-    vmax = _mm512_mask_max_ps(vmax, keep[g], vmax, v);
+    over |= _mm512_mask_cmp_ps_mask(keep[g], v, limit, _CMP_NLE_UQ);  // NaN counts as over
   }
-  // The running max moves only when a score passes it by more than kMaxSlack: until then the row's
-  // probabilities stay <= 2^kMaxSlack (harmless in fp32 and bf16) and alpha is exactly 1, so the
-  // accumulator is not rescaled (the AMX path then reads it back without waiting on vector stores).
-  float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
-  if (m_new - m <= kMaxSlack) m_new = m;
+  float m_new = m;
+  if (over || m == kNegInf) {
+    __m512 vmax = _mm512_set1_ps(kNegInf);
+    for (int g = 0; g < 4; ++g) vmax = _mm512_mask_max_ps(vmax, keep[g], vmax, x[g]);
+    m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+  }
   const float alpha = m_new == m ? 1.0f : std::exp2(m - m_new);
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 sum = _mm512_setzero_ps();
@@ -334,17 +452,16 @@ float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float
 }
 
 template <int NR>
-void qk_avx(const uint16_t* q, int64_t D, const uint16_t* k, float* s) {
+void qk_avx(const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) {
   __m512 acc[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
-  const int64_t half = D / 2, group = 16 * D;
-  for (int64_t j = 0; j < half; ++j) {
-    __m512bh kv[4];
-    for (int g = 0; g < 4; ++g) kv[g] = (__m512bh)_mm512_loadu_si512(k + g * group + 32 * j);
+  for (int64_t j = 0; j < D / 2; ++j) {
+    __m512bh kg[4];
+    for (int g = 0; g < 4; ++g) kg[g] = (__m512bh)_mm512_loadu_si512(kv.k[g] + j * kv.kld[g]);
     for (int r = 0; r < NR; ++r) {
       const __m512bh qb = bcast_pair(q + r * D + 2 * j);
-      for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], kv[g], qb);
+      for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], kg[g], qb);
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -352,14 +469,14 @@ void qk_avx(const uint16_t* q, int64_t D, const uint16_t* k, float* s) {
 }
 
 template <int NR>
-void pv_avx(const uint16_t* p, const uint16_t* v, int64_t D, int npairs, const float* alpha, float* o) {
+void pv_avx(const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const float* alpha, float* o) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     __m512 x[NR][4];
     for (int r = 0; r < NR; ++r)
       for (int i = 0; i < 4; ++i)
         x[r][i] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d0 + 16 * i), _mm512_set1_ps(alpha[r]));
     for (int pp = 0; pp < npairs; ++pp) {
-      const uint16_t* vp = v + pp * 2 * D + 2 * d0;
+      const uint16_t* vp = v_at(kv, pp, D) + 2 * d0;
       __m512bh vv[4];
       for (int i = 0; i < 4; ++i) vv[i] = (__m512bh)_mm512_loadu_si512(vp + 32 * i);
       for (int r = 0; r < NR; ++r) {
@@ -373,176 +490,233 @@ void pv_avx(const uint16_t* p, const uint16_t* v, int64_t D, int npairs, const f
 }
 
 template <int NR>
-void row_group_avx(const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k, const uint16_t* v,
-                   const int* lo, const int* hi, float* m, float* l, float* o, Scratch& w) {
-  qk_avx<NR>(q, D, k, w.s.data());
-  float alpha[NR];
-  int maxhi = 0;
-  for (int r = 0; r < NR; ++r) {
-    uint16_t* p = w.p.data() + r * kChunk;
-    if (lo[r] < hi[r]) {
-      alpha[r] = softmax_row_avx(c, w.s.data() + r * kChunk, lo[r], hi[r], m[r], l[r], p);
-      maxhi = std::max(maxhi, hi[r]);
-    } else {
-      alpha[r] = 1.0f;
-      std::memset(p, 0, kChunk * 2);
-    }
+struct AvxKernels {
+  static void qk(int, const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) { qk_avx<NR>(q, D, kv, s); }
+  static constexpr auto softmax = softmax_row_avx;
+  static void pv(int, const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const float* alpha, float* o) {
+    pv_avx<NR>(p, kv, D, npairs, alpha, o);
   }
-  pv_avx<NR>(w.p.data(), v, D, (maxhi + 1) / 2, alpha, o);
-}
+};
 
 #endif
 
 #if defined(PYENGINE_AMX)
-// AMX: 16 q rows per pass. Every tile is 16 rows x 64 bytes:
-//   QK: S tiles tmm0..3 (16 rows x 16 tokens fp32, one per 16-token group) += Q tile tmm4 (16 rows x
-//       32 dims) . K tile tmm5 (16 dims pairs x 16 tokens x 2: a packed group's pairs, as they lie)
-//   PV: O tiles tmm0..3 (16 rows x 16 dims, a 64-dim slice; O scaled by alpha first) += P tile tmm4
-//       (16 rows x 32 tokens) . V tile tmm5 (16 token pairs x 16 dims x 2: the packed V, as it lies)
-// Softmax between the two runs on the AVX-512 units, row by row, as in the vdpbf16ps path.
+// AMX: 16 q rows per pass, every tile 16 rows x 64 bytes: accumulators tmm0..3, A operands tmm4..5,
+// B operands tmm6..7 (two of each, so a tile load need not wait for the product before it).
+//   QK: S tiles tmm0..3 (16 rows x 16 tokens fp32, one per 16-token group) += Q tile (16 rows x 32
+//       dims) . K tile (16 dims pairs x 16 tokens x 2: a group's pairs, as they lie)
+//   PV: O tiles tmm0..3 (16 rows x 16 dims, a 64-dim slice) += P tile (16 rows x 32 tokens) . V tile
+//       (16 token pairs x 16 dims x 2: a 32-token V block, as it lies where its two groups are
+//       contiguous, else copied so; see v_blocks)
+// The softmax runs on the AVX-512 units, row by row, as in the vdpbf16ps path, with other groups'
+// tile products issued between its rows (AmxPipeline).
 
-// S[16 rows][kChunk] = q . k (raw dot products).
-void qk_amx(const uint16_t* q, int64_t D, const uint16_t* k, float* s) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t kb = 0; kb < D / 32; ++kb) {  // 32 dims (16 pairs) per step
-    _tile_loadd(4, q + kb * 32, D * 2);
-    const uint16_t* kt = k + kb * 16 * 32;
-    _tile_loadd(5, kt, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(5, kt + 16 * D, 64);
-    _tile_dpbf16ps(1, 4, 5);
-    _tile_loadd(5, kt + 32 * D, 64);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(5, kt + 48 * D, 64);
-    _tile_dpbf16ps(3, 4, 5);
-  }
-  _tile_stored(0, s, kChunk * 4);
-  _tile_stored(1, s + 16, kChunk * 4);
-  _tile_stored(2, s + 32, kChunk * 4);
-  _tile_stored(3, s + 48, kChunk * 4);
-}
+// The tile intrinsics take register numbers as literals (they are spliced into the asm), hence macros.
+// tmm C += tmm A . (the tile at b, rows `stride` bytes apart), loaded into tmm B.
+#define PYENGINE_TILE_PRODUCT(C, A, B, b, stride) \
+  do {                                             \
+    _tile_loadd(B, b, stride);                     \
+    _tile_dpbf16ps(C, A, B);                       \
+  } while (0)
 
-// o[16 rows][D] += p[16 rows][32 * nblocks tokens] . v.
-void pv_amx(const uint16_t* p, const uint16_t* v, int64_t D, int nblocks, float* o) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    _tile_loadd(0, o + d0, D * 4);
-    _tile_loadd(1, o + d0 + 16, D * 4);
-    _tile_loadd(2, o + d0 + 32, D * 4);
-    _tile_loadd(3, o + d0 + 48, D * 4);
-    for (int tb = 0; tb < nblocks; ++tb) {
-      _tile_loadd(4, p + tb * 32, kChunk * 2);
-      const uint16_t* vt = v + tb * 16 * 2 * D + 2 * d0;
-      _tile_loadd(5, vt, D * 4);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, vt + 32, D * 4);
-      _tile_dpbf16ps(1, 4, 5);
-      _tile_loadd(5, vt + 64, D * 4);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(5, vt + 96, D * 4);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, o + d0, D * 4);
-    _tile_stored(1, o + d0 + 16, D * 4);
-    _tile_stored(2, o + d0 + 32, D * 4);
-    _tile_stored(3, o + d0 + 48, D * 4);
-  }
-}
-
-// The PV of a row group whose softmax is done, run after the next group's QK (AmxPipeline).
-struct PendingPv {
-  const uint16_t* p = nullptr;
-  const uint16_t* v = nullptr;
-  float* o = nullptr;
-  int nblocks = 0;
+// One row group's pass over one chunk.
+struct RowGroup {
+  RowSoftmax c;
+  ChunkKV kv;
+  const uint16_t* vb[2];  // v_blocks
+  const uint16_t* q;
+  float *m, *l, *o;
+  int lo[kAmxRows], hi[kAmxRows];
 };
 
-// The AMX path's row groups in order, software-pipelined: group i's PV runs after group i+1's QK,
-// so its tile loads of the probabilities and accumulator (just written by vector stores, which tile
-// loads do not forward from) find them in L1 instead of stalling on the store drain.
+// A PV to run: o[16 rows][D] += p[16 rows][32 * nblocks tokens] . v (nblocks <= 2).
+struct Pv {
+  const uint16_t* p = nullptr;
+  const uint16_t* vb[2];
+  float* o;
+  int nblocks;
+};
+
+// tmm g += tmm A . (the tile at b), for an accumulator g in 0..3 (B operand tmm6 or tmm7).
+#define PYENGINE_PRODUCT_INTO(g, A, b, stride)                   \
+  switch (g) {                                                  \
+    case 0: PYENGINE_TILE_PRODUCT(0, A, 6, b, stride); break;   \
+    case 1: PYENGINE_TILE_PRODUCT(1, A, 7, b, stride); break;   \
+    case 2: PYENGINE_TILE_PRODUCT(2, A, 6, b, stride); break;   \
+    default: PYENGINE_TILE_PRODUCT(3, A, 7, b, stride); break;  \
+  }
+
+// The tile work of one pipeline step as single tile products, which the softmax runs between its
+// rows (see AmxPipeline): one group's QK, S[16 rows][kChunk] = q . k (D / 32 x 4 products), then
+// one PV (D / 64 x nblocks x 4 products), with the A operand loads, zeroing and stores around them.
+class TileWork {
+ public:
+  TileWork(const RowGroup* qk, float* s, const Pv& pv, int64_t D)
+      : qk_(qk), s_(s), pv_(pv), D_(D), nqk_(qk ? D / 32 * 4 : 0), npv_(pv.p ? D / 64 * pv.nblocks * 4 : 0) {}
+
+  int size() const { return nqk_ + npv_; }
+  void run_all() {
+    for (int i = 0; i < size(); ++i) run(i);
+  }
+
+  void run(int i) {
+    if (i < nqk_) return qk_product(i / 4, i % 4);
+    i -= nqk_;
+    const int g = i % 4, tb = i / 4 % pv_.nblocks;
+    const int64_t d0 = i / 4 / pv_.nblocks * 64;
+    float* o = pv_.o + d0;
+    if (tb == 0 && g == 0) {
+      _tile_loadd(0, o, D_ * 4);
+      _tile_loadd(1, o + 16, D_ * 4);
+      _tile_loadd(2, o + 32, D_ * 4);
+      _tile_loadd(3, o + 48, D_ * 4);
+    }
+    const uint16_t* vt = pv_.vb[tb] + 2 * d0 + 32 * g;  // dims d0 + 16 g ..
+    if (tb == 0) {
+      if (g == 0) _tile_loadd(4, pv_.p, kChunk * 2);
+      PYENGINE_PRODUCT_INTO(g, 4, vt, D_ * 4);
+    } else {
+      if (g == 0) _tile_loadd(5, pv_.p + 32, kChunk * 2);
+      PYENGINE_PRODUCT_INTO(g, 5, vt, D_ * 4);
+    }
+    if (tb == pv_.nblocks - 1 && g == 3) {
+      _tile_stored(0, o, D_ * 4);
+      _tile_stored(1, o + 16, D_ * 4);
+      _tile_stored(2, o + 32, D_ * 4);
+      _tile_stored(3, o + 48, D_ * 4);
+    }
+  }
+
+ private:
+  // S += q[:, 32 kb, 32 kb + 32) . k of group g.
+  void qk_product(int kb, int g) {
+    if (kb == 0 && g == 0) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    const ChunkKV& kv = qk_->kv;
+    const uint16_t* kt = kv.k[g] + kb * 16 * kv.kld[g];
+    if (kb % 2 == 0) {
+      if (g == 0) _tile_loadd(4, qk_->q + kb * 32, D_ * 2);
+      PYENGINE_PRODUCT_INTO(g, 4, kt, kv.kld[g] * 2);
+    } else {
+      if (g == 0) _tile_loadd(5, qk_->q + kb * 32, D_ * 2);
+      PYENGINE_PRODUCT_INTO(g, 5, kt, kv.kld[g] * 2);
+    }
+    if (kb == nqk_ / 4 - 1 && g == 3) {
+      _tile_stored(0, s_, kChunk * 4);
+      _tile_stored(1, s_ + 16, kChunk * 4);
+      _tile_stored(2, s_ + 32, kChunk * 4);
+      _tile_stored(3, s_ + 48, kChunk * 4);
+    }
+  }
+
+  const RowGroup* qk_;
+  float* s_;
+  Pv pv_;
+  int64_t D_;
+  int nqk_, npv_;
+};
+
+// The chunk's two 32-token V blocks ([16 pairs][D][2], one tile row per pair): a block's groups as
+// they lie where contiguous (a packed run, blocks of >= 32 tokens), else copied into buf (64 x D).
+void v_blocks(const ChunkKV& kv, int64_t D, uint16_t* buf, const uint16_t* vb[2]) {
+  for (int b = 0; b < 2; ++b) {
+    if (kv.v[2 * b + 1] == kv.v[2 * b] + 16 * D) {
+      vb[b] = kv.v[2 * b];
+      continue;
+    }
+    uint16_t* dst = buf + b * 32 * D;
+    std::memcpy(dst, kv.v[2 * b], 16 * D * 2);
+    std::memcpy(dst + 16 * D, kv.v[2 * b + 1], 16 * D * 2);
+    vb[b] = dst;
+  }
+}
+
+// The AMX path's row groups in order, software-pipelined so that the tile unit works while the
+// vector units run a softmax: push(k) runs group k - 1's softmax (its scores are in) and, spread
+// between its rows, group k's QK and group k - 2's PV. Issued in one block, the tile work would hold
+// the reorder buffer until it retires and the two would run one after the other. The scores and
+// probabilities are double-buffered; the tile loads of a PV find its probabilities (vector stores,
+// which tile loads do not forward from) in L1. The V blocks of a group's chunk must stay put until
+// its PV: up to three chunks are in flight.
 class AmxPipeline {
  public:
-  explicit AmxPipeline(Scratch& w) : w_(w) { configure_tiles(6); }
+  AmxPipeline(Scratch& w, int64_t D) : w_(w), D_(D) { configure_tiles(8); }
   ~AmxPipeline() {
     flush();
     _tile_release();
   }
 
-  void group(const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k, const uint16_t* v, const int* lo,
-             const int* hi, float* m, float* l, float* o) {
-    float* s = w_.s.data();
-    qk_amx(q, D, k, s);
-    flush();
-    uint16_t* p = w_.p.data() + buf_ * kAmxRows * kChunk;
-    buf_ ^= 1;
-    int maxhi = 0;
-    for (int r = 0; r < kAmxRows; ++r) {
-      float alpha = 1.0f;
-      if (lo[r] < hi[r]) {
-        alpha = softmax_row_avx(c, s + r * kChunk, lo[r], hi[r], m[r], l[r], p + r * kChunk);
-        maxhi = std::max(maxhi, hi[r]);
-      } else {
-        std::memset(p + r * kChunk, 0, kChunk * 2);
-      }
-      if (alpha != 1.0f) {
-        const __m512 va = _mm512_set1_ps(alpha);
-        for (int64_t d = 0; d < D; d += 16)
-          _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), va));
-      }
-    }
-    pending_ = {p, v, o, (maxhi + 31) / 32};  // 32-token blocks holding a probability
-    D_ = D;
+  void push(const RowGroup& g) {
+    step(&g);
+    scored_ = g;
+    ++k_;
   }
 
   void flush() {
-    if (pending_.p) pv_amx(pending_.p, pending_.v, D_, pending_.nblocks, pending_.o);
-    pending_ = {};
+    step(nullptr);  // the last softmax, the PV before it
+    TileWork(nullptr, nullptr, pending_, D_).run_all();
+    pending_.p = nullptr;
+    k_ = 0;
   }
 
  private:
+  float* scores(int64_t k) { return w_.s.data() + k % 2 * kAmxRows * kChunk; }
+
+  // Group k - 1's softmax with g's QK (if any) and the pending PV interleaved; then k - 1's PV pends.
+  void step(const RowGroup* g) {
+    TileWork work(g, scores(k_), pending_, D_);
+    pending_.p = nullptr;
+    int next = 0;  // tile steps run so far: step i before row i * kAmxRows / size
+    auto before_row = [&](int r) {
+      while (next < work.size() && next * kAmxRows <= r * work.size()) work.run(next++);
+    };
+    if (k_ == 0) {
+      while (next < work.size()) work.run(next++);
+      return;
+    }
+    const RowGroup& sg = scored_;
+    uint16_t* p = w_.p.data() + k_ % 2 * kAmxRows * kChunk;
+    float alpha[kAmxRows];
+    const int maxhi = softmax_rows<softmax_row_avx>(kAmxRows, sg.c, scores(k_ - 1), sg.lo, sg.hi, sg.m, sg.l, p, alpha,
+                                                    before_row);
+    while (next < work.size()) work.run(next++);
+    for (int r = 0; r < kAmxRows; ++r) {  // after the PV above: it may add to the same rows
+      if (alpha[r] == 1.0f) continue;
+      const __m512 va = _mm512_set1_ps(alpha[r]);
+      for (int64_t d = 0; d < D_; d += 16)
+        _mm512_storeu_ps(sg.o + r * D_ + d, _mm512_mul_ps(_mm512_loadu_ps(sg.o + r * D_ + d), va));
+    }
+    pending_ = {p, {sg.vb[0], sg.vb[1]}, sg.o, (maxhi + 31) / 32};  // 32-token blocks holding a probability
+  }
+
   Scratch& w_;
-  PendingPv pending_;
-  int64_t D_ = 0;
-  int buf_ = 0;
+  const int64_t D_;
+  int64_t k_ = 0;  // groups pushed
+  RowGroup scored_;
+  Pv pending_;
 };
 #endif
 
-void row_group_portable(int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k,
-                        const uint16_t* v, const int* lo, const int* hi, float* m, float* l, float* o, Scratch& w) {
-  qk_portable(nr, q, D, k, w.s.data());
-  float alpha[kRows];
-  int maxhi = 0;
-  for (int r = 0; r < nr; ++r) {
-    uint16_t* p = w.p.data() + r * kChunk;
-    if (lo[r] < hi[r]) {
-      alpha[r] = softmax_row_portable(c, w.s.data() + r * kChunk, lo[r], hi[r], m[r], l[r], p);
-      maxhi = std::max(maxhi, hi[r]);
-    } else {
-      alpha[r] = 1.0f;
-      std::memset(p, 0, kChunk * 2);
-    }
-  }
-  pv_portable(nr, w.p.data(), v, D, (maxhi + 1) / 2, alpha, o);
-}
-
 // nr (<= kRows) rows of one chunk, on the vdpbf16ps or portable path.
-void row_group(Path path, int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const uint16_t* k,
-               const uint16_t* v, const int* lo, const int* hi, float* m, float* l, float* o, Scratch& w) {
+void row_group(Path path, int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const ChunkKV& kv, const int* lo,
+               const int* hi, float* m, float* l, float* o, Scratch& w) {
 #if defined(__AVX512BF16__)
   if (path == Path::kAvx512Bf16) {
     switch (nr) {
-      case 1: return row_group_avx<1>(c, q, D, k, v, lo, hi, m, l, o, w);
-      case 2: return row_group_avx<2>(c, q, D, k, v, lo, hi, m, l, o, w);
-      case 3: return row_group_avx<3>(c, q, D, k, v, lo, hi, m, l, o, w);
-      case 4: return row_group_avx<4>(c, q, D, k, v, lo, hi, m, l, o, w);
-      case 5: return row_group_avx<5>(c, q, D, k, v, lo, hi, m, l, o, w);
-      default: return row_group_avx<6>(c, q, D, k, v, lo, hi, m, l, o, w);
+      case 1: return row_group<AvxKernels<1>>(nr, c, q, D, kv, lo, hi, m, l, o, w);
+      case 2: return row_group<AvxKernels<2>>(nr, c, q, D, kv, lo, hi, m, l, o, w);
+      case 3: return row_group<AvxKernels<3>>(nr, c, q, D, kv, lo, hi, m, l, o, w);
+      case 4: return row_group<AvxKernels<4>>(nr, c, q, D, kv, lo, hi, m, l, o, w);
+      case 5: return row_group<AvxKernels<5>>(nr, c, q, D, kv, lo, hi, m, l, o, w);
+      default: return row_group<AvxKernels<6>>(nr, c, q, D, kv, lo, hi, m, l, o, w);
     }
   }
 #endif
-  row_group_portable(nr, c, q, D, k, v, lo, hi, m, l, o, w);
+  row_group<PortableKernels>(nr, c, q, D, kv, lo, hi, m, l, o, w);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -559,19 +733,26 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
     if (r < rows) std::memcpy(w.q.data() + r * D, static_cast<const uint16_t*>(a.q) + tok * a.q_stride + head * D, D * 2);
     else std::fill(w.q.data() + r * D, w.q.data() + (r + 1) * D, uint16_t{0});
     std::fill(w.o.data() + r * D, w.o.data() + (r + 1) * D, 0.0f);
-    w.m[r] = kNegInf;
     w.l[r] = 0.0f;
+    w.m[r] = kNegInf;
   }
 #if defined(PYENGINE_AMX)
   std::optional<AmxPipeline> amx;
-  if (path == Path::kAmx) amx.emplace(w);
+  if (path == Path::kAmx) amx.emplace(w, D);
 #endif
   const int64_t pos0 = first + tok0, pos_end = first + tok1;  // the item's positions [pos0, pos_end)
   const int64_t kv_lo = a.window > 0 ? std::max<int64_t>(0, pos0 + 1 - a.window) : 0;
+  const bool quant = a.cdt != DType::kBFloat16;
+  [[maybe_unused]] int64_t chunks = 0;
   for (int64_t c0 = kv_lo / kChunk * kChunk; c0 < pos_end; c0 += kChunk) {
+    const ChunkKV kv = chunk_kv(a, P, c0, w.edge.data());  // only the item's last chunk may use the edge buffer
+    if (!P.k) prefetch_chunk(a, P, c0 + kChunk);
     const int64_t t = c0 - P.lo;  // the chunk in the packed run
-    const bool quant = a.cdt != DType::kBFloat16;
     const RowSoftmax sm{a.scale, a.softcap, quant ? P.ks + t : nullptr, quant ? P.vs + t : nullptr};
+#if defined(PYENGINE_AMX)
+    const uint16_t* vb[2] = {};
+    if (amx) v_blocks(kv, D, w.vblocks.data() + ++chunks % 3 * kChunk * D, vb);  // see AmxPipeline
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += group) {
       const int nr = static_cast<int>(std::min<int64_t>(group, rows - r0));
       int lo[kAmxRows] = {}, hi[kAmxRows] = {};  // padding rows see nothing
@@ -583,19 +764,21 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
         any |= lo[r] < hi[r];
       }
       if (!any) continue;
+      float *m = w.m.data() + r0, *l = w.l.data() + r0, *o = w.o.data() + r0 * D;
 #if defined(PYENGINE_AMX)
       if (amx) {
-        amx->group(sm, w.q.data() + r0 * D, D, P.k + t * D, P.v + t * D, lo, hi, w.m.data() + r0, w.l.data() + r0,
-                   w.o.data() + r0 * D);
+        RowGroup g{sm, kv, {vb[0], vb[1]}, w.q.data() + r0 * D, m, l, o, {}, {}};
+        std::copy(lo, lo + kAmxRows, g.lo);
+        std::copy(hi, hi + kAmxRows, g.hi);
+        amx->push(g);
         continue;
       }
 #endif
-      row_group(path, nr, sm, w.q.data() + r0 * D, D, P.k + t * D, P.v + t * D, lo, hi, w.m.data() + r0,
-                w.l.data() + r0, w.o.data() + r0 * D, w);
+      row_group(path, nr, sm, w.q.data() + r0 * D, D, kv, lo, hi, m, l, o, w);
     }
   }
 #if defined(PYENGINE_AMX)
-  amx.reset();  // the last group's PV
+  amx.reset();  // the last groups' softmax and PV
 #endif
   uint16_t* out = static_cast<uint16_t*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
@@ -605,31 +788,33 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
   }
 }
 
-// Packs the pairs [p0, p1) into buf, then runs all their items.
+// Packs the pairs [p0, p1) (unless they read the cache directly), then runs all their items.
 void run_batch(const AttentionStep& a, std::vector<Packed>& pairs, int64_t p0, int64_t p1, Path path) {
-  static thread_local std::vector<uint16_t> kv;
-  static thread_local std::vector<float> scales;
-  int64_t tokens = 0;
-  for (int64_t i = p0; i < p1; ++i) tokens += pairs[i].n;
-  kv.resize(tokens * a.D * 2 + 32);
-  scales.resize(tokens * 2);
-  uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(kv.data()) + 63) & ~uintptr_t{63});
-  int64_t off = 0;
-  std::vector<std::pair<int64_t, int64_t>> tasks;  // (pair, first position) of each packing task
-  for (int64_t i = p0; i < p1; ++i) {
-    Packed& P = pairs[i];
-    P.k = base + off * a.D * 2;
-    P.v = P.k + P.n * a.D;
-    P.ks = scales.data() + off * 2;
-    P.vs = P.ks + P.n;
-    off += P.n;
-    for (int64_t t = 0; t < P.n; t += kPackTokens) tasks.emplace_back(i, t);
-  }
   auto& pool = ThreadPool::instance();
-  pool.parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
-    const Packed& P = pairs[tasks[i].first];
-    pack(a, P, tasks[i].second, std::min(P.n, tasks[i].second + kPackTokens));
-  });
+  if (!reads_cache(a)) {
+    static thread_local std::vector<uint16_t> kv;
+    static thread_local std::vector<float> scales;
+    int64_t tokens = 0;
+    for (int64_t i = p0; i < p1; ++i) tokens += pairs[i].n;
+    kv.resize(tokens * a.D * 2 + 32);
+    scales.resize(tokens * 2);
+    uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(kv.data()) + 63) & ~uintptr_t{63});
+    int64_t off = 0;
+    std::vector<std::pair<int64_t, int64_t>> tasks;  // (pair, first position) of each packing task
+    for (int64_t i = p0; i < p1; ++i) {
+      Packed& P = pairs[i];
+      P.k = base + off * a.D * 2;
+      P.v = P.k + P.n * a.D;
+      P.ks = scales.data() + off * 2;
+      P.vs = P.ks + P.n;
+      off += P.n;
+      for (int64_t t = 0; t < P.n; t += kPackTokens) tasks.emplace_back(i, t);
+    }
+    pool.parallel_for(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+      const Packed& P = pairs[tasks[i].first];
+      pack(a, P, tasks[i].second, std::min(P.n, tasks[i].second + kPackTokens));
+    });
+  }
 
   const int64_t G = a.H / a.KVH, item_tokens = std::max<int64_t>(1, kItemRows / G);
   std::vector<Item> items;
@@ -679,8 +864,8 @@ void prefill_attention_cpu(const AttentionStep& a, const int32_t* seqs, int64_t 
     const int64_t n = (len - lo + kChunk - 1) / kChunk * kChunk;
     for (int32_t h = 0; h < a.KVH; ++h) pairs.push_back({s, h, lo, n, nullptr, nullptr, nullptr, nullptr});
   }
-  // batches of pairs whose packed K/V fit the budget (at least one pair each)
-  const int64_t pair_bytes_per_token = a.D * 4 + 8;
+  // batches of pairs whose packed K/V fit the budget (at least one pair each; one batch when nothing is packed)
+  const int64_t pair_bytes_per_token = reads_cache(a) ? 0 : a.D * 4 + 8;
   for (int64_t p0 = 0, p1; p0 < static_cast<int64_t>(pairs.size()); p0 = p1) {
     int64_t bytes = pairs[p0].n * pair_bytes_per_token;
     for (p1 = p0 + 1; p1 < static_cast<int64_t>(pairs.size()); ++p1) {

@@ -6,10 +6,13 @@
 // block to int8 in two rows, the value and its residual (quantize_row), each with an fp32 scale
 // dx = amax / 127 (round to nearest even) and its block sums for the offset term. Per (row, tile,
 // 32-value group): int8 dot products of 64-byte lines (Q8_0: 8 lines; the others 4 lines x low/high
-// nibbles, with the Q5/Q6 high bits or'ed in), accumulated in fp32 across groups:
-//   acc[m][j] += dx[m, b] * (d[j, b] * dot[m][j] + c[j, b] * s[m, b])
-// (Q6_K: per 16-value half, with the half's sum), and the two rows' results are summed (+ bias) by the
-// tile's epilogue (store_row), straight into out.
+// nibbles, with the Q5/Q6 high bits or'ed in), accumulated in fp32 across groups, for a row of x
+// (int8 rows 1 and 2: its value and residual, s = dx * sum(xq) of the block):
+//   acc[j] += d[j, b] * (dx1 dot1[j] + dx2 dot2[j]) + c[j, b] * (s1 + s2)      (vnni, amx: scale_pair)
+//   acc[j] += dx1 d[j, b] dot1[j] + c[j, b] s1  and the same for row 2, summed  (avx2, scalar)
+// (Q6_K: per 16-value half, with the half's sum); the tile's epilogue (store_row) adds the bias and
+// writes straight into out. vnni and amx do the same float operations, so a row's result does not
+// depend on how many rows its batch has (the path).
 // A weight may be several row ranges of different types (a fused qkv of Q5_0 q/k and a Q8_0 v, as
 // llama.cpp's Q4_K_M mixes): a segment table, the activations quantized once for all of them.
 // SIMD paths, chosen at run time among those this build has (set_qlinear_isa, for tests):
@@ -201,14 +204,24 @@ inline void vnni_scales(const uint8_t* rec, int64_t g, int h, __m512& d, __m512&
   vec_scales<T, Zmm, false>(rec, g, h, 0, d, c);
 }
 
+// One group's (or half's) int32 dot products of a row pair (a row of x and its residual, scales dx1,
+// dx2) for the 16 rows of a tile, scaled into acc (d, c: vnni_scales; s12: the pair's offset sums
+// added). Shared by the vnni and amx paths: see the top of the file.
+inline __m512 scale_pair(__m512i dot1, __m512i dot2, float dx1, float dx2, __m512 d, __m512 c, float s12, __m512 acc) {
+  __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dx1));
+  t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2), _mm512_set1_ps(dx2), t);
+  acc = _mm512_fmadd_ps(t, d, acc);
+  return _mm512_fmadd_ps(c, _mm512_set1_ps(s12), acc);
+}
+
 // Rows [r0, r0 + MR) x tiles [t0, t0 + NT).
 template <int T, int MR, int NT>
 void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
   constexpr Layout L = layout(T);
   constexpr int per_half = L.lines / L.halves;
-  __m512 acc[MR][NT];
-  for (int m = 0; m < MR; ++m)
-    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  __m512 acc[MR / 2][NT];  // per row pair
+  for (auto& row : acc)
+    for (auto& v : row) v = _mm512_setzero_ps();
   const int64_t stride = tile_stride(L, a.KB);
   const uint8_t* w = a.w + t0 * stride;
   for (int64_t b = 0; b < a.KB; ++b) {
@@ -246,20 +259,19 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
       for (int t = 0; t < NT; ++t) {
         __m512 d, c;
         vnni_scales<T>(rec + t * stride, g, h, d, c);
-        for (int m = 0; m < MR; ++m) {
-          const int64_t xb = (r0 + m) * a.KB + b;
-          const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.dx[xb]));
-          acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][t]), ds, acc[m][t]);
-          acc[m][t] = _mm512_fmadd_ps(c, _mm512_set1_ps(offset_sum<T>(a, xb, h)), acc[m][t]);
+        for (int p = 0; p < MR / 2; ++p) {
+          const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
+          acc[p][t] = scale_pair(dot[2 * p][t], dot[2 * p + 1][t], a.dx[x1], a.dx[x2], d, c,
+                                 offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p][t]);
         }
       }
     });
   }
   for (int t = 0; t < NT; ++t) {
-    for (int m = 0; m < MR; m += 2) {
+    for (int p = 0; p < MR / 2; ++p) {
       alignas(64) float sum[kTileRows];
-      _mm512_store_ps(sum, _mm512_add_ps(acc[m][t], acc[m + 1][t]));
-      store_row(a, (r0 + m) / 2, (t0 + t) * kTileRows, sum);
+      _mm512_store_ps(sum, acc[p][t]);
+      store_row(a, r0 / 2 + p, (t0 + t) * kTileRows, sum);
     }
   }
 }
@@ -364,10 +376,8 @@ void amx_block(const QArgs& a, int64_t r0, int64_t tile, const uint8_t* unpacked
     vnni_scales<T>(w + b / L.groups() * L.record_bytes(), g, h, d, off);
     for (int p = 0; p < kAmxRows / 2; ++p) {
       const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
-      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[set][2 * p])), _mm512_set1_ps(a.dx[x1]));
-      t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[set][2 * p + 1])), _mm512_set1_ps(a.dx[x2]), t);
-      acc[p] = _mm512_fmadd_ps(t, d, acc[p]);
-      acc[p] = _mm512_fmadd_ps(off, _mm512_set1_ps(offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h)), acc[p]);
+      acc[p] = scale_pair(_mm512_load_si512(c[set][2 * p]), _mm512_load_si512(c[set][2 * p + 1]), a.dx[x1], a.dx[x2],
+                          d, off, offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p]);
     }
   }
   for (int p = 0; p < kAmxRows / 2; ++p) {

@@ -10,7 +10,7 @@
 //   block_tables   [S, max_blocks] int32; seq_lens [S] int32; query_start_loc [S+1] int32
 //
 // Quantization (per token, per kv head; the functions of kv_quant.h, shared
-// with the CPU): scale = absmax / qmax (qmax 448 for e4m3, 127 for int8);
+// with the CPU): int8 scale = absmax / 127, e4m3 the best of kFp8ScaleSteps candidates;
 // stored = encode(x / scale) (round to nearest even, saturating; a row of
 // zeros stores scale 0 and zeros); dequantized value = stored * scale.
 // Index values are trusted up to bounds: a slot outside [0, num_blocks *
@@ -90,12 +90,84 @@ struct Codec<int8_t> {
 };
 
 constexpr int kCacheWarps = 4;
+constexpr int kMaxFlips = 16;     // round_k_for_queries: as native/cpu/cache.cpp
+constexpr int kMaxGroup = 16;     // q heads per kv head it handles (larger groups round to nearest)
+constexpr int kMaxRowSlots = 8;   // values per lane (head_dim <= 256)
+
+// native/cpu/cache.cpp's round_k_for_queries for one warp's K row (values d = lane + 32 r): codes start
+// at round-to-nearest and move, best first and at most once each, to their other e4m3 neighbour while
+// J = sum_g (u_g . e)^2 + |e|^2 / D drops; u_g this token's q of head g, unit length. q: the group's G
+// rows, D apart.
+template <typename T>
+__device__ void round_k_for_queries(const T* __restrict__ src, const T* __restrict__ q, int G, int D, float scale,
+                                    uint8_t (&code)[kMaxRowSlots], int lane) {
+  float inv[kMaxGroup], p[kMaxGroup], d[kMaxRowSlots], a[kMaxRowSlots];
+  const float lambda = 1.f / D;
+  for (int g = 0; g < G; ++g) {
+    float n = 0.f;
+    for (int i = lane; i < D; i += 32) n += to_float(q[g * D + i]) * to_float(q[g * D + i]);
+    n = warp_sum(n);
+    inv[g] = n > 0.f ? rsqrtf(n) : 0.f;
+  }
+#pragma unroll
+  for (int r = 0; r < kMaxRowSlots; ++r) d[r] = 0.f, a[r] = 0.f;
+  for (int g = 0; g < G; ++g) p[g] = 0.f;
+#pragma unroll
+  for (int r = 0; r < kMaxRowSlots; ++r) {
+    const int i = lane + 32 * r;
+    if (i >= D) break;
+    const float x = to_float(src[i]), v = fp8e4m3_to_float(code[r]);
+    const float av = fabsf(v), ay = fabsf(kv_scaled(x, scale)), e = v * scale - x;
+    const int m = code[r] & 0x7f;
+    const int other = av < ay && m < 0x7e ? (code[r] & 0x80) | (m + 1) : av > ay ? (code[r] & 0x80) | (m - 1) : -1;
+    d[r] = other < 0 ? 0.f : (fp8e4m3_to_float(static_cast<uint8_t>(other)) - v) * scale;
+    float uu = 0.f;
+    for (int g = 0; g < G; ++g) {
+      const float u = to_float(q[g * D + i]) * inv[g];
+      p[g] += u * e;
+      uu += u * u;
+    }
+    a[r] = d[r] * d[r] * (uu + lambda) + 2.f * lambda * e * d[r];
+  }
+  for (int g = 0; g < G; ++g) p[g] = warp_sum(p[g]);
+  for (int flip = 0; flip < kMaxFlips; ++flip) {
+    float best = 0.f;
+    int best_i = -1;
+#pragma unroll
+    for (int r = 0; r < kMaxRowSlots; ++r) {
+      const int i = lane + 32 * r;
+      if (i >= D || d[r] == 0.f) continue;
+      float dj = a[r];
+      for (int g = 0; g < G; ++g) dj += p[g] * 2.f * d[r] * to_float(q[g * D + i]) * inv[g];
+      if (dj < best) best = dj, best_i = i;
+    }
+    for (int o = 16; o > 0; o >>= 1) {  // the warp's least change, the lower index on ties
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+      if (oi >= 0 && (best_i < 0 || ob < best || (ob == best && oi < best_i))) best = ob, best_i = oi;
+    }
+    if (best_i < 0) break;
+    float moved = 0.f;
+#pragma unroll
+    for (int r = 0; r < kMaxRowSlots; ++r) {
+      if (lane + 32 * r != best_i) continue;
+      const int m = code[r] & 0x7f;
+      const bool up = fabsf(fp8e4m3_to_float(code[r])) < fabsf(kv_scaled(to_float(src[best_i]), scale));
+      code[r] = static_cast<uint8_t>((code[r] & 0x80) | (up ? m + 1 : m - 1));
+      moved = d[r];
+      d[r] = 0.f;
+    }
+    moved = __shfl_sync(0xffffffffu, moved, best_i & 31);
+    for (int g = 0; g < G; ++g) p[g] += to_float(q[g * D + best_i]) * inv[g] * moved;
+  }
+}
 
 template <typename T, typename C>
 __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __restrict__ value, C* __restrict__ kc,
                                          C* __restrict__ vc, float* __restrict__ ks, float* __restrict__ vs,
                                          const int64_t* __restrict__ slot_mapping, int KVH, int D, int BS,
-                                         int64_t key_stride, int64_t value_stride, int64_t num_slots) {
+                                         int64_t key_stride, int64_t value_stride, int64_t num_slots,
+                                         const T* __restrict__ query, int64_t query_stride, int G) {
   const int64_t t = blockIdx.x;
   const int64_t slot = slot_mapping[t];
   if (slot < 0 || slot >= num_slots) return;
@@ -111,8 +183,32 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
     if constexpr (Codec<C>::kQuant) {
       float amax = 0.f;
       for (int d = lane; d < D; d += 32) amax = fmaxf(amax, fabsf(to_float(src[d])));
-      scale = kv_scale(warp_max(amax), Codec<C>::kQmax);
+      amax = warp_max(amax);
+      scale = kv_scale(amax, Codec<C>::kQmax);
+      if constexpr (std::is_same_v<C, fp8>) {  // the candidate of least squared error (kv_quant.h)
+        float best_err = INFINITY;
+        for (int j = 0; j < kFp8ScaleSteps; ++j) {
+          const float s = fp8_scale_candidate(amax, j);
+          float err = 0.f;
+          for (int d = lane; d < D; d += 32) err += fp8_sq_error(to_float(src[d]), s);
+          err = warp_sum(err);  // the same total on every lane, so every lane picks the same scale
+          if (err < best_err) scale = s, best_err = err;
+        }
+      }
       if (lane == 0) (is_v ? vs : ks)[row] = scale;
+    }
+    if constexpr (std::is_same_v<C, fp8>) {
+      if (!is_v && query != nullptr && G <= kMaxGroup && D <= 32 * kMaxRowSlots && scale > 0.f) {
+        uint8_t code[kMaxRowSlots];
+#pragma unroll
+        for (int r = 0; r < kMaxRowSlots; ++r)
+          code[r] = lane + 32 * r < D ? float_to_fp8e4m3(kv_scaled(to_float(src[lane + 32 * r]), scale)) : 0;
+        round_k_for_queries(src, query + t * query_stride + static_cast<int64_t>(g) * G * D, G, D, scale, code, lane);
+#pragma unroll
+        for (int r = 0; r < kMaxRowSlots; ++r)
+          if (lane + 32 * r < D) dst[lane + 32 * r].__x = code[r];
+        continue;
+      }
     }
     for (int d = lane; d < D; d += 32) dst[d] = Codec<C>::encode(to_float(src[d]), scale);
   }
@@ -591,8 +687,11 @@ void check_attention_sizes(int64_t num_heads, int64_t num_kv_heads, int64_t head
 void reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
                        uintptr_t v_scales, uintptr_t slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
                        int64_t head_dim, int64_t key_token_stride, int64_t value_token_stride, int64_t num_blocks,
-                       int64_t block_size, int src_dtype, int cache_dtype, uintptr_t stream) {
+                       int64_t block_size, int src_dtype, int cache_dtype, uintptr_t stream, uintptr_t query,
+                       int64_t query_token_stride, int64_t num_heads) {
   const char* op = "reshape_and_cache";
+  if (query != 0 && (num_heads <= 0 || num_heads % num_kv_heads))
+    throw std::invalid_argument("pyengine._cuda.reshape_and_cache: num_heads must be a positive multiple of num_kv_heads");
   const bool quant = cache_dtype == static_cast<int>(DType::kFloat8E4M3) || cache_dtype == static_cast<int>(DType::kInt8);
   if (quant && (k_scales == 0 || v_scales == 0))
     throw std::invalid_argument("pyengine._cuda.reshape_and_cache: fp8/int8 caches need k_scales and v_scales");
@@ -603,7 +702,8 @@ void reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintpt
       reshape_and_cache_kernel<scalar_t, cache_t><<<num_tokens, kCacheWarps * 32, 0, as_stream(stream)>>>(
           ptr<const scalar_t>(key), ptr<const scalar_t>(value), ptr<cache_t>(k_cache), ptr<cache_t>(v_cache),
           ptr<float>(k_scales), ptr<float>(v_scales), ptr<const int64_t>(slot_mapping), num_kv_heads, head_dim,
-          block_size, key_token_stride, value_token_stride, num_blocks * block_size);
+          block_size, key_token_stride, value_token_stride, num_blocks * block_size, ptr<const scalar_t>(query),
+          query_token_stride, query != 0 ? static_cast<int>(num_heads / num_kv_heads) : 0);
     });
   });
   check_launch(op);

@@ -57,7 +57,8 @@ void check_attention_sizes(int64_t num_heads, int64_t num_kv_heads, int64_t head
 void reshape_and_cache(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,
                        uintptr_t v_scales, uintptr_t slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
                        int64_t head_dim, int64_t key_token_stride, int64_t value_token_stride, int64_t num_blocks,
-                       int64_t block_size, int src_dtype, int cache_dtype, uintptr_t stream);
+                       int64_t block_size, int src_dtype, int cache_dtype, uintptr_t stream, uintptr_t query,
+                       int64_t query_token_stride, int64_t num_heads);
 
 // --- prefill_attention.cu --------------------------------------------------
 // paged_attention's arguments plus max_query_len, an upper bound on the step's query lengths (host

@@ -9,7 +9,8 @@ is built at load: fused weights, the fp32 cos/sin caches, the split sizes, the a
 projections, embedding and lm_head in a type with a native kernel stay quantized (QuantLinear) when the
 loader asks for it. With an fp8/int8 KV cache, q, k and v pass through a Hadamard rotation per head after
 RoPE (ops/layers.py: hadamard_heads), and the attention output through it again (it is its own inverse):
-K and V are cached rotated, and their rounding costs attention less.
+K and V are cached rotated, and their rounding costs attention less. An fp8 cache also gets the step's q
+to round K for (ops/cache.py: reshape_and_cache).
 
 The other families are this model with a few switches (ModelConfig's family fields): Qwen3 and
 Gemma 3 RMS-norm each q/k head before RoPE; Gemma norms the attention and MLP outputs before the
@@ -336,9 +337,11 @@ class LlamaForCausalLM(torch.nn.Module):
                 for part in (q, k, v):
                     hadamard_heads(part, d)
             # .contiguous() copies only for T > 1 (a single row is already contiguous)
+            q = q.contiguous().view(q_shape)
             reshape_and_cache(k.contiguous().view(kv_shape), v.contiguous().view(kv_shape), cache.k, cache.v,
-                              meta.slot_mapping, k_scales=cache.k_scales, v_scales=cache.v_scales)
-            attn = paged_attention(q.contiguous().view(q_shape), cache.k, cache.v, meta.block_tables, meta.seq_lens,
+                              meta.slot_mapping, k_scales=cache.k_scales, v_scales=cache.v_scales,
+                              query=q if rotate else None)  # fp8 rounds K for q
+            attn = paged_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, scale, k_scales=cache.k_scales, v_scales=cache.v_scales,
                                    max_seq_len=meta.max_seq_len, window=attention.window, softcap=softcap,
                                    tensor_cores=meta.tensor_cores, max_query_len=meta.max_query_len)

@@ -27,11 +27,18 @@ void attention_step_cpu(void* out, const void* q, const void* k_cache, const voi
 // (tests run each path; the default, "amx", means the best there is); get says which one runs.
 void set_prefill_attention_path(const std::string& name);
 std::string prefill_attention_path();
+// The decode kernel's path (attention.cpp; the sequences below the prefill kernel's cut):
+// "avx512_bf16" (bf16 q: vdpbf16ps / vpdpwssd on the cache tiles) or "fp32" (each chunk dequantized to
+// fp32; every build). set caps it (tests run each path; the default, "avx512_bf16", means the best there
+// is); get says which one runs for bf16 q.
+void set_decode_attention_path(const std::string& name);
+std::string decode_attention_path();
 
 void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, void* v_cache, float* k_scales,
                            float* v_scales, const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
                            int64_t head_dim, int64_t key_stride, int64_t value_stride, int64_t num_blocks,
-                           int64_t block_size, DType src_dtype, DType cache_dtype);
+                           int64_t block_size, DType src_dtype, DType cache_dtype, const void* query = nullptr,
+                           int64_t query_stride = 0, int64_t num_heads = 0);
 
 namespace cpu {
 

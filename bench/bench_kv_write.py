@@ -1,0 +1,52 @@
+"""reshape_and_cache at the default model's shapes (3 kv heads, 9 q heads, head_dim 64, bf16 K/V), ms
+per layer-write (best of N) for T = 1 (a decode step), 64 (a prefill chunk), 2048 tokens: a bf16
+cache, int8, fp8 without q (the scale search alone) and fp8 with the step's q (K rounded for it, as
+the model writes).
+
+    python bench/bench_kv_write.py [--threads 2]
+"""
+import argparse
+import time
+
+import engine_common  # noqa: F401  (puts the checkout first on sys.path)
+import pyengine  # noqa: F401  (before torch: it sets the OpenMP spin policy)
+import torch
+
+from pyengine import _C
+from pyengine.ops.attention import kv_cache_shapes
+from pyengine.ops.cache import reshape_and_cache
+
+KV_HEADS, HEADS, HEAD_DIM, BLOCK = 3, 9, 64, 16
+CACHES = {"bf16": (torch.bfloat16, False), "int8": (torch.int8, False), "fp8": (torch.float8_e4m3fn, False),
+          "fp8 + q": (torch.float8_e4m3fn, True)}
+
+
+def best_ms(T: int, cache_dtype: torch.dtype, with_q: bool) -> float:
+    nb = (T + BLOCK - 1) // BLOCK
+    k_shape, v_shape = kv_cache_shapes(nb, KV_HEADS, BLOCK, HEAD_DIM, "cpu")
+    kc, vc = torch.zeros(k_shape, dtype=cache_dtype), torch.zeros(v_shape, dtype=cache_dtype)
+    quant = cache_dtype != torch.bfloat16
+    ks, vs = (torch.zeros(nb, KV_HEADS, BLOCK), torch.zeros(nb, KV_HEADS, BLOCK)) if quant else (None, None)
+    key, value = torch.randn(T, KV_HEADS, HEAD_DIM).bfloat16(), torch.randn(T, KV_HEADS, HEAD_DIM).bfloat16()
+    q = torch.randn(T, HEADS, HEAD_DIM).bfloat16() if with_q else None
+    slots = torch.arange(T)
+    best = float("inf")
+    for _ in range(200 if T < 2048 else 20):
+        t0 = time.perf_counter()
+        reshape_and_cache(key, value, kc, vc, slots, k_scales=ks, v_scales=vs, query=q)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    _C.set_num_threads(args.threads)
+    print(f"{'tokens':>6} " + " ".join(f"{name:>9}" for name in CACHES) + "   (ms per layer-write)")
+    for T in (1, 64, 2048):
+        print(f"{T:>6} " + " ".join(f"{best_ms(T, *spec):9.3f}" for spec in CACHES.values()))
+
+
+if __name__ == "__main__":
+    main()
