@@ -3,8 +3,8 @@
 The default model's Q4_1 file and its Q8_0 and Q4_K_M requantizations (written here with the `gguf`
 package's reference quantizer and pyengine.model.kquants, cached in the temp dir; on this model's rows
 of 576 values Q4_K_M is mostly llama.cpp's Q5_0 / Q8_0 fallbacks, Q4_K / Q6_K only in ffn_down).
-Per (file, weights): batch-1 decode tok/s (128-token prompt, 128 generated), a 64 x 128 generate (64 requests of 128 greedy tokens; output tok/s), and the
-process RSS before and after loading (each configuration runs in a fresh subprocess, alternating A/B,
+Per (file, weights): batch-1 decode tok/s (128-token prompt, 128 generated), a 64 x 128 generate (64 requests of 128 greedy tokens; output tok/s), prefill tok/s of one
+512- and one 2,000-token prompt (prompt tokens over the time to the first token), and the process RSS before and after loading (each configuration runs in a fresh subprocess, alternating A/B,
 `--repeats` times; figures are min..max over repeats).
 
     python bench/bench_quant.py [--threads 2] [--repeats 2] [--files Q4_1,Q8_0,Q4_K_M]
@@ -21,6 +21,7 @@ import tempfile
 from engine_common import ROOT, default_gguf
 
 PROMPT, GEN, STREAMS = 128, 128, 64
+PREFILLS = (512, 2000)
 KV_BYTES = 256 << 20
 
 
@@ -50,7 +51,13 @@ def one(path: str, weights: str, threads: int) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True), use_tqdm=False)
     gen = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
-    return {"decode": decode, "gen64": gen, "rss_before": rss0, "rss_after_load": rss1,
+    prefill = {}
+    for n in PREFILLS:
+        long_prompt = [rng.randrange(100, 40000) for _ in range(n)]
+        t0 = time.perf_counter()
+        llm.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        prefill[f"prefill{n}"] = n / (time.perf_counter() - t0)
+    return {"decode": decode, "gen64": gen, **prefill, "rss_before": rss0, "rss_after_load": rss1,
             "weights_mib": llm.engine.model.weight_bytes() / 2**20}
 
 
@@ -105,18 +112,20 @@ def main() -> None:
     span = lambda xs, f="{:.1f}": f"{f.format(min(xs))}..{f.format(max(xs))}"  # noqa: E731
     print(f"\n{args.threads} threads, {args.repeats} repeats; decode: batch 1, prompt {PROMPT}, {GEN} tokens; "
           f"gen64: {STREAMS} x {GEN} tokens (output tok/s); KV cache {KV_BYTES >> 20} MiB")
-    print(f"{'file':6s} {'weights':10s} {'decode tok/s':>14s} {'gen64 tok/s':>14s} {'weights MiB':>11s} "
-          f"{'RSS load MiB':>13s} {'RSS MiB':>9s}")
+    prefills = [f"prefill{n}" for n in PREFILLS]
+    print(f"{'file':6s} {'weights':10s} {'decode tok/s':>14s} {'gen64 tok/s':>14s} "
+          + " ".join(f"{p + ' tok/s':>18s}" for p in prefills) + f" {'weights MiB':>11s} {'RSS load MiB':>13s} {'RSS MiB':>9s}")
     for (kind, weights), rs in results.items():
         print(f"{kind:6s} {weights:10s} {span([r['decode'] for r in rs]):>14s} {span([r['gen64'] for r in rs]):>14s} "
-              f"{rs[0]['weights_mib']:11.1f} "
+              + " ".join(f"{span([r[p] for r in rs]):>18s}" for p in prefills) + f" {rs[0]['weights_mib']:11.1f} "
               f"{span([(r['rss_after_load'] - r['rss_before']) / 2**20 for r in rs], '{:.0f}'):>13s} "
               f"{span([r['rss_after_load'] / 2**20 for r in rs], '{:.0f}'):>9s}")
     for kind, path in files.items():
         a, b = results[kind, "auto"], results[kind, "dequantize"]
         ratio = lambda k: [x[k] / y[k] for x, y in zip(a, b)]  # noqa: E731 (pairs from the same repeat)
         limit = (1.1 * tensor_bytes(path) + KV_BYTES) / 2**20 + 150
-        print(f"{kind}: auto / bf16  decode {span(ratio('decode'), '{:.2f}')}x  gen64 {span(ratio('gen64'), '{:.2f}')}x;"
+        print(f"{kind}: auto / bf16  decode {span(ratio('decode'), '{:.2f}')}x  gen64 {span(ratio('gen64'), '{:.2f}')}x  "
+              + "  ".join(f"{p} {span(ratio(p), '{:.2f}')}x" for p in prefills) + ";"
               f"  RSS growth at load {max((r['rss_after_load'] - r['rss_before']) / 2**20 for r in a):.0f} MiB "
               f"(1.1 x file tensors + KV + 150 MiB = {limit:.0f} MiB)")
 

@@ -1,7 +1,8 @@
-"""QuantLinear (native/cpu/qlinear.cpp) against a torch reference on the same numbers: the weight
-dequantized by gguf's numpy dequantizer, the activations rounded to int8 per 32-block as the kernel
+"""QuantLinear's int8 kernels (native/cpu/qlinear.cpp) against a torch reference on the same numbers: the
+weight dequantized by gguf's numpy dequantizer, the activations rounded to int8 per 32-block as the kernel
 does; every SIMD path of this build (scalar, AVX2, AVX512-VNNI, AMX: M >= 8 rows, 16 at a time, the rest
-on VNNI)."""
+on VNNI). The many-row path that runs instead for bf16 activations (qlinear_strips.cpp) is off here; it
+has its own tests (test_qlinear_strips.py)."""
 import numpy as np
 import pytest
 import torch
@@ -16,6 +17,14 @@ K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
 # the types made of random bits, and their blocks' fp16 fields: (d, dmin) at bytes 0, 2 (Q4_K, Q5_K); d at
 # byte 208 (Q6_K), at byte 0 (IQ4_NL, IQ4_XS)
 FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+@pytest.fixture(autouse=True)
+def int8_kernels_at_every_m():
+    rows = _C.qlinear_strip_rows()
+    _C.set_qlinear_strip_rows(0)
+    yield
+    _C.set_qlinear_strip_rows(rows)
 
 
 @pytest.fixture(params=PATHS)

@@ -37,6 +37,10 @@ void register_qlinear_ops(py::module_& m) {
         "Run the quantized kernels on one SIMD path of this build (qlinear_isas), for tests of each path.");
   m.def("qlinear_isa", &c::qlinear_isa, "The SIMD path the quantized kernels run on now.");
   m.def("qlinear_isas", &c::qlinear_isas, "The SIMD paths of this build, comma-separated, best last.");
+  m.def("set_qlinear_strip_rows", &c::set_qlinear_strip_rows, py::arg("rows"),
+        "From this many rows of bf16 x (0: never), qlinear runs linear_bf16's kernel on the weight dequantized\n"
+        "a strip at a time (where linear_path is amx or avx512_bf16), else its int8 kernels.");
+  m.def("qlinear_strip_rows", &c::qlinear_strip_rows, "The row count set by set_qlinear_strip_rows.");
 }
 
 }  // namespace

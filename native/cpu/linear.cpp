@@ -36,6 +36,8 @@
 // vdpbf16ps kernel from M = 16 up (M = 64, gate_up: 25 -> ~280 GFLOP/s), the same at M = 1 (a weight
 // stream either way). It is chosen by K alone, for every M, because the two paths round differently
 // and a row's result must not depend on its batch. set_linear_path("avx512_bf16") turns it off (tests).
+// Bf16Rows (linear.h) is this tile loop for callers that make the packed tiles themselves
+// (qlinear_strips.cpp, from quantized weights); linear_bf16 runs on it too.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -49,6 +51,7 @@
 #include "pyengine/cpu_ops.h"
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
+#include "linear.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -73,6 +76,7 @@ struct Args {
   void* out;
   int64_t M, N, K, KP;
   bool out_f32;
+  int64_t ldo;  // out's row stride (elements)
 };
 
 inline int tiles_per_group(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 2 : 1; }
@@ -80,7 +84,7 @@ inline int tiles_per_group(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 2 
 #if defined(__AVX512BF16__)
 
 // The epilogue of both paths (Args, AmxArgs): output tile `tile` (16 columns, masked at N) of a row =
-// its fp32 sums + bias, stored as fp32 or bf16.
+// its fp32 sums + bias, stored as fp32 or bf16 (rows ldo apart).
 struct TileStore {
   int64_t n0;
   __mmask16 mask;
@@ -95,7 +99,7 @@ struct TileStore {
   template <class A>
   void store(const A& a, int64_t row, __m512 sums) const {
     const __m512 v = _mm512_add_ps(sums, bias);
-    const int64_t off = row * a.N + n0;
+    const int64_t off = row * a.ldo + n0;
     if (a.out_f32) _mm512_mask_storeu_ps(static_cast<float*>(a.out) + off, mask, v);
     else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + off, mask, (__m256i)_mm512_cvtneps_pbh(v));
   }
@@ -176,7 +180,7 @@ void tile_group(const Args& a, int64_t t0, int nt) {
       }
       for (int64_t j = 0; j < valid; ++j) {
         const float v = acc[j] + (a.bias ? a.bias[n0 + j] : 0.0f);
-        const int64_t off = m * a.N + n0 + j;
+        const int64_t off = m * a.ldo + n0 + j;
         if (a.out_f32) {
           static_cast<float*>(a.out)[off] = v;
         } else {
@@ -200,6 +204,7 @@ struct AmxArgs {
   void* out;
   int64_t M, N, K, KP;
   bool out_f32;
+  int64_t ldo;
 
   const uint16_t* block(int64_t r0) const { return r0 + 16 <= M ? x + r0 * K : tail; }
 };
@@ -259,24 +264,6 @@ void amx_range(const AmxArgs& a, int64_t begin, int64_t end) {
 // depend on how many rows came with it.
 bool use_amx(int64_t K) { return g_amx_allowed.load(std::memory_order_relaxed) && K % 32 == 0 && amx_usable(); }
 
-void linear_amx(const uint16_t* x, const uint16_t* w, const float* bias, void* out, int64_t M, int64_t N,
-                int64_t K, bool out_f32) {
-  static thread_local std::vector<uint16_t> tail;
-  const int64_t full = M / 16 * 16;
-  if (full < M) {
-    tail.assign(16 * K, 0);
-    std::memcpy(tail.data(), x + full * K, (M - full) * K * 2);
-  }
-  const int64_t tiles = (N + kTileN - 1) / kTileN, pairs = (tiles + 1) / 2;
-  auto& pool = ThreadPool::instance();
-  const bool small = tiles * ((K + 1) / 2) * kTileLine * 2 < kMinParallelBytes;  // as the vdpbf16ps path
-  const int64_t chunks = small ? 1 : std::min<int64_t>(pairs, pool.num_threads());
-  const AmxArgs a{x, full < M ? tail.data() : nullptr, w, bias, out, M, N, K, (K + 1) / 2, out_f32};
-  pool.parallel_for(chunks, [&](int64_t c) {
-    amx_range(a, 2 * (pairs * c / chunks), std::min(tiles, 2 * (pairs * (c + 1) / chunks)));
-  });
-}
-
 #endif
 
 // x [M, K] -> xp (layout above).
@@ -311,11 +298,34 @@ void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, i
     throw std::invalid_argument("linear_bf16: out dtype must be fp32 or bf16");
   if (packed % 64 != 0) throw std::invalid_argument("linear_bf16: packed weight must be 64-byte aligned");
   if (M == 0) return;
+  const Bf16Rows rows(reinterpret_cast<const uint16_t*>(x), M, K);
+  // Ranges of whole tile pairs (AMX's blocks), one per thread unless the weight is small.
+  const int64_t tiles = (N + kTileN - 1) / kTileN, pairs = (tiles + 1) / 2, tile_elems = (K + 1) / 2 * kTileLine;
+  auto& pool = ThreadPool::instance();
+  const int64_t chunks = tiles * tile_elems * 2 < kMinParallelBytes ? 1 : std::min<int64_t>(pairs, pool.num_threads());
+  const bool out_f32 = out_dtype == static_cast<int>(DType::kFloat32);
+  pool.parallel_for(chunks, [&](int64_t c) {
+    const int64_t begin = 2 * (pairs * c / chunks), end = std::min(tiles, 2 * (pairs * (c + 1) / chunks));
+    const int64_t n0 = begin * kTileN;
+    rows.run(reinterpret_cast<const uint16_t*>(packed) + begin * tile_elems,
+             bias ? reinterpret_cast<const float*>(bias) + n0 : nullptr,
+             reinterpret_cast<char*>(out) + n0 * (out_f32 ? 4 : 2), std::min(N, end * kTileN) - n0, N, out_f32);
+  });
+}
+
+bool linear_bf16_simd(int64_t K) { return linear_path(K) != "portable"; }
+
+Bf16Rows::Bf16Rows(const uint16_t* x, int64_t M, int64_t K) : x_(x), M_(M), K_(K) {
 #if defined(PYENGINE_AMX)
   if (use_amx(K)) {
-    linear_amx(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(packed),
-               reinterpret_cast<const float*>(bias), reinterpret_cast<void*>(out), M, N, K,
-               out_dtype == static_cast<int>(DType::kFloat32));
+    amx_ = true;
+    static thread_local std::vector<uint16_t> tail;
+    const int64_t full = M / 16 * 16;
+    if (full < M) {
+      tail.assign(16 * K, 0);
+      std::memcpy(tail.data(), x + full * K, (M - full) * K * 2);
+      tail_ = tail.data();
+    }
     return;
   }
 #endif
@@ -323,24 +333,29 @@ void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, i
   const int64_t KP = (K + 1) / 2;
   xp.resize(static_cast<size_t>(M * KP));
   uint32_t* const xbuf = xp.data();  // this thread's buffer (a worker's thread_local xp is another)
-  auto& pool = ThreadPool::instance();
   const bool big = M > kPanelMinRows;
-  pool.parallel_for(big ? (M + kMaxRows - 1) / kMaxRows : 1, [&](int64_t c) {  // big M: repack in parallel
+  ThreadPool::instance().parallel_for(big ? (M + kMaxRows - 1) / kMaxRows : 1, [&](int64_t c) {  // big M: in parallel
     const int64_t r0 = big ? c * kMaxRows : 0, rows = big ? std::min(kMaxRows, M - r0) : M;
-    pack_x(reinterpret_cast<const uint16_t*>(x) + r0 * K, rows, K, xbuf + r0 * KP);
+    pack_x(x + r0 * K, rows, K, xbuf + r0 * KP);
   });
-  const int64_t tiles = (N + kTileN - 1) / kTileN;
-  const int64_t bytes = tiles * KP * kTileLine * 2;
-  const int64_t chunks = bytes < kMinParallelBytes ? 1 : std::min<int64_t>(tiles, pool.num_threads());
-  const size_t out_es = out_dtype == static_cast<int>(DType::kFloat32) ? 4 : 2;
+  xp_ = xbuf;
+}
+
+void Bf16Rows::run(const uint16_t* w, const float* bias, void* out, int64_t N, int64_t ldo, bool out_f32) const {
+  const int64_t tiles = (N + kTileN - 1) / kTileN, KP = (K_ + 1) / 2;
+#if defined(PYENGINE_AMX)
+  if (amx_) {
+    amx_range({x_, tail_, w, bias, out, M_, N, K_, KP, out_f32, ldo}, 0, tiles);
+    return;
+  }
+#endif
   // Panels of x rows (about kPanelBytes, whole 16-row chunks) stay in L2 while every tile of the
   // weight streams past them; one pass over all rows would re-read x from L3 for every tile.
-  const int64_t panel = big ? std::max<int64_t>(1, kPanelBytes / (KP * 4 * kMaxRows)) * kMaxRows : M;
-  for (int64_t p0 = 0; p0 < M; p0 += panel) {
-    const Args a{xbuf + p0 * KP, reinterpret_cast<const uint16_t*>(packed), reinterpret_cast<const float*>(bias),
-                 reinterpret_cast<char*>(out) + p0 * N * out_es, std::min(panel, M - p0), N, K, KP, out_es == 4};
-    pool.parallel_for(chunks, [&](int64_t c) { tile_range(a, tiles * c / chunks, tiles * (c + 1) / chunks); });
-  }
+  const int64_t panel = M_ > kPanelMinRows ? std::max<int64_t>(1, kPanelBytes / (KP * 4 * kMaxRows)) * kMaxRows : M_;
+  for (int64_t p0 = 0; p0 < M_; p0 += panel)
+    tile_range({xp_ + p0 * KP, w, bias, static_cast<char*>(out) + p0 * ldo * (out_f32 ? 4 : 2), std::min(panel, M_ - p0),
+                N, K_, KP, out_f32, ldo},
+               0, tiles);
 }
 
 void set_linear_path(const std::string& name) {

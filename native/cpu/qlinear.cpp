@@ -21,6 +21,8 @@
 //   avx512_vnni: vpdpbusd, the 16 rows of a tile in the lanes of one zmm, 4 activation bytes broadcast;
 //   avx2: vpmaddubsw + vpmaddwd, a tile's rows in two ymm (Q8_0 on signed values: no i16 overflow);
 //   scalar: a portable loop over the same layout.
+// From qlinear_strip_rows() rows of bf16 x (16), qlinear_strips.cpp runs instead: the weight dequantized to
+// bf16 a strip at a time for linear.cpp's kernel, bit-identical to weights="dequantize".
 // Parallel shape as linear.cpp: tiles split into one contiguous range per thread; within a range,
 // groups of NT tiles x chunks of MR rows; big M in row panels so the quantized activations stay in
 // L2 while the weights stream.
@@ -37,20 +39,7 @@
 #include "pyengine/dtype.h"
 #include "pyengine/ggml_blocks.h"
 #include "pyengine/parallel.h"
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define PYENGINE_QLINEAR_AVX2 1
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define PYENGINE_QLINEAR_VNNI 1
-// GCC 12 warns inside its own _mm512_cvtph_ps (an undefined pass-through operand): a false positive
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#if defined(PYENGINE_QLINEAR_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define PYENGINE_QLINEAR_AMX 1
-#include "pyengine/amx.h"
-#endif
+#include "qtiles.h"
 
 namespace pyengine::cpu {
 namespace {
@@ -125,9 +114,6 @@ inline void store_row(const QArgs& a, int64_t r, int64_t n0, const float* sum) {
     else static_cast<uint16_t*>(a.out)[r * a.ldo + n0 + j] = float_to_bf16(v);
   }
 }
-
-// Bytes of one tile's records.
-inline int64_t tile_stride(const Layout& L, int64_t KB) { return KB / L.groups() * L.record_bytes(); }
 
 // Stored unsigned value k (0..31) of row j in a group, for the scalar paths (the IQ4 types: the signed
 // level, their group_scale has c = 0).
@@ -210,95 +196,7 @@ void tile_group_scalar(const QArgs& a, int64_t t0, int nt) {
   }
 }
 
-// Calls f(std::integral_constant<int, I>) for I = B .. E - 1: line indices as constants, so every
-// shift below is an immediate.
-template <int B, int E, class F>
-inline void static_for(F&& f) {
-  if constexpr (B < E) {
-    f(std::integral_constant<int, B>{});
-    static_for<B + 1, E>(f);
-  }
-}
-
-// group_scale for the rows [r0, r0 + V's lanes) of one tile, group g, half h of record `rec`, as vectors
-// V (Zmm, Ymm: loads of the scale fields, mul, set1). Signed: the path multiplies Q8_0's and the IQ4
-// types' values signed (their offset c is then 0), else their unsigned u (c = -128 d).
-template <int T, class V, bool Signed>
-inline void vec_scales(const uint8_t* rec, int64_t g, int h, int64_t r0, typename V::F& d, typename V::F& c) {
-  constexpr Layout L = layout(T);
-  const uint8_t* s = rec + L.scales_offset();
-  auto f16 = [&](int64_t field) { return V::f16(s + field + 2 * r0); };
-  auto u8 = [&](int64_t field) { return V::u8(s + field + r0); };
-  auto i8 = [&](int64_t field) { return V::i8(s + field + r0); };
-  if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
-    d = V::mul(f16(0), u8(64 + 16 * g));
-    c = V::mul(V::mul(f16(32), V::set1(-1.0f)), u8(192 + 16 * g));
-  } else if constexpr (T == ggml::kQ6_K) {
-    d = V::mul(f16(0), i8(32 + 16 * (2 * g + h)));
-    c = V::mul(d, V::set1(-32.0f));
-  } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
-    d = f16(0);
-    c = f16(32);
-  } else {
-    d = T == ggml::kIQ4_XS ? V::mul(f16(0), i8(32 + 16 * g)) : f16(0);
-    constexpr bool signed_values = T == ggml::kQ8_0 || L.lookup;
-    c = V::mul(d, V::set1(signed_values ? (Signed ? 0.0f : -128.0f) : T == ggml::kQ5_0 ? -16.0f : -8.0f));
-  }
-}
-
 #if defined(PYENGINE_QLINEAR_VNNI)
-
-// v shifted left by S bits within 16-bit lanes (right for S < 0).
-template <int S>
-inline __m512i shift16(__m512i v) {
-  if constexpr (S > 0) return _mm512_slli_epi16(v, S);
-  else if constexpr (S < 0) return _mm512_srli_epi16(v, -S);
-  else return v;
-}
-
-// Line I of a group of one tile -> the unsigned values of its low (k = 8I + t) and high (8I + 4 + t)
-// nibbles with their high bits, or (Q8_0) its bytes in lo. The high bits are moved into place and
-// merged in one ternary-logic op each (a | (b & mask): 0xF8).
-template <int T, int I>
-inline void vnni_line(const uint8_t* grp, __m512i& lo, __m512i& hi) {
-  constexpr Layout L = layout(T);
-  const __m512i raw = _mm512_loadu_si512(grp + 64 * I);
-  if constexpr (L.lines == 8) {
-    lo = raw;
-    return;
-  }
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  lo = _mm512_and_si512(raw, low4);
-  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-  if constexpr (L.lookup) {  // kIq4nl + 128, in each 128-bit lane
-    const __m512i table = _mm512_broadcast_i32x4(_mm_set_epi8(
-        static_cast<char>(241), static_cast<char>(217), static_cast<char>(197), static_cast<char>(181),
-        static_cast<char>(166), static_cast<char>(153), static_cast<char>(141), static_cast<char>(129), 118, 106,
-        93, 79, 63, 45, 24, 1));
-    lo = _mm512_shuffle_epi8(table, lo);
-    hi = _mm512_shuffle_epi8(table, hi);
-  } else if constexpr (L.high_lines == 1) {  // bit 2I (2I + 1) of the byte -> bit 4
-    const __m512i bit4 = _mm512_set1_epi8(0x10), hb = _mm512_loadu_si512(grp + 256);
-    lo = _mm512_ternarylogic_epi32(lo, shift16<4 - 2 * I>(hb), bit4, 0xF8);
-    hi = _mm512_ternarylogic_epi32(hi, shift16<3 - 2 * I>(hb), bit4, 0xF8);
-  } else if constexpr (L.high_lines == 2) {  // bits 4p, 4p + 1 (4p + 2, 4p + 3) -> bits 4, 5
-    constexpr int p = 4 * (I % 2);
-    const __m512i bits45 = _mm512_set1_epi8(0x30), hb = _mm512_loadu_si512(grp + 256 + 64 * (I / 2));
-    lo = _mm512_ternarylogic_epi32(lo, shift16<4 - p>(hb), bits45, 0xF8);
-    hi = _mm512_ternarylogic_epi32(hi, shift16<2 - p>(hb), bits45, 0xF8);
-  }
-}
-
-// vec_scales' vector: 16 rows of a tile, one per fp32 lane.
-struct Zmm {
-  using F = __m512;
-  static F f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static __m128i bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-  static F u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(p))); }
-  static F i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p))); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F set1(float v) { return _mm512_set1_ps(v); }
-};
 
 // (d, c) of the 16 rows of one tile for group g, half h of record `rec`.
 template <int T>
@@ -837,22 +735,6 @@ void check_k(int type, int64_t K, const char* who) {
                                 std::to_string(values) + " (GGML type " + std::to_string(type) + ")");
 }
 
-template <class F>
-void dispatch(int type, F&& f) {
-  switch (type) {
-    case ggml::kQ8_0: f(std::integral_constant<int, ggml::kQ8_0>{}); break;
-    case ggml::kQ4_0: f(std::integral_constant<int, ggml::kQ4_0>{}); break;
-    case ggml::kQ4_1: f(std::integral_constant<int, ggml::kQ4_1>{}); break;
-    case ggml::kQ5_0: f(std::integral_constant<int, ggml::kQ5_0>{}); break;
-    case ggml::kQ5_1: f(std::integral_constant<int, ggml::kQ5_1>{}); break;
-    case ggml::kQ4_K: f(std::integral_constant<int, ggml::kQ4_K>{}); break;
-    case ggml::kQ5_K: f(std::integral_constant<int, ggml::kQ5_K>{}); break;
-    case ggml::kQ6_K: f(std::integral_constant<int, ggml::kQ6_K>{}); break;
-    case ggml::kIQ4_NL: f(std::integral_constant<int, ggml::kIQ4_NL>{}); break;
-    default: f(std::integral_constant<int, ggml::kIQ4_XS>{}); break;
-  }
-}
-
 // One GGUF block of row j -> its unsigned values u[values], and its scale fields into the record's
 // scales `s` (ggml_blocks.h).
 void unpack_block(int type, const uint8_t* blk, int64_t j, uint8_t* u, uint8_t* s) {
@@ -1007,6 +889,9 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
   if ((out_dtype != f32 && out_dtype != bf16) || (x_dtype != f32 && x_dtype != bf16))
     throw std::invalid_argument("qlinear: x and out dtypes must be fp32 or bf16");
   if (M == 0) return;
+  if (x_dtype == bf16 && qlinear_strips(reinterpret_cast<const uint16_t*>(x), seg, reinterpret_cast<const float*>(bias),
+                                        reinterpret_cast<void*>(out), M, N, K, out_dtype == f32))
+    return;  // many rows: the weight dequantized a strip at a time for the bf16 kernel (qlinear_strips.cpp)
   // The kernel runs on 2M int8 rows (each row of x, then its residual: quantize_row); each tile's
   // epilogue sums a row pair's results (+ bias) into out.
   const int64_t KB = K / kBlock, M2 = 2 * M;
@@ -1073,9 +958,10 @@ void qembedding(uintptr_t ids, int64_t T, uintptr_t packed, int type, int64_t N,
         const uint8_t* rec = w + b / L.groups() * L.record_bytes();
         const int64_t g = b % L.groups();
         for (int64_t k = 0; k < kBlock; ++k) {
-          // the dequantized value as GGUF defines it, d * u + c (exact: Q8_0's d * q, Q6_K's d sc (q - 32))
+          // the dequantized value as GGUF defines it, d * u + c in one rounding (fused: Q6_K's d sc u alone
+          // can need 25 bits), as gguf.py's load-time dequantization and qlinear_strips.cpp round it
           const Scale s = group_scale<Ty>(rec, j, g, static_cast<int>(k / per_half));
-          const float v = s.d * static_cast<float>(group_value<Ty>(rec + g * L.group_bytes(), j, k)) + s.c;
+          const float v = std::fma(s.d, static_cast<float>(group_value<Ty>(rec + g * L.group_bytes(), j, k)), s.c);
           const int64_t off = r * K + b * kBlock + k;
           if (f32) reinterpret_cast<float*>(out)[off] = v;
           else reinterpret_cast<uint16_t*>(out)[off] = float_to_bf16(v);

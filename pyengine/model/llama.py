@@ -309,7 +309,8 @@ class LlamaForCausalLM(torch.nn.Module):
         cfg, eps, scale, sizes, d = self.cfg, self.eps, self.scale, self.qkv_sizes, self.cfg.head_dim
         q_shape, kv_shape = (t, *self.q_shape), (t, *self.kv_shape)
         if self.embed_q is not None:
-            residual = self.embed_q.embedding(input_ids, torch.float32)
+            # rounded to the model's dtype, as the dequantized table (weights="dequantize") holds it
+            residual = self.embed_q.embedding(input_ids, self.dtype).float()
         else:
             residual = F.embedding(input_ids, self.embed).float()
         if cfg.embed_scale:  # the scale rounded to the model's dtype, as transformers does

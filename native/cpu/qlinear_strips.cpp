@@ -1,0 +1,143 @@
+// Quantized linear layers at many rows (M >= strip rows, bf16 activations): the weight is dequantized a
+// strip at a time into bf16, in exactly the packed layout linear.cpp's kernel reads (16-output tiles of
+// k pairs), and that kernel (AMX tiles, else vdpbf16ps) runs its tile loop over all M rows of the strip.
+//
+// Why: the int8 kernels (qlinear.cpp) scale every 32-value group's int32 sums through the vector units,
+// which bounds them at many rows (M = 64: 0.4-0.5x the bf16 AMX GEMM on the same shapes). Here the
+// dequantization is paid once per strip per call, shared by all M rows, and the weight is still read at
+// its quantized size. A strip is a few tiles x all of K, about kStripBytes of bf16: it stays in L2 (2 MB
+// a core on the hosts we measured) while the rows stream past.
+//
+// Each value is d * u + c of its group (ggml_blocks.h) in one fused multiply-add, rounded to bf16 to
+// nearest even: every product in GGUF's formulas is exact in fp32 (fp16 scales times at most 13-bit
+// integers), so this is the load-time dequantization's value (pyengine/model/gguf.py) rounded the same
+// way, and a quantized linear here gives the bits `--weights dequantize` gives.
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "linear.h"
+#include "pyengine/dtype.h"
+#include "pyengine/parallel.h"
+#include "qtiles.h"
+
+namespace pyengine::cpu {
+namespace {
+
+using ggml::kBlock;
+using ggml::kTileRows;
+
+constexpr int64_t kDefaultStripRows = 16;
+constexpr int64_t kStripBytes = 256 * 1024;  // bf16 per strip: a share of L2 beside x's rows and the output
+
+std::atomic<int64_t> g_strip_rows{kDefaultStripRows};
+
+#if defined(PYENGINE_QLINEAR_VNNI) && defined(__AVX512BF16__)
+#define PYENGINE_QLINEAR_STRIPS 1
+
+// One 64-byte output line: 16 rows x the k pair (v0, v1), rounded to bf16 (linear.cpp's packed layout).
+inline void store_pair(uint16_t* line, __m512 v0, __m512 v1) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  _mm512_store_si512(line, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(v1, v0)));
+}
+
+// Byte t of each 32-bit lane of `bytes` (row j's value k = 4 i + t of a line), as d * u + c.
+template <int t>
+inline __m512 value(__m512i bytes, __m512 d, __m512 c) {
+  __m512i u = bytes;
+  if constexpr (t > 0) u = _mm512_srli_epi32(u, 8 * t);
+  if constexpr (t < 3) u = _mm512_and_si512(u, _mm512_set1_epi32(0xFF));
+  return _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(u), c);
+}
+
+// The 4 values of each row in `bytes` (k = k0 .. k0 + 3) -> lines k0 / 2 and k0 / 2 + 1 at `out`.
+inline void store_quad(uint16_t* out, __m512i bytes, __m512 d, __m512 c) {
+  store_pair(out, value<0>(bytes, d, c), value<1>(bytes, d, c));
+  store_pair(out + 32, value<2>(bytes, d, c), value<3>(bytes, d, c));
+}
+
+// Tiles [begin, end) of a type-T weight (KB groups a row) -> bf16 lines at `out` ([tile, K / 2, 16, 2]).
+template <int T>
+void dequantize_strip(const uint8_t* w, int64_t KB, int64_t begin, int64_t end, uint16_t* out) {
+  constexpr Layout L = layout(T);
+  constexpr int lines_per_half = L.lines / L.halves;
+  const int64_t stride = tile_stride(L, KB);
+  for (int64_t tile = begin; tile < end; ++tile) {
+    for (int64_t b = 0; b < KB; ++b, out += kBlock / 2 * 32) {
+      const uint8_t* rec = w + tile * stride + b / L.groups() * L.record_bytes();
+      const int64_t g = b % L.groups();
+      const uint8_t* grp = rec + g * L.group_bytes();
+      __m512 d[L.halves], c[L.halves];
+      for (int h = 0; h < L.halves; ++h) vec_scales<T, Zmm, false>(rec, g, h, 0, d[h], c[h]);
+      static_for<0, L.lines>([&](auto ic) {
+        constexpr int i = decltype(ic)::value, h = i / lines_per_half;
+        __m512i lo, hi;
+        vnni_line<T, i>(grp, lo, hi);
+        if constexpr (L.lines == 8) {  // k = 4i .. 4i + 3
+          store_quad(out + 2 * i * 32, lo, d[h], c[h]);
+        } else {  // low nibbles k = 8i .. 8i + 3, high 8i + 4 .. 8i + 7
+          store_quad(out + 4 * i * 32, lo, d[h], c[h]);
+          store_quad(out + (4 * i + 2) * 32, hi, d[h], c[h]);
+        }
+      });
+    }
+  }
+}
+
+// One strip: tiles [begin, end) of the segment whose first output column is col.
+struct Strip {
+  int type;
+  const uint8_t* w;
+  int64_t begin, end, col, rows;  // rows: the segment's
+};
+
+#endif
+
+}  // namespace
+
+void set_qlinear_strip_rows(int64_t rows) { g_strip_rows.store(std::max<int64_t>(rows, 0)); }
+
+int64_t qlinear_strip_rows() { return g_strip_rows.load(); }
+
+bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, void* out, int64_t M, int64_t N,
+                    int64_t K, bool out_f32) {
+#if defined(PYENGINE_QLINEAR_STRIPS)
+  const int64_t min_rows = g_strip_rows.load();
+  if (min_rows == 0 || M < min_rows || !linear_bf16_simd(K)) return false;
+  const int64_t KB = K / kBlock, tile_bytes = K * kTileRows * 2;
+  auto& pool = ThreadPool::instance();
+  // Strips of at most about kStripBytes, a multiple of the thread count where the segment has the tiles
+  // for it: equal shares (at 3 strips for 2 threads, one thread idled a third of the time).
+  std::vector<Strip> strips;
+  const int64_t threads = pool.num_threads();
+  for (int64_t s = 0, col = 0; s < seg[0]; col += seg[2 + 3 * s], ++s) {
+    const int64_t rows = seg[2 + 3 * s], tiles = (rows + kTileRows - 1) / kTileRows;
+    const int64_t rounds = (tiles * tile_bytes + kStripBytes * threads - 1) / (kStripBytes * threads);
+    const int64_t n = std::min(tiles, rounds * threads);
+    for (int64_t i = 0; i < n; ++i)
+      strips.push_back({static_cast<int>(seg[1 + 3 * s]), reinterpret_cast<const uint8_t*>(seg[3 + 3 * s]),
+                        tiles * i / n, tiles * (i + 1) / n, col, rows});
+  }
+  const Bf16Rows xr(x, M, K);
+  pool.parallel_for(static_cast<int64_t>(strips.size()), [&](int64_t i) {
+    const Strip& s = strips[i];
+    struct alignas(64) Line {
+      uint16_t v[32];
+    };
+    static thread_local std::vector<Line> buffer;
+    buffer.resize(static_cast<size_t>((s.end - s.begin) * K / 2));
+    uint16_t* const w = buffer.front().v;
+    dispatch(s.type, [&](auto t) { dequantize_strip<decltype(t)::value>(s.w, KB, s.begin, s.end, w); });
+    const int64_t n0 = s.col + s.begin * kTileRows;
+    xr.run(w, bias ? bias + n0 : nullptr, static_cast<char*>(out) + n0 * (out_f32 ? 4 : 2),
+           std::min(s.rows, s.end * kTileRows) - s.begin * kTileRows, N, out_f32);
+  });
+  return true;
+#else
+  (void)x, (void)seg, (void)bias, (void)out, (void)M, (void)N, (void)K, (void)out_f32;
+  return false;
+#endif
+}
+
+}  // namespace pyengine::cpu

@@ -1,0 +1,148 @@
+// The tiled quantized layout (ggml_blocks.h) decoded with SIMD: shared by the int8 kernels
+// (qlinear.cpp) and the dequantizing strips (qlinear_strips.cpp).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "pyengine/ggml_blocks.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PYENGINE_QLINEAR_AVX2 1
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PYENGINE_QLINEAR_VNNI 1
+// GCC 12 warns inside its own _mm512_cvtph_ps, _mm512_srli_epi32 (an undefined pass-through operand):
+// false positives
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+#if defined(PYENGINE_QLINEAR_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define PYENGINE_QLINEAR_AMX 1
+#include "pyengine/amx.h"
+#endif
+
+namespace pyengine::cpu {
+
+using ggml::Layout;
+using ggml::layout;
+
+// Bytes of one tile's records.
+inline int64_t tile_stride(const Layout& L, int64_t KB) { return KB / L.groups() * L.record_bytes(); }
+
+// Calls f(std::integral_constant<int, I>) for I = B .. E - 1: line indices as constants, so every
+// shift below is an immediate.
+template <int B, int E, class F>
+inline void static_for(F&& f) {
+  if constexpr (B < E) {
+    f(std::integral_constant<int, B>{});
+    static_for<B + 1, E>(f);
+  }
+}
+
+// group_scale for the rows [r0, r0 + V's lanes) of one tile, group g, half h of record `rec`, as vectors
+// V (Zmm, Ymm: loads of the scale fields, mul, set1). Signed: the path multiplies Q8_0's and the IQ4
+// types' values signed (their offset c is then 0), else their unsigned u (c = -128 d).
+template <int T, class V, bool Signed>
+inline void vec_scales(const uint8_t* rec, int64_t g, int h, int64_t r0, typename V::F& d, typename V::F& c) {
+  constexpr Layout L = layout(T);
+  const uint8_t* s = rec + L.scales_offset();
+  auto f16 = [&](int64_t field) { return V::f16(s + field + 2 * r0); };
+  auto u8 = [&](int64_t field) { return V::u8(s + field + r0); };
+  auto i8 = [&](int64_t field) { return V::i8(s + field + r0); };
+  if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
+    d = V::mul(f16(0), u8(64 + 16 * g));
+    c = V::mul(V::mul(f16(32), V::set1(-1.0f)), u8(192 + 16 * g));
+  } else if constexpr (T == ggml::kQ6_K) {
+    d = V::mul(f16(0), i8(32 + 16 * (2 * g + h)));
+    c = V::mul(d, V::set1(-32.0f));
+  } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
+    d = f16(0);
+    c = f16(32);
+  } else {
+    d = T == ggml::kIQ4_XS ? V::mul(f16(0), i8(32 + 16 * g)) : f16(0);
+    constexpr bool signed_values = T == ggml::kQ8_0 || L.lookup;
+    c = V::mul(d, V::set1(signed_values ? (Signed ? 0.0f : -128.0f) : T == ggml::kQ5_0 ? -16.0f : -8.0f));
+  }
+}
+
+// f(std::integral_constant<int, T>) for GGML type `type` (one with a kernel: ggml::supported).
+template <class F>
+inline void dispatch(int type, F&& f) {
+  switch (type) {
+    case ggml::kQ8_0: f(std::integral_constant<int, ggml::kQ8_0>{}); break;
+    case ggml::kQ4_0: f(std::integral_constant<int, ggml::kQ4_0>{}); break;
+    case ggml::kQ4_1: f(std::integral_constant<int, ggml::kQ4_1>{}); break;
+    case ggml::kQ5_0: f(std::integral_constant<int, ggml::kQ5_0>{}); break;
+    case ggml::kQ5_1: f(std::integral_constant<int, ggml::kQ5_1>{}); break;
+    case ggml::kQ4_K: f(std::integral_constant<int, ggml::kQ4_K>{}); break;
+    case ggml::kQ5_K: f(std::integral_constant<int, ggml::kQ5_K>{}); break;
+    case ggml::kQ6_K: f(std::integral_constant<int, ggml::kQ6_K>{}); break;
+    case ggml::kIQ4_NL: f(std::integral_constant<int, ggml::kIQ4_NL>{}); break;
+    default: f(std::integral_constant<int, ggml::kIQ4_XS>{}); break;
+  }
+}
+
+#if defined(PYENGINE_QLINEAR_VNNI)
+
+// v shifted left by S bits within 16-bit lanes (right for S < 0).
+template <int S>
+inline __m512i shift16(__m512i v) {
+  if constexpr (S > 0) return _mm512_slli_epi16(v, S);
+  else if constexpr (S < 0) return _mm512_srli_epi16(v, -S);
+  else return v;
+}
+
+// Line I of a group of one tile -> the unsigned values of its low (k = 8I + t) and high (8I + 4 + t)
+// nibbles with their high bits, or (Q8_0) its bytes in lo. The high bits are moved into place and
+// merged in one ternary-logic op each (a | (b & mask): 0xF8).
+template <int T, int I>
+inline void vnni_line(const uint8_t* grp, __m512i& lo, __m512i& hi) {
+  constexpr Layout L = layout(T);
+  const __m512i raw = _mm512_loadu_si512(grp + 64 * I);
+  if constexpr (L.lines == 8) {
+    lo = raw;
+    return;
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(raw, low4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+  if constexpr (L.lookup) {  // kIq4nl + 128, in each 128-bit lane
+    const __m512i table = _mm512_broadcast_i32x4(_mm_set_epi8(
+        static_cast<char>(241), static_cast<char>(217), static_cast<char>(197), static_cast<char>(181),
+        static_cast<char>(166), static_cast<char>(153), static_cast<char>(141), static_cast<char>(129), 118, 106,
+        93, 79, 63, 45, 24, 1));
+    lo = _mm512_shuffle_epi8(table, lo);
+    hi = _mm512_shuffle_epi8(table, hi);
+  } else if constexpr (L.high_lines == 1) {  // bit 2I (2I + 1) of the byte -> bit 4
+    const __m512i bit4 = _mm512_set1_epi8(0x10), hb = _mm512_loadu_si512(grp + 256);
+    lo = _mm512_ternarylogic_epi32(lo, shift16<4 - 2 * I>(hb), bit4, 0xF8);
+    hi = _mm512_ternarylogic_epi32(hi, shift16<3 - 2 * I>(hb), bit4, 0xF8);
+  } else if constexpr (L.high_lines == 2) {  // bits 4p, 4p + 1 (4p + 2, 4p + 3) -> bits 4, 5
+    constexpr int p = 4 * (I % 2);
+    const __m512i bits45 = _mm512_set1_epi8(0x30), hb = _mm512_loadu_si512(grp + 256 + 64 * (I / 2));
+    lo = _mm512_ternarylogic_epi32(lo, shift16<4 - p>(hb), bits45, 0xF8);
+    hi = _mm512_ternarylogic_epi32(hi, shift16<2 - p>(hb), bits45, 0xF8);
+  }
+}
+
+// vec_scales' vector: 16 rows of a tile, one per fp32 lane.
+struct Zmm {
+  using F = __m512;
+  static F f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static __m128i bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static F u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(p))); }
+  static F i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p))); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+};
+
+#endif
+
+// qlinear_strips.cpp: out = x @ W^T (+ bias) for bf16 x of M rows and qlinear's segment table, where
+// M >= qlinear_strip_rows() and linear.cpp has a SIMD kernel; false (nothing done) otherwise.
+bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, void* out, int64_t M, int64_t N,
+                    int64_t K, bool out_f32);
+
+}  // namespace pyengine::cpu
