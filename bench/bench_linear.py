@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from typing import Callable
 
 import pyengine  # noqa: F401  (first: sets libgomp's spin count before torch loads it, as the engine does)
@@ -22,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_common import min_time
 from pyengine import _C
 from pyengine.ops.linear import PackedLinear
 
@@ -86,17 +86,6 @@ def step_calls(impl: str, rows: int) -> tuple[Callable[[], None], int]:
             call()
 
     return step, nbytes
-
-
-def min_time(fn: Callable[[], object], reps: int) -> float:
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 @pytest.fixture(autouse=True)

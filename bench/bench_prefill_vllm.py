@@ -116,20 +116,12 @@ def prompt(n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n - 1)]
 
 
-def best_time(fn, rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def profile(llm, n: int, chunk: int, rounds: int) -> dict:
     """One layer's prefill attention over an n-token prompt in `chunk`-token steps, and its four GEMMs
     at M = chunk: seconds and FLOPs of each (see the module docstring)."""
     import torch
 
+    from engine_common import min_time
     from pyengine.ops.attention import paged_attention, to_cache_layout
 
     model = llm.engine.model
@@ -162,9 +154,8 @@ def profile(llm, n: int, chunk: int, rounds: int) -> dict:
 
     attn_flops = 4 * H * D * n * (n + 1) / 2
     gemm_flops = 2 * n * sum(p.in_features * p.out_features for p in (lin.qkv, lin.o, lin.gate_up, lin.down))
-    attention(), gemms()  # warm-up
-    return {"attn_s": best_time(attention, rounds), "attn_flops": attn_flops,
-            "gemm_s": best_time(gemms, rounds), "gemm_flops": gemm_flops, "layers": cfg.num_hidden_layers}
+    return {"attn_s": min_time(attention, rounds, warmup=1), "attn_flops": attn_flops,
+            "gemm_s": min_time(gemms, rounds, warmup=1), "gemm_flops": gemm_flops, "layers": cfg.num_hidden_layers}
 
 
 def main() -> None:

@@ -26,6 +26,19 @@ def load_hf(dtype):
     return model.eval()
 
 
+def min_time(fn, reps: int, warmup: int = 3) -> float:
+    """The best wall time of `reps` calls of fn, after `warmup` untimed ones (caches, thread pools, lazy
+    allocations)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 class Timer:
     def __enter__(self):
         self.t0 = time.perf_counter()
