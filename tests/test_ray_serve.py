@@ -48,6 +48,18 @@ def metrics(url: str) -> dict[tuple[str, frozenset], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def metrics_when(url: str, done, timeout: float = 30.0) -> dict[tuple[str, frozenset], float]:
+    """The first /metrics sample for which done(sample) holds, or the last one after `timeout` s: the
+    ingress polls the replicas' series (every second, longer while a busy replica answers late), so
+    they lag the requests."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if done(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.5)
+
+
 def per_replica(m: dict, name: str) -> dict[str, float]:
     return {r: sum(v for (n, labels), v in m.items() if n == name and ("replica", r) in labels) for r in REPLICAS}
 
@@ -102,8 +114,11 @@ def test_conversations_stay_on_their_replica_and_hit_its_prefix_cache(url):
     for reason in ("session", "prefix"):  # turns 2-5 of Ada, of Bob
         key = ("pyengine_ray:routing_decisions_total", frozenset({("model_name", model), ("reason", reason)}))
         assert m[key] - before_decisions.get(key, 0) >= 4, reason
-    hits = per_replica(m, "pyengine:prefix_cache_hits_total")
-    assert all(hits[w[0]] > 0 for w in (where["Ada"][0], where["Bob"][0]))
+    used = (where["Ada"][0][0], where["Bob"][0][0])
+
+    def hit(m):
+        return all(per_replica(m, "pyengine:prefix_cache_hits_total")[r] > 0 for r in used)
+    assert hit(metrics_when(url, hit)), used
 
 
 def test_client_disconnect_frees_the_replicas_blocks(url):
@@ -113,15 +128,11 @@ def test_client_disconnect_frees_the_replicas_blocks(url):
                                   stream=True, temperature=0)
     next(iter(stream))
     stream.close()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = metrics(url)
-        usage = per_replica(m, "pyengine:kv_cache_usage_perc")
-        running = per_replica(m, "pyengine:num_requests_running")
-        if not any(running.values()) and not any(usage.values()):
-            break
-        time.sleep(0.5)
-    assert not any(running.values()) and not any(usage.values()), (running, usage)
+    def idle(m):
+        return not any(per_replica(m, "pyengine:num_requests_running").values()) \
+            and not any(per_replica(m, "pyengine:kv_cache_usage_perc").values())
+    m = metrics_when(url, idle)
+    assert idle(m), (per_replica(m, "pyengine:num_requests_running"), per_replica(m, "pyengine:kv_cache_usage_perc"))
 
 
 async def _stream(url: str, model: str, prompt: str, max_tokens: int, started: set, i: int) -> str | None:
