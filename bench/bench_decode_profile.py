@@ -20,22 +20,12 @@ import statistics
 import time
 from collections import defaultdict
 
-from engine_common import default_gguf
+from engine_common import default_gguf, min_time
 
 import pyengine  # noqa: F401  (before torch)
 import torch
 
 from pyengine import LLM, SamplingParams, _C
-
-
-def best_ms(f, reps: int) -> float:
-    f()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def step_split(llm: LLM, tokens: int) -> dict[str, float]:
@@ -87,8 +77,8 @@ def main() -> None:
     for name, group, reps in (("projections", lins, 20), ("lm_head", [head], 40)):
         nbytes = sum(x.nbytes for x in group) // 64 * 64
         buf = torch.ones(nbytes, dtype=torch.uint8)
-        t = best_ms(lambda: [x(xs[x.in_features]) for x in group], reps)
-        r = best_ms(lambda: _C.read_bandwidth(buf.data_ptr(), nbytes, 0), reps)
+        t = min_time(lambda: [x(xs[x.in_features]) for x in group], reps, warmup=1) * 1e3
+        r = min_time(lambda: _C.read_bandwidth(buf.data_ptr(), nbytes, 0), reps, warmup=1) * 1e3
         print(f"  {name:11s} {nbytes / 1e6:6.1f} MB  {t:6.3f} ms ({nbytes / t / 1e6:5.1f} GB/s)  "
               f"read {r:6.3f} ms ({nbytes / r / 1e6:5.1f} GB/s)  {t / r:4.2f}x read")
 

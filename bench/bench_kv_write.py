@@ -6,9 +6,8 @@ the model writes).
     python bench/bench_kv_write.py [--threads 2]
 """
 import argparse
-import time
 
-import engine_common  # noqa: F401  (puts the checkout first on sys.path)
+from engine_common import min_time  # (and puts the checkout first on sys.path)
 import pyengine  # noqa: F401  (before torch: it sets the OpenMP spin policy)
 import torch
 
@@ -30,12 +29,10 @@ def best_ms(T: int, cache_dtype: torch.dtype, with_q: bool) -> float:
     key, value = torch.randn(T, KV_HEADS, HEAD_DIM).bfloat16(), torch.randn(T, KV_HEADS, HEAD_DIM).bfloat16()
     q = torch.randn(T, HEADS, HEAD_DIM).bfloat16() if with_q else None
     slots = torch.arange(T)
-    best = float("inf")
-    for _ in range(200 if T < 2048 else 20):
-        t0 = time.perf_counter()
+
+    def write() -> None:
         reshape_and_cache(key, value, kc, vc, slots, k_scales=ks, v_scales=vs, query=q)
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    return min_time(write, 200 if T < 2048 else 20, warmup=0) * 1e3
 
 
 def main() -> None:

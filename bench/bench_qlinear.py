@@ -13,9 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
-from engine_common import ROOT
+from engine_common import ROOT, min_time
 
 import pyengine  # noqa: F401  (before torch)
 import torch
@@ -28,15 +27,8 @@ from pyengine.ops.qlinear import QUANT_TYPES, QuantLinear  # noqa: E402
 from test_qlinear_op import quantized_weight  # noqa: E402
 
 
-def best_ms(f, calls: int = 40) -> float:
-    for _ in range(3):
-        f()
-    best = float("inf")
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+def best_ms(f) -> float:
+    return min_time(f, 40) * 1e3
 
 
 def main() -> None:
