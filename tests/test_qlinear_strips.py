@@ -12,21 +12,10 @@ from pyengine.model.loader import load_model
 from pyengine.ops.linear import PackedLinear
 from pyengine.ops.qlinear import QUANT_TYPES, QuantLinear
 from test_qlinear_op import quantized_weight
+from test_linear_op import path  # noqa: F401  (each linear_bf16 path the strips feed: AMX, vdpbf16ps)
 
 STRIPS = _C.isa() == "avx512_bf16"  # qlinear_strips needs linear_bf16's SIMD kernels
 pytestmark = pytest.mark.skipif(not STRIPS, reason="no AVX512-BF16 linear in this build: int8 kernels only")
-
-
-@pytest.fixture(params=["amx", "avx512_bf16"])
-def path(request):
-    """Each kernel path of linear_bf16 the strips feed: AMX tiles and the vdpbf16ps kernel."""
-    _C.set_linear_path(request.param)
-    try:
-        if request.param == "amx" and _C.linear_path(64) != "amx":
-            pytest.skip("no AMX on this build/CPU")
-        yield request.param
-    finally:
-        _C.set_linear_path("amx")
 
 
 @pytest.fixture
