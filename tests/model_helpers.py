@@ -22,7 +22,8 @@ def write_tiny_checkpoint(folder: str, kind: str = "llama", seed: int = 0, vocab
 
     kind: llama (untied, GQA 4:2), llama_tied, llama3_rope (rope_scaling llama3), mistral (GQA 4:1),
     qwen2 (QKV bias, GQA 6:2, head_dim 8), qwen2_yarn (Qwen2.5-style YaRN: 64 -> 256 positions),
-    llama_dynamic (dynamic NTK: 64 -> 128 positions), llama_d64 (head_dim 64, GQA 9:3, 1024 positions), mistral_window (sliding window on every layer),
+    llama_dynamic (dynamic NTK: 64 -> 128 positions), llama_d64 (head_dim 64, GQA 9:3, 1024 positions),
+    llama_k256 (hidden 256, intermediate 512: K-quantizable rows), mistral_window (sliding window on every layer),
     qwen3 (q/k norms), phi3 (fused qkv and gate_up), gemma2 (GeGLU, sandwich norms, a sliding and a
     global layer, soft-caps that bite), gemma3 (q/k norms, local and linear-scaled global RoPE,
     query_pre_attn_scalar != head_dim).
@@ -54,6 +55,9 @@ def write_tiny_checkpoint(folder: str, kind: str = "llama", seed: int = 0, vocab
     elif kind == "llama_d64":  # the default model's attention shape: head_dim 64, GQA 9:3
         config = tf.LlamaConfig(**{**common, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
                                    "max_position_embeddings": 1024})
+        cls = tf.LlamaForCausalLM
+    elif kind == "llama_k256":  # rows of whole 256-value super-blocks, for K-quant tensors
+        config = tf.LlamaConfig(**{**common, "hidden_size": 256, "intermediate_size": 512})
         cls = tf.LlamaForCausalLM
     elif kind == "llama_dynamic":
         config = tf.LlamaConfig(**{**common, "max_position_embeddings": 64}, rope_scaling={
@@ -250,13 +254,16 @@ def write_tiny_gguf(path: str, hf_folder: str, types: dict[str, str] | None = No
     to GGUF the way llama.cpp does: Q/K rows permuted (llama), llama3 scaling as `rope_freqs`, YaRN in
     the metadata, Gemma's norms stored as 1 + w, its soft-caps and window in the metadata.
 
-    types: GGUF tensor-name substring -> "F32" | "F16" | "BF16" (default F32); floats only, so the file
-    holds exactly the HF weights rounded to that type. Tokenizer metadata is a dummy byte vocabulary.
+    types: GGUF tensor-name substring (the first that matches) -> "F32" | "F16" | "BF16" (default F32): the
+    file holds exactly the HF weights rounded to that type; or a type pyengine.model.kquants quantizes
+    ("Q2_K", "Q3_K", ...; rows of whole blocks). Tokenizer metadata is a dummy byte vocabulary.
     """
     import json
 
     import gguf
     from safetensors.torch import load_file
+
+    from pyengine.model.kquants import quantize_k
 
     with open(os.path.join(hf_folder, "config.json")) as f:
         c = json.load(f)
@@ -316,6 +323,9 @@ def write_tiny_gguf(path: str, hf_folder: str, types: dict[str, str] | None = No
         if kind == "BF16":
             raw = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
             w.add_tensor(gname, raw, raw_shape=list(raw.shape), raw_dtype=gguf.GGMLQuantizationType.BF16)
+        elif kind not in ("F32", "F16"):
+            blocks = quantize_k(t.numpy(), kind)
+            w.add_tensor(gname, blocks, raw_shape=list(blocks.shape), raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             w.add_tensor(gname, t.numpy().astype(np.float16 if kind == "F16" else np.float32))
     w.write_header_to_file()

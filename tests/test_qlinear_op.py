@@ -13,10 +13,11 @@ from pyengine.model.kquants import quantize_k
 from pyengine.ops.qlinear import QUANT_TYPES, QuantLinear
 
 PATHS = _C.qlinear_isas().split(",")
-K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
-# the types made of random bits, and their blocks' fp16 fields: (d, dmin) at bytes 0, 2 (Q4_K, Q5_K); d at
-# byte 208 (Q6_K), at byte 0 (IQ4_NL, IQ4_XS)
-FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# the types made of random bits, and their blocks' fp16 fields: (d, dmin) at bytes 0, 2 (Q4_K, Q5_K), 80, 82
+# (Q2_K); d at byte 108 (Q3_K), 208 (Q6_K), 0 (IQ4_NL, IQ4_XS)
+FP16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+               "IQ4_XS": (0,)}
 
 
 @pytest.fixture(autouse=True)
@@ -155,14 +156,14 @@ def test_embedding_rows_are_the_dequantized_rows(type_name):
 def test_resident_bytes_are_the_file_bytes(type_name):
     blocks, _ = quantized_weight(type_name, 64, 512, seed=1)
     ratio = QuantLinear(blocks, type_name).nbytes / blocks.nbytes  # 16-row tiles: no padding here
-    # the K-quants' 12 bytes of packed 6-bit scales take 16 spread to bytes
-    assert ratio == {"Q4_K": 148 / 144, "Q5_K": 180 / 176, "IQ4_XS": 138 / 136}.get(type_name, 1.0)
+    # the K-quants' packed 6-bit scales take a byte each (Q4_K, Q5_K: 12 bytes -> 16; Q3_K 12 -> 16)
+    assert ratio == {"Q4_K": 148 / 144, "Q5_K": 180 / 176, "IQ4_XS": 138 / 136, "Q3_K": 114 / 110}.get(type_name, 1.0)
 
 
 def test_bad_input_is_named():
     blocks, _ = quantized_weight("Q8_0", 16, 64, seed=2)
-    with pytest.raises(ValueError, match="no native kernel for GGML type Q2_K"):
-        QuantLinear(blocks, "Q2_K")
+    with pytest.raises(ValueError, match="no native kernel for GGML type IQ2_XS"):
+        QuantLinear(blocks, "IQ2_XS")
     with pytest.raises(ValueError, match="multiple of 144 bytes"):
         QuantLinear(blocks, "Q4_K")
     with pytest.raises(ValueError, match="multiple of 20 bytes"):

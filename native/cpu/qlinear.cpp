@@ -1,17 +1,19 @@
-// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS):
+// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
+// IQ4_XS):
 // out[M, N] = x[M, K] @ W[N, K]^T (+ bias).
 //
 // The weight stays quantized, repacked once at load into 16-row tiles (ggml_blocks.h), so decode
-// streams 4.5-8.5 bits per weight instead of bf16's 16. Activations are quantized per 32-value
+// streams 2.6-8.5 bits per weight instead of bf16's 16. Activations are quantized per 32-value
 // block to int8 in two rows, the value and its residual (quantize_row), each with an fp32 scale
 // dx = amax / 127 (round to nearest even) and its block sums for the offset term. Per (row, tile,
 // 32-value group): int8 dot products of 64-byte lines (Q8_0: 8 lines; the others 4 lines x low/high
-// nibbles, with the Q5/Q6 high bits or'ed in), accumulated in fp32 across groups, for a row of x
+// nibbles or, for Q2_K/Q3_K, 2-bit values, with the Q5/Q6/Q3_K high bits or'ed in), accumulated in fp32
+// across groups, for a row of x
 // (int8 rows 1 and 2: its value and residual, s = dx * sum(xq) of the block):
 //   acc[j] += d[j, b] * (dx1 dot1[j] + dx2 dot2[j]) + c[j, b] * (s1 + s2)      (vnni, amx: scale_pair)
 //   acc[j] += dx1 d[j, b] dot1[j] + c[j, b] s1  and the same for row 2, summed  (avx2, scalar)
-// (Q6_K: per 16-value half, with the half's sum); the tile's epilogue (store_row) adds the bias and
-// writes straight into out. vnni and amx do the same float operations, so a row's result does not
+// (Q6_K, Q2_K, Q3_K: per 16-value half, with the half's sum); the tile's epilogue (store_row) adds the
+// bias and writes straight into out. vnni and amx do the same float operations, so a row's result does not
 // depend on how many rows its batch has (the path).
 // A weight may be several row ranges of different types (a fused qkv of Q5_0 q/k and a Q8_0 v, as
 // llama.cpp's Q4_K_M mixes): a segment table, the activations quantized once for all of them.
@@ -123,9 +125,9 @@ inline int group_value(const uint8_t* grp, int64_t j, int64_t k) {
   if constexpr (L.lines == 8) return grp[64 * (k / 4) + 4 * j + k % 4];
   const int64_t i = k / 8, t = k % 4;
   const int high = (k % 8) >= 4;
-  const uint8_t byte = grp[64 * i + 4 * j + t];
-  int u = high ? byte >> 4 : byte & 0x0F;
-  if constexpr (L.high_lines == 1) u |= ((grp[256 + 4 * j + t] >> (2 * i + high)) & 1) << 4;
+  const uint8_t byte = grp[64 * (L.bits == 2 ? i / 2 : i) + 4 * j + t];
+  int u = (byte >> ((L.bits == 2 ? 4 * (i % 2) : 0) + L.bits * high)) & ((1 << L.bits) - 1);
+  if constexpr (L.high_lines == 1) u |= ((grp[64 * L.bits + 4 * j + t] >> (2 * i + high)) & 1) << L.bits;
   if constexpr (L.high_lines == 2) u |= ((grp[256 + 64 * (i / 2) + 4 * j + t] >> (4 * (i % 2) + 2 * high)) & 3) << 4;
   if constexpr (L.lookup) return ggml::kIq4nl[u];
   return u;
@@ -143,9 +145,12 @@ inline Scale group_scale(const uint8_t* rec, int64_t j, int64_t g, int h) {
   auto f16 = [&](int64_t off) { return fp16_to_float(reinterpret_cast<const uint16_t*>(s + off)[j]); };
   if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
     return {f16(0) * static_cast<float>(s[64 + 16 * g + j]), -(f16(32) * static_cast<float>(s[192 + 16 * g + j]))};
-  } else if constexpr (T == ggml::kQ6_K) {
+  } else if constexpr (T == ggml::kQ2_K) {
+    const uint8_t sc = s[64 + 16 * (2 * g + h) + j];
+    return {f16(0) * static_cast<float>(sc & 0x0F), -(f16(32) * static_cast<float>(sc >> 4))};
+  } else if constexpr (T == ggml::kQ6_K || T == ggml::kQ3_K) {
     const float d = f16(0) * static_cast<float>(static_cast<int8_t>(s[32 + 16 * (2 * g + h) + j]));
-    return {d, -32.0f * d};
+    return {d, (T == ggml::kQ6_K ? -32.0f : -4.0f) * d};
   } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
     return {f16(0), f16(32)};
   } else if constexpr (T == ggml::kIQ4_XS) {
@@ -434,23 +439,25 @@ inline __m256i shift16(__m256i v) {
 template <int T, int I>
 inline void avx2_line(const uint8_t* grp, int r, __m256i& lo, __m256i& hi) {
   constexpr Layout L = layout(T);
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 64 * I + 32 * r));
+  const uint8_t* line = grp + 64 * (L.bits == 2 ? I / 2 : I) + 32 * r;
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
   if constexpr (L.lines == 8) {
     lo = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));
     return;
   }
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  lo = _mm256_and_si256(raw, low4);
-  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+  constexpr int at = L.bits == 2 ? 4 * (I % 2) : 0;
+  const __m256i mask = _mm256_set1_epi8((1 << L.bits) - 1);
+  lo = _mm256_and_si256(shift16<-at>(raw), mask);
+  hi = _mm256_and_si256(shift16<-at - L.bits>(raw), mask);
   if constexpr (L.lookup) {  // the signed levels, for the sign trick
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ggml::kIq4nl)));
     lo = _mm256_shuffle_epi8(table, lo);
     hi = _mm256_shuffle_epi8(table, hi);
   } else if constexpr (L.high_lines == 1) {
-    const __m256i bit4 = _mm256_set1_epi8(0x10);
-    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 256 + 32 * r));
-    lo = _mm256_or_si256(lo, _mm256_and_si256(shift16<4 - 2 * I>(hb), bit4));
-    hi = _mm256_or_si256(hi, _mm256_and_si256(shift16<3 - 2 * I>(hb), bit4));
+    const __m256i top = _mm256_set1_epi8(1 << L.bits);
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 64 * L.bits + 32 * r));
+    lo = _mm256_or_si256(lo, _mm256_and_si256(shift16<L.bits - 2 * I>(hb), top));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(shift16<L.bits - 1 - 2 * I>(hb), top));
   } else if constexpr (L.high_lines == 2) {
     constexpr int p = 4 * (I % 2);
     const __m256i bits45 = _mm256_set1_epi8(0x30);
@@ -466,6 +473,10 @@ struct Ymm {
   static F f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static __m128i bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
   static F u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes(p))); }
+  static F u4(const uint8_t* p, int shift) {
+    const __m256i b = _mm256_srli_epi32(_mm256_cvtepu8_epi32(bytes(p)), shift);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)));
+  }
   static F i8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(p))); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F set1(float v) { return _mm256_set1_ps(v); }
@@ -725,7 +736,8 @@ void check_type(int type, const char* who) {
   if (!ggml::supported(type))
     throw std::invalid_argument(std::string(who) + ": GGML type " + std::to_string(type) +
                                 " has no native kernel (supported: Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, "
-                                "Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23)");
+                                "Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, "
+                                "IQ4_XS = 23)");
 }
 
 void check_k(int type, int64_t K, const char* who) {
@@ -788,6 +800,30 @@ void unpack_block(int type, const uint8_t* blk, int64_t j, uint8_t* u, uint8_t* 
         }
       break;
     }
+    case ggml::kQ2_K:
+    case ggml::kQ3_K: {  // value 128 n + 32 i + l: bits 2i, 2i + 1 of qs[32 n + l]; Q3_K: bit 4n + i of hmask[l]
+      const bool q3 = type == ggml::kQ3_K;
+      const uint8_t* qs = blk + (q3 ? 32 : 16);
+      for (int64_t v = 0; v < 256; ++v) {
+        const int64_t n = v / 128, i = v / 32 % 4, l = v % 32;
+        u[v] = static_cast<uint8_t>((qs[32 * n + l] >> (2 * i)) & 3);
+        if (q3) u[v] |= static_cast<uint8_t>(((blk[l] >> (4 * n + i)) & 1) << 2);
+      }
+      if (!q3) {
+        f16(0, blk + 80);
+        f16(32, blk + 82);
+        for (int64_t sub = 0; sub < 16; ++sub) s[64 + 16 * sub + j] = blk[sub];
+        break;
+      }
+      f16(0, blk + 108);
+      const uint8_t* sc = blk + 96;  // sixteen 6-bit scales: low nibbles in bytes 0-7, top bits in bytes 8-11
+      for (int64_t sub = 0; sub < 16; ++sub) {
+        const int low = sub < 8 ? sc[sub] & 0x0F : sc[sub - 8] >> 4;
+        const int ls = low | ((sc[8 + sub % 4] >> (2 * (sub / 4))) & 3) << 4;
+        s[32 + 16 * sub + j] = static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
+      }
+      break;
+    }
     case ggml::kQ6_K: {
       f16(0, blk + 208);
       for (int64_t sub = 0; sub < 16; ++sub) s[32 + 16 * sub + j] = blk[192 + sub];
@@ -812,12 +848,16 @@ void pack_group(const Layout& L, const uint8_t* u, int64_t j, uint8_t* grp) {
     for (int64_t k = 0; k < 32; ++k) grp[64 * (k / 4) + 4 * j + k % 4] = u[k];
     return;
   }
+  const int mask = (1 << L.bits) - 1;
   for (int64_t i = 0; i < 4; ++i)
     for (int64_t t = 0; t < 4; ++t) {
       const int lo = u[8 * i + t], hi = u[8 * i + 4 + t];
-      grp[64 * i + 4 * j + t] = static_cast<uint8_t>((lo & 0x0F) | (hi & 0x0F) << 4);
+      const int at = L.bits == 2 ? 4 * (i % 2) : 0;  // 2-bit types: two lines a stored line
+      grp[64 * (L.bits == 2 ? i / 2 : i) + 4 * j + t] |=
+          static_cast<uint8_t>(((lo & mask) | (hi & mask) << L.bits) << at);
       if (L.high_lines == 1)
-        grp[256 + 4 * j + t] |= static_cast<uint8_t>(((lo >> 4) & 1) << (2 * i) | ((hi >> 4) & 1) << (2 * i + 1));
+        grp[64 * L.bits + 4 * j + t] |=
+            static_cast<uint8_t>(((lo >> L.bits) & 1) << (2 * i) | ((hi >> L.bits) & 1) << (2 * i + 1));
       if (L.high_lines == 2)
         grp[256 + 64 * (i / 2) + 4 * j + t] |=
             static_cast<uint8_t>(((lo >> 4) & 3) << (4 * (i % 2)) | ((hi >> 4) & 3) << (4 * (i % 2) + 2));

@@ -51,12 +51,16 @@ inline void vec_scales(const uint8_t* rec, int64_t g, int h, int64_t r0, typenam
   auto f16 = [&](int64_t field) { return V::f16(s + field + 2 * r0); };
   auto u8 = [&](int64_t field) { return V::u8(s + field + r0); };
   auto i8 = [&](int64_t field) { return V::i8(s + field + r0); };
-  if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
+  if constexpr (T == ggml::kQ2_K) {  // the scale byte: sc in its low nibble, m in its high one
+    const uint8_t* sc = s + 64 + 16 * (2 * g + h) + r0;
+    d = V::mul(f16(0), V::u4(sc, 0));
+    c = V::mul(V::mul(f16(32), V::set1(-1.0f)), V::u4(sc, 4));
+  } else if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
     d = V::mul(f16(0), u8(64 + 16 * g));
     c = V::mul(V::mul(f16(32), V::set1(-1.0f)), u8(192 + 16 * g));
-  } else if constexpr (T == ggml::kQ6_K) {
+  } else if constexpr (T == ggml::kQ6_K || T == ggml::kQ3_K) {
     d = V::mul(f16(0), i8(32 + 16 * (2 * g + h)));
-    c = V::mul(d, V::set1(-32.0f));
+    c = V::mul(d, V::set1(T == ggml::kQ6_K ? -32.0f : -4.0f));
   } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
     d = f16(0);
     c = f16(32);
@@ -76,6 +80,8 @@ inline void dispatch(int type, F&& f) {
     case ggml::kQ4_1: f(std::integral_constant<int, ggml::kQ4_1>{}); break;
     case ggml::kQ5_0: f(std::integral_constant<int, ggml::kQ5_0>{}); break;
     case ggml::kQ5_1: f(std::integral_constant<int, ggml::kQ5_1>{}); break;
+    case ggml::kQ2_K: f(std::integral_constant<int, ggml::kQ2_K>{}); break;
+    case ggml::kQ3_K: f(std::integral_constant<int, ggml::kQ3_K>{}); break;
     case ggml::kQ4_K: f(std::integral_constant<int, ggml::kQ4_K>{}); break;
     case ggml::kQ5_K: f(std::integral_constant<int, ggml::kQ5_K>{}); break;
     case ggml::kQ6_K: f(std::integral_constant<int, ggml::kQ6_K>{}); break;
@@ -95,19 +101,20 @@ inline __m512i shift16(__m512i v) {
 }
 
 // Line I of a group of one tile -> the unsigned values of its low (k = 8I + t) and high (8I + 4 + t)
-// nibbles with their high bits, or (Q8_0) its bytes in lo. The high bits are moved into place and
-// merged in one ternary-logic op each (a | (b & mask): 0xF8).
+// nibbles (2-bit types: 2-bit values) with their high bits, or (Q8_0) its bytes in lo. The high bits
+// are moved into place and merged in one ternary-logic op each (a | (b & mask): 0xF8).
 template <int T, int I>
 inline void vnni_line(const uint8_t* grp, __m512i& lo, __m512i& hi) {
   constexpr Layout L = layout(T);
-  const __m512i raw = _mm512_loadu_si512(grp + 64 * I);
+  const __m512i raw = _mm512_loadu_si512(grp + 64 * (L.bits == 2 ? I / 2 : I));
   if constexpr (L.lines == 8) {
     lo = raw;
     return;
   }
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  lo = _mm512_and_si512(raw, low4);
-  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+  constexpr int at = L.bits == 2 ? 4 * (I % 2) : 0;  // the line's first bit in its stored line's bytes
+  const __m512i mask = _mm512_set1_epi8((1 << L.bits) - 1);
+  lo = _mm512_and_si512(shift16<-at>(raw), mask);
+  hi = _mm512_and_si512(shift16<-at - L.bits>(raw), mask);
   if constexpr (L.lookup) {  // kIq4nl + 128, in each 128-bit lane
     const __m512i table = _mm512_broadcast_i32x4(_mm_set_epi8(
         static_cast<char>(241), static_cast<char>(217), static_cast<char>(197), static_cast<char>(181),
@@ -115,10 +122,10 @@ inline void vnni_line(const uint8_t* grp, __m512i& lo, __m512i& hi) {
         93, 79, 63, 45, 24, 1));
     lo = _mm512_shuffle_epi8(table, lo);
     hi = _mm512_shuffle_epi8(table, hi);
-  } else if constexpr (L.high_lines == 1) {  // bit 2I (2I + 1) of the byte -> bit 4
-    const __m512i bit4 = _mm512_set1_epi8(0x10), hb = _mm512_loadu_si512(grp + 256);
-    lo = _mm512_ternarylogic_epi32(lo, shift16<4 - 2 * I>(hb), bit4, 0xF8);
-    hi = _mm512_ternarylogic_epi32(hi, shift16<3 - 2 * I>(hb), bit4, 0xF8);
+  } else if constexpr (L.high_lines == 1) {  // bit 2I (2I + 1) of the byte -> bit 4 (Q3_K: bit 2)
+    const __m512i top = _mm512_set1_epi8(1 << L.bits), hb = _mm512_loadu_si512(grp + 64 * L.bits);
+    lo = _mm512_ternarylogic_epi32(lo, shift16<L.bits - 2 * I>(hb), top, 0xF8);
+    hi = _mm512_ternarylogic_epi32(hi, shift16<L.bits - 1 - 2 * I>(hb), top, 0xF8);
   } else if constexpr (L.high_lines == 2) {  // bits 4p, 4p + 1 (4p + 2, 4p + 3) -> bits 4, 5
     constexpr int p = 4 * (I % 2);
     const __m512i bits45 = _mm512_set1_epi8(0x30), hb = _mm512_loadu_si512(grp + 256 + 64 * (I / 2));
@@ -133,6 +140,10 @@ struct Zmm {
   static F f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static __m128i bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
   static F u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(p))); }
+  static F u4(const uint8_t* p, int shift) {  // the nibble at bit `shift` of each byte
+    const __m512i b = _mm512_srli_epi32(_mm512_cvtepu8_epi32(bytes(p)), shift);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
+  }
   static F i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p))); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F set1(float v) { return _mm512_set1_ps(v); }

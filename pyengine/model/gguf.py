@@ -49,7 +49,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool]] = {
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
                12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL", 23: "IQ4_XS", 30: "BF16"}
-# read through the `gguf` package's numpy dequantizer (no torch path here, no native kernel for Q2_K/Q3_K)
+# read through the `gguf` package's numpy dequantizer (no torch path here; weights='auto' keeps them quantized)
 _GGUF_DEQUANTIZED = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
@@ -438,7 +438,7 @@ def requantize(src: str, dst: str, type_name: str) -> str:
         else:
             target = K_FALLBACK[type_name] if type_name in K_FALLBACK and shape[-1] % 256 else type_name
         values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32)
-        blocks = (quantize_k(values, target) if target in K_FALLBACK
+        blocks = (quantize_k(values, target) if target in K_FALLBACK or target == "IQ4_NL"
                   else gguf.quants.quantize(values, gguf.GGMLQuantizationType[target]))
         writer.add_tensor(t.name, blocks, raw_shape=list(blocks.shape), raw_dtype=gguf.GGMLQuantizationType[target])
     writer.write_header_to_file()

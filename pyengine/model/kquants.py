@@ -1,16 +1,21 @@
-"""Quantizers for the K-quant GGUF types (Q4_K, Q5_K, Q6_K) and llama.cpp's Q4_K_M / Q5_K_M type mixes,
-for `requantize` (benchmarks and accuracy tests of the native K-quant kernels without llama.cpp).
+"""Quantizers for the K-quant GGUF types (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), IQ4_NL (llama.cpp's fallback for
+Q2_K/Q3_K rows) and llama.cpp's Q4_K_M / Q5_K_M type mixes, for `requantize` (benchmarks and accuracy tests
+of the native kernels without llama.cpp).
 
-The `gguf` package dequantizes K-quants but does not quantize them. These are the plain min/max
-quantizers (one pass, no search for the best scales as llama.cpp's make_qkx2 does), so their files
-are a little less accurate than llama-quantize's; the block layouts are the ones in gguf.py's docstring.
+The `gguf` package dequantizes these types but does not quantize them. These are the plain min/max
+quantizers (one pass, no search for the best scales as llama.cpp's make_qkx2 / make_q3_quants do), so
+their files are a little less accurate than llama-quantize's; the block layouts are the ones in gguf.py's
+docstring and native/include/pyengine/ggml_blocks.h.
 """
 from __future__ import annotations
 
 import numpy as np
 
 # type -> the type llama.cpp writes instead when a row is not a whole number of 256-value super-blocks
-K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+K_FALLBACK = {"Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+# llama.cpp's kvalues_iq4nl: IQ4_NL's 16 levels
+IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+_IQ4_NL_MIDPOINTS = (IQ4_NL_LEVELS[1:] + IQ4_NL_LEVELS[:-1]) / 2
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -60,14 +65,70 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8), d.view(np.uint8)], axis=1)
 
 
+def _crumbs(q: np.ndarray) -> np.ndarray:
+    """[nb, 256] values 0..3 -> [nb, 64] bytes: value 128 n + 32 i + l in bits 2i, 2i + 1 of byte 32 n + l."""
+    q = q.reshape(-1, 2, 4, 32)
+    return (q[:, :, 0] | q[:, :, 1] << 2 | q[:, :, 2] << 4 | q[:, :, 3] << 6).reshape(-1, 64)
+
+
+def _q2_k(x: np.ndarray) -> np.ndarray:
+    """[nb, 256] fp32 -> [nb, 84] uint8 Q2_K blocks: 16 sub-blocks of 16, value = d sc q - dmin m."""
+    nb = x.shape[0]
+    xs = x.reshape(nb, 16, 16)
+    low = np.minimum(xs.min(-1), 0)
+    scale, minv = (xs.max(-1) - low) / 3, -low
+    d = _f16(scale.max(-1, keepdims=True) / 15)
+    dmin = _f16(minv.max(-1, keepdims=True) / 15)
+    sc = np.clip(np.rint(_div(scale, d.astype(np.float32))), 0, 15).astype(np.uint8)
+    m = np.clip(np.rint(_div(minv, dmin.astype(np.float32))), 0, 15).astype(np.uint8)
+    eff_d = (d.astype(np.float32) * sc)[..., None]
+    eff_m = (dmin.astype(np.float32) * m)[..., None]
+    q = np.clip(np.rint(_div(xs + eff_m, eff_d)), 0, 3).astype(np.uint8)
+    return np.concatenate([sc | m << 4, _crumbs(q), d.view(np.uint8), dmin.view(np.uint8)], axis=1)
+
+
+def _q3_k(x: np.ndarray) -> np.ndarray:
+    """[nb, 256] fp32 -> [nb, 110] uint8 Q3_K blocks: 16 sub-blocks of 16, value = d (sc - 32) (q - 4).
+    As llama.cpp, each sub-block's largest |x| maps to q - 4 = -4 (the range is [-4, 3])."""
+    nb = x.shape[0]
+    xs = x.reshape(nb, 16, 16)
+    peak = np.take_along_axis(xs, np.abs(xs).argmax(-1)[..., None], -1)[..., 0]  # [nb, 16], signed
+    scale = -peak / 4
+    big = np.take_along_axis(scale, np.abs(scale).argmax(-1)[:, None], -1)     # [nb, 1], signed
+    d = _f16(-big / 32)
+    sc = np.clip(np.rint(_div(scale, d.astype(np.float32))), -32, 31).astype(np.int16)
+    eff = (d.astype(np.float32) * sc)[..., None]
+    q = (np.clip(np.rint(_div(xs, eff)), -4, 3) + 4).astype(np.uint8).reshape(nb, 256)
+    hmask = np.bitwise_or.reduce((q >> 2).reshape(nb, 8, 32) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+    ls = (sc + 32).astype(np.uint8)                                             # [nb, 16], 6 bits
+    top = ls >> 4
+    scales = np.concatenate([(ls[:, :8] & 15) | (ls[:, 8:] & 15) << 4,
+                             top[:, 0:4] | top[:, 4:8] << 2 | top[:, 8:12] << 4 | top[:, 12:16] << 6], axis=1)
+    return np.concatenate([hmask, _crumbs(q & 3), scales, d.view(np.uint8)], axis=1)
+
+
+def _iq4_nl(x: np.ndarray) -> np.ndarray:
+    """[nb, 32] fp32 -> [nb, 18] uint8 IQ4_NL blocks: fp16 d, 16 bytes of nibbles (as Q4_0) indexing
+    IQ4_NL_LEVELS, value = d * level; the block's largest |x| maps to the level -127."""
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[:, None], -1)            # [nb, 1], signed
+    d = _f16(-peak / 127)
+    idx = np.searchsorted(_IQ4_NL_MIDPOINTS, _div(x, d.astype(np.float32))).astype(np.uint8)  # the nearest level
+    return np.concatenate([d.view(np.uint8), idx[:, :16] | idx[:, 16:] << 4], axis=1)
+
+
+_QUANTIZERS = {"Q2_K": (256, _q2_k), "Q3_K": (256, _q3_k), "Q4_K": (256, lambda x: _q45_k(x, 4)),
+               "Q5_K": (256, lambda x: _q45_k(x, 5)), "Q6_K": (256, _q6_k), "IQ4_NL": (32, _iq4_nl)}
+
+
 def quantize_k(values: np.ndarray, type_name: str) -> np.ndarray:
-    """fp32 [..., K] (K a multiple of 256) -> uint8 [..., K / 256 * block bytes] of `type_name` blocks."""
+    """fp32 [..., K] -> uint8 [..., K / block values * block bytes] of `type_name` blocks: a K-quant (K a
+    multiple of 256) or IQ4_NL (of 32)."""
     *lead, k = values.shape
-    if k % 256:
-        raise ValueError(f"{type_name} needs rows of a multiple of 256 values, got {k}")
-    x = np.ascontiguousarray(values, dtype=np.float32).reshape(-1, 256)
-    blocks = _q6_k(x) if type_name == "Q6_K" else _q45_k(x, 5 if type_name == "Q5_K" else 4)
-    return blocks.reshape(*lead, -1)
+    per_block, quantize = _QUANTIZERS[type_name]
+    if k % per_block:
+        raise ValueError(f"{type_name} needs rows of a multiple of {per_block} values, got {k}")
+    x = np.ascontiguousarray(values, dtype=np.float32).reshape(-1, per_block)
+    return quantize(x).reshape(*lead, -1)
 
 
 def _more_bits(i: int, n: int) -> bool:

@@ -207,7 +207,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str, weight
     """(ModelConfig, LlamaForCausalLM) from a .gguf file or a HF folder, weights in `dtype` on `device`.
 
     weights: "auto" keeps GGUF tensors quantized where a native kernel exists (Q8_0, Q4_0, Q4_1, Q5_0,
-    Q5_1, Q4_K, Q5_K, Q6_K, on the CPU with bf16 or fp32 activations) and dequantizes the rest to
+    Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, on the CPU with bf16 or fp32 activations) and dequantizes the rest to
     `dtype`; "dequantize" dequantizes all.
     """
     from pyengine.model.llama import LlamaForCausalLM

@@ -1,11 +1,11 @@
 """Linear layers and embeddings on GGUF-quantized weights, kept quantized.
 
-Types with a native kernel: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (32-value blocks) and Q4_K, Q5_K,
-Q6_K, IQ4_XS (256-value super-blocks). QuantLinear repacks the file's blocks once into 16-row tiles
-(native/include/pyengine/ggml_blocks.h) and holds only that copy: the GGUF tensor's bytes (1.01-1.03x
-for Q4_K/Q5_K/IQ4_XS, whose 6-bit scales are spread to bytes) plus at most 15 padding rows. Calls quantize the
-activations per 32-value block to int8 and run int8 dot products (native/cpu/qlinear.cpp), so a decode
-step streams 4.5-8.5 bits per weight instead of bf16's 16. A weight may be row ranges of different
+Types with a native kernel: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (32-value blocks) and Q2_K, Q3_K, Q4_K,
+Q5_K, Q6_K, IQ4_XS (256-value super-blocks). QuantLinear repacks the file's blocks once into 16-row tiles
+(native/include/pyengine/ggml_blocks.h) and holds only that copy: the GGUF tensor's bytes (1.01-1.04x
+for Q4_K/Q5_K/IQ4_XS/Q3_K, whose 6-bit scales are spread to bytes) plus at most 15 padding rows. Calls quantize
+the activations per 32-value block to int8 and run int8 dot products (native/cpu/qlinear.cpp), so a decode
+step streams 2.6-8.5 bits per weight instead of bf16's 16. A weight may be row ranges of different
 types (a fused qkv whose v is Q8_0 and q/k Q5_0, as llama.cpp's Q4_K_M mixes them). The same copy
 serves the embedding lookup (rows dequantized on the fly) and, with tied embeddings, the lm_head.
 CPU only.
@@ -23,7 +23,7 @@ from pyengine.ops.linear import _check_out_dtype
 # GGML type name -> (id, values per block, bytes per block), for the types with a native kernel
 QUANT_TYPES: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
-    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18),
+    "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18),
     "IQ4_XS": (23, 256, 136),
 }
 ALIGN = 64
