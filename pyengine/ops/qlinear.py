@@ -23,8 +23,8 @@ from pyengine.ops.linear import _check_out_dtype
 # GGML type name -> (id, values per block, bytes per block), for the types with a native kernel
 QUANT_TYPES: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
-    "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18),
-    "IQ4_XS": (23, 256, 136),
+    "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18), "IQ4_XS": (23, 256, 136),
 }
 ALIGN = 64
 

@@ -13,10 +13,11 @@
 //   IQ4_NL (32, 18): as Q4_0                                                    d * kIq4nl[q]
 //   IQ4_XS (256, 136): fp16 d, uint16 scales_h, 4 bytes scales_l, 128 bytes: 16 a sub-block of 32 as
 //        Q4_0's                               sub-block s: d * (ls_s - 32) * kIq4nl[q], ls 6 bits
-//   Q2_K (256, 84): 16 bytes scales (sub-blocks of 16: sc low nibble, m high), qs[64], fp16 d, fp16 dmin;
-//        value v = 128 n + 32 i + l is bits 2i, 2i + 1 of qs[32 n + l]        sub-block s: d sc_s q - dmin m_s
-//   Q3_K (256, 110): hmask[32], qs[64] (the low 2 bits, as Q2_K's), 12 bytes of sixteen 6-bit scales, fp16 d;
-//        value v's third bit is bit 4n + i of hmask[l]      sub-block s: d * (sc_s - 32) * (q - 4), q 3 bits
+//   Q2_K (256, 84): 16 bytes scales (sub-blocks of 16: sc low nibble, m high), qs[64], fp16 d, fp16
+//        dmin; value 128 n + 32 i + l is bits 2i, 2i + 1 of qs[32 n + l]   sub-block s: d sc_s q - dmin m_s
+//   Q3_K (256, 110): hmask[32], qs[64] (the low 2 bits, as Q2_K's), 12 bytes of sixteen 6-bit scales,
+//        fp16 d; value 128 n + 32 i + l's third bit is bit 4n + i of hmask[l]
+//                                                       sub-block s: d * (sc_s - 32) * (q - 4), q 3 bits
 //
 // Tiled layout (qlinear.cpp): rows in tiles of 16 (zero rows pad the last tile); per (tile, GGUF
 // block) one contiguous record, a tile's records after each other, tiles after each other:
@@ -26,12 +27,12 @@
 //     lines, stored as q + 128: unsigned) or, for the other types (4 lines), k = 8i + t in the low
 //     nibble and k = 8i + 4 + t in the high nibble. A line is then exactly the unsigned operand of
 //     vpdpbusd against 4 activation bytes broadcast to the 16 lanes, one lane per row.
-//     2-bit types (Q2_K, Q3_K: bits = 2): two lines' nibbles share a byte, so 2 stored lines hold the 4:
-//     stored line i / 2 holds line i's nibbles in bits 4 (i % 2) .. 4 (i % 2) + 3, each nibble two 2-bit
-//     values (the low one k = 8i + t, the high one k = 8i + 4 + t).
-//   high lines: Q5 types (Q3_K) one line, byte 4j + t bit 2i (2i + 1): the fifth (third) bit of line i's
-//     low (high) value; Q6_K two lines, line h byte 4j + t bits 4p .. 4p + 3: the top two bits of line 2h + p's
-//     low nibble, then of its high nibble.
+//     2-bit types (Q2_K, Q3_K: bits = 2): two lines share each byte, so 2 stored lines hold the 4:
+//     stored line i / 2 holds line i in bits 4 (i % 2) .. 4 (i % 2) + 3, two 2-bit values (the low one
+//     k = 8i + t, the high one k = 8i + 4 + t).
+//   high lines: Q5 types (Q3_K) one line, byte 4j + t bit 2i (2i + 1): the fifth (third) bit of line
+//     i's low (high) value; Q6_K two lines, line h byte 4j + t bits 4p .. 4p + 3: the top two bits of
+//     line 2h + p's low nibble, then of its high nibble.
 //   scales, each field an array over the tile's 16 rows:
 //     Q8_0, Q4_0, Q5_0: fp16 d[16];  Q4_1, Q5_1: fp16 d[16], fp16 m[16]
 //     Q4_K, Q5_K: fp16 d[16], fp16 dmin[16], uint8 sc[8][16], uint8 m[8][16] (the 6-bit pairs unpacked)
@@ -40,15 +41,16 @@
 //     Q3_K: fp16 d[16], int8 sc - 32 [16][16]
 // A record holds the GGUF blocks' bits for 16 rows, the K-quants' packed 6-bit scales spread to bytes
 // (Q4_K 148, Q5_K 180, IQ4_XS 138, Q3_K 114 bytes a row for 144 / 176 / 136 / 110): resident weights
-// stay within 1.04x the file's. The IQ4 types keep their 4-bit table indices; the kernels look the values up.
+// stay within 1.04x the file's. The IQ4 types keep their 4-bit table indices; the kernels look the
+// values up.
 //
-// Every 32-value group (or, for Q6_K, Q2_K and Q3_K, each 16-value half) of row j then has a scale d and an offset c
-// with value = d * u + c for the stored unsigned value u, so its dot product against int8
-// activations xq (scale dx, s = sum of xq) is  dx * (d * sum(u * xq) + c * s), with
-//   c = -128 d (Q8_0), -8 d (Q4_0), -16 d (Q5_0), m (Q4_1, Q5_1), -dmin m_s (Q4_K, Q5_K, Q2_K), -32 d (Q6_K),
-//   -4 d (Q3_K)
-// and d = d sc_s for the K-quants (Q3_K: d (sc_s - 32)); the IQ4 types' u is kIq4nl[q] + 128 (c = -128 d), or kIq4nl[q]
-// itself (c = 0) where a path multiplies signed values.
+// Every 32-value group (or, for Q6_K, Q2_K and Q3_K, each 16-value half) of row j then has a scale d
+// and an offset c with value = d * u + c for the stored unsigned value u, so its dot product against
+// int8 activations xq (scale dx, s = sum of xq) is  dx * (d * sum(u * xq) + c * s), with
+//   c = -128 d (Q8_0), -8 d (Q4_0), -16 d (Q5_0), m (Q4_1, Q5_1), -dmin m_s (Q4_K, Q5_K, Q2_K),
+//   -32 d (Q6_K), -4 d (Q3_K)
+// and d = d sc_s for the K-quants (Q3_K: d (sc_s - 32)); the IQ4 types' u is kIq4nl[q] + 128
+// (c = -128 d), or kIq4nl[q] itself (c = 0) where a path multiplies signed values.
 #pragma once
 
 #include <cstdint>
