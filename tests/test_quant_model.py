@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from model_helpers import SequenceRunner, default_model_path, write_tiny_checkpoint, write_tiny_gguf
+from pyengine import _C
 from pyengine.model.gguf import requantize
 from pyengine.model.loader import load_model
 from pyengine.ops.qlinear import QuantLinear
@@ -87,28 +88,40 @@ TWO_AND_THREE_BIT = {"token_embd": "Q3_K", "attn_output": "Q2_K", "output.weight
                      "attn_k": "Q2_K", "attn_v": "Q3_K", "ffn_gate": "Q3_K", "ffn_up": "Q2_K", "ffn_down": "Q3_K"}
 
 
-def test_2_and_3_bit_k_quants_give_the_dequantized_models_tokens(tmp_path, caplog):
-    """Q2_K and Q3_K held quantized: fp32 greedy tokens equal weights="dequantize"'s and logits close
-    (the int8 kernels); bf16 prompts of >= 16 tokens give its logits bit for bit (the strips)."""
-    folder = write_tiny_checkpoint(str(tmp_path / "hf"), "llama_k256")
-    path = write_tiny_gguf(str(tmp_path / "k23.gguf"), folder, TWO_AND_THREE_BIT)
+@pytest.fixture(scope="module")
+def k23_gguf(tmp_path_factory) -> str:
+    tmp = tmp_path_factory.mktemp("k23")
+    return write_tiny_gguf(str(tmp / "k23.gguf"), write_tiny_checkpoint(str(tmp / "hf"), "llama_k256"),
+                           TWO_AND_THREE_BIT)
+
+
+def test_2_and_3_bit_k_quants_give_the_dequantized_models_tokens(k23_gguf, caplog):
+    """Q2_K and Q3_K held quantized (the int8 kernels on fp32 activations): greedy tokens equal
+    weights="dequantize"'s, logits close."""
     with caplog.at_level(logging.INFO, logger="pyengine.model.loader"):
-        cfg, model = load_model(path, torch.float32, "cpu")
+        cfg, model = load_model(k23_gguf, torch.float32, "cpu")
     assert "Q2_K tensors kept quantized" in caplog.text and "Q3_K tensors kept quantized" in caplog.text
     assert "dequantized" not in caplog.text
     qkv = model.linears[0].qkv
     assert qkv.type_name == "Q3_K+Q2_K" and len(qkv.tiles) == 3  # q, k, v: three row ranges
     assert model.lm_head_linear.type_name == "Q2_K" and model.embed_q.type_name == "Q3_K"
-    _, ref = load_model(path, torch.float32, "cpu", weights="dequantize")
+    _, ref = load_model(k23_gguf, torch.float32, "cpu", weights="dequantize")
     prompt = list(range(3, 40, 2))
     got, got_logits = SequenceRunner(model, cfg, 64).greedy(prompt, 24)
     want, want_logits = SequenceRunner(ref, cfg, 64).greedy(prompt, 24)
     assert got == want
     torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=1e-3 * float(want_logits.abs().max()))
-    _, bf16 = load_model(path, torch.bfloat16, "cpu")
-    _, bf16_ref = load_model(path, torch.bfloat16, "cpu", weights="dequantize")
-    assert torch.equal(SequenceRunner(bf16, cfg, 64).step(prompt, all_logits=True),
-                       SequenceRunner(bf16_ref, cfg, 64).step(prompt, all_logits=True))
+
+
+@pytest.mark.skipif(_C.isa() != "avx512_bf16", reason="no AVX512-BF16 linear in this build: int8 kernels only")
+def test_2_and_3_bit_k_quant_prompts_are_bit_identical_to_dequantize(k23_gguf):
+    """bf16 prompts of >= 16 tokens run the strips (qlinear_strips.cpp): weights="dequantize"'s logits, bit for
+    bit."""
+    cfg, model = load_model(k23_gguf, torch.bfloat16, "cpu")
+    _, ref = load_model(k23_gguf, torch.bfloat16, "cpu", weights="dequantize")
+    prompt = list(range(3, 40, 2))
+    assert torch.equal(SequenceRunner(model, cfg, 64).step(prompt, all_logits=True),
+                       SequenceRunner(ref, cfg, 64).step(prompt, all_logits=True))
 
 
 def test_resident_weights_within_file_bytes():

@@ -411,8 +411,8 @@ def requantize(src: str, dst: str, type_name: str) -> str:
     """Write `src` to `dst` with every quantized tensor requantized to `type_name` (e.g. "Q8_0", "Q6_K"), or
     to llama.cpp's per-tensor mix for "Q4_K_M" / "Q5_K_M" (pyengine.model.kquants.mix_type); float
     tensors and the metadata are copied as they are. Through the `gguf` package's reference quantizer,
-    and kquants' for the K-quants (with llama.cpp's fallback type for rows that are not whole
-    super-blocks). For benchmarks and accuracy tests on one model in several types."""
+    and kquants' for the K-quants and IQ4_NL (with llama.cpp's fallback type for rows that are not whole
+    super-blocks: IQ4_NL for Q2_K / Q3_K). For benchmarks and accuracy tests on one model in several types."""
     import gguf
 
     from pyengine.model.kquants import K_FALLBACK, mix_type, quantize_k
