@@ -473,9 +473,9 @@ struct Ymm {
   static F f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static __m128i bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
   static F u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes(p))); }
-  static F u4(const uint8_t* p, int shift) {
-    const __m256i b = _mm256_srli_epi32(_mm256_cvtepu8_epi32(bytes(p)), shift);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)));
+  static F u4(const uint8_t* p, bool high) {
+    const __m256i b = _mm256_cvtepu8_epi32(bytes(p));
+    return _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0x0F)));
   }
   static F i8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(p))); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }

@@ -53,8 +53,8 @@ inline void vec_scales(const uint8_t* rec, int64_t g, int h, int64_t r0, typenam
   auto i8 = [&](int64_t field) { return V::i8(s + field + r0); };
   if constexpr (T == ggml::kQ2_K) {  // the scale byte: sc in its low nibble, m in its high one
     const uint8_t* sc = s + 64 + 16 * (2 * g + h) + r0;
-    d = V::mul(f16(0), V::u4(sc, 0));
-    c = V::mul(V::mul(f16(32), V::set1(-1.0f)), V::u4(sc, 4));
+    d = V::mul(f16(0), V::u4(sc, false));
+    c = V::mul(V::mul(f16(32), V::set1(-1.0f)), V::u4(sc, true));
   } else if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
     d = V::mul(f16(0), u8(64 + 16 * g));
     c = V::mul(V::mul(f16(32), V::set1(-1.0f)), u8(192 + 16 * g));
@@ -140,9 +140,9 @@ struct Zmm {
   static F f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static __m128i bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
   static F u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(p))); }
-  static F u4(const uint8_t* p, int shift) {  // the nibble at bit `shift` of each byte
-    const __m512i b = _mm512_srli_epi32(_mm512_cvtepu8_epi32(bytes(p)), shift);
-    return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
+  static F u4(const uint8_t* p, bool high) {  // the low or high nibble of each byte
+    const __m512i b = _mm512_cvtepu8_epi32(bytes(p));
+    return _mm512_cvtepi32_ps(high ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(0x0F)));
   }
   static F i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p))); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
