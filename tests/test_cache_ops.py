@@ -53,7 +53,7 @@ def assert_kv_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
 
 
 def make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, quant=False):
-    k_shape, v_shape = kv_cache_shapes(num_blocks, kv_heads, block_size, head_dim, "cpu")
+    k_shape, v_shape = kv_cache_shapes(num_blocks, kv_heads, block_size, head_dim, "cpu", dtype)
     k, v = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
     if not quant:
         return k, v, None, None
@@ -223,11 +223,11 @@ def test_fp8_codec_matches_torch_on_every_code():
     """Decoding all 254 finite e4m3 codes through the cache path reproduces torch's fp8 values."""
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # drop the NaN codes
-    values = codes.float()  # exact in fp32
+    values = torch.cat([codes.float(), torch.zeros(2)])  # exact in fp32; 256: a head_dim the layout takes
     # a row of exactly representable values quantizes to itself when its absmax is 448
     n = values.numel()
     key = values.view(1, 1, n)
-    kc, vc, ks, vs = make_cache(1, 1, 2, n, torch.float8_e4m3fn, quant=True)
+    kc, vc, ks, vs = make_cache(1, 1, 4, n, torch.float8_e4m3fn, quant=True)
     reshape_and_cache(key, key, kc, vc, torch.zeros(1, dtype=torch.int64), k_scales=ks, v_scales=vs)
     assert float(ks[0, 0, 0]) == 1.0
     k, v = from_cache_layout(kc, vc)
@@ -255,6 +255,8 @@ def good_args():
         (dict(v_cache=torch.zeros(2, 2, 4, 8, 2)), ValueError, "v_cache must have shape"),
         (dict(k_cache=torch.zeros(2, 2, 8, 16)), ValueError, "k_cache on cpu must be shaped"),
         (dict(k_cache=torch.zeros(2, 2, 8, 8, 2, dtype=torch.int8), v_cache=torch.zeros(2, 2, 4, 16, 2, dtype=torch.int8)),
+         ValueError, r"k_cache on cpu must be shaped \[num_blocks, kv_heads, head_dim/4, block_size, 4\]"),
+        (dict(k_cache=torch.zeros(2, 2, 4, 8, 4, dtype=torch.int8), v_cache=torch.zeros(2, 2, 2, 16, 4, dtype=torch.int8)),
          ValueError, "k_scales is required"),
         (dict(k_cache=torch.zeros(2, 2, 8, 8, 2, device="meta")), ValueError, "k_cache is on meta"),
     ],
