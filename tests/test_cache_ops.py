@@ -82,6 +82,34 @@ def test_writes_rows_and_skips_minus_one(dtype):
     assert int((v != 0).any(-1).sum()) == int(keep.sum()) * kvh
 
 
+@pytest.mark.parametrize("cache_dtype,lane", [(torch.bfloat16, 2), (torch.float32, 2), (torch.int8, 4),
+                                              (torch.float8_e4m3fn, 4)])
+def test_cpu_tiles_hold_lanes_of_dims_in_k_and_of_tokens_in_v(cache_dtype, lane):
+    """The CPU layout (kv_layout.h), element by element: K [NB, KVH, D/L, BS, L] holds dims L j .. L j + L - 1
+    of a token in one lane, V [NB, KVH, BS/L, D, L] tokens L p .. L p + L - 1 of a dim; L = 4 for
+    one-byte caches (the int8/fp8 decode kernel's quads), 2 otherwise (bf16 pairs)."""
+    nb, kvh, bs, D, T = 3, 2, 8, 16, 11
+    k_shape, v_shape = kv_cache_shapes(nb, kvh, bs, D, "cpu", cache_dtype)
+    assert k_shape == (nb, kvh, D // lane, bs, lane) and v_shape == (nb, kvh, bs // lane, D, lane)
+    # values each cache holds exactly, with scale 1 for int8 (absmax 127) and fp8 (absmax 448)
+    top = QMAX.get(cache_dtype, 127.0)
+    key = torch.randint(-15, 16, (T, kvh, D), generator=torch.Generator().manual_seed(3)).float()
+    key[:, :, 0] = top
+    value = key.flip(-1)
+    quant = cache_dtype in QMAX
+    kc, vc, ks, vs = make_cache(nb, kvh, bs, D, cache_dtype, quant=quant)
+    slots = torch.arange(T) + bs  # block 1 from offset 0, then block 2
+    src = torch.float32 if quant else cache_dtype
+    reshape_and_cache(key.to(src), value.to(src), kc, vc, slots, k_scales=ks, v_scales=vs)
+    if quant:
+        assert (ks[slots // bs, :, slots % bs] == 1).all() and (vs[slots // bs, :, slots % bs] == 1).all()
+    for t in range(T):
+        blk, off = (bs + t) // bs, (bs + t) % bs
+        for d in range(D):
+            assert torch.equal(kc[blk, :, d // lane, off, d % lane].float(), key[t, :, d])
+            assert torch.equal(vc[blk, :, off // lane, d, off % lane].float(), value[t, :, d])
+
+
 def test_strided_key_value_views():
     T, kvh, D, bs = 6, 2, 32, 8
     qkv = torch.randn(T, (4 + 2 * kvh) * D)
