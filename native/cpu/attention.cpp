@@ -3,9 +3,9 @@
 //
 // Layouts (element strides, row-major):
 //   q        [T, H, D]   token stride q_stride, heads and D contiguous      out [T, H, D] contiguous
-//   k cache  [NB, KVH, D/2, BS, 2]  v cache [NB, KVH, BS/2, D, 2]  (the CPU cache layout: one
-//            (block, kv head) tile holds K as [D/2][BS][2] pairs of dims, V as [BS/2][D][2] pairs of
-//            tokens; D and BS even; see cache.cpp)
+//   k cache  [NB, KVH, D/L, BS, L]  v cache [NB, KVH, BS/L, D, L]  (the CPU cache layout, kv_layout.h:
+//            one (block, kv head) tile holds K as groups of L dims of each token, V as groups of L
+//            tokens of each dim; L = 4 for fp8/int8 caches, 2 otherwise; D and BS multiples of L)
 //   k/v scales [NB, KVH, BS] fp32 (fp8/int8 caches: value = code * scale)
 //   block_tables [S, MB] int32, seq_lens [S] int32, query_start_loc [S+1] int32
 // Query token j of sequence s (q_len = qsl[s+1] - qsl[s]) sits at position seq_len - q_len + j and
@@ -24,7 +24,7 @@
 //
 // Paths (chosen at compile time by the -march of the build, PYENGINE_CPU_ARCH):
 //   bf16 q with a bf16/fp8/int8 cache, head_dim 64/128, block size 8 or a multiple of 16,
-//     AVX512_BF16 and AVX512_VNNI: run_item_bf16 (vdpbf16ps, or vpdpwssd for int8, straight from the
+//     AVX512_BF16 and AVX512_VNNI: run_item_bf16 (vdpbf16ps, or vpdpbusd for int8, straight from the
 //     cache tiles; see its comment). This is the hot path of bf16 models.
 //   everything else (fp32/fp16, other head dims, no AVX512_BF16/VNNI): run_item, which dequantizes each K/V
 //     chunk once into fp32 scratch; AVX-512 intrinsics under __AVX512F__, otherwise portable loops in
