@@ -153,7 +153,7 @@ def test_quantized_cache_matches_dequantized_reference(cache_dtype, dtype, block
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("block_size", [2, 16])  # 16 with bf16 q: the bf16 path's own conversions
+@pytest.mark.parametrize("block_size", [4, 16])  # 16 with bf16 q: the bf16 path's own conversions
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_quantized_code_decodes_exactly(cache_dtype, dtype, block_size):
@@ -197,6 +197,11 @@ def _with(**changes):
     return args
 
 
+def int8_caches(args):
+    """The good arguments' caches as int8 caches in the int8 layout (no scales)."""
+    return to_cache_layout(*(x.to(torch.int8) for x in from_cache_layout(args["k_cache"], args["v_cache"])), "cpu")
+
+
 @pytest.mark.parametrize(
     "changes,exc,match",
     [
@@ -210,7 +215,9 @@ def _with(**changes):
         (dict(k_cache=lambda a: a["k_cache"].transpose(1, 2)), ValueError, "k_cache must"),
         (dict(k_cache=lambda a: a["k_cache"].flatten(2, 3)), ValueError, "k_cache on cpu must be shaped"),
         (dict(k_cache=lambda a: a["k_cache"].to(torch.int8), v_cache=lambda a: a["v_cache"].to(torch.int8)),
-         ValueError, "k_scales is required"),
+         ValueError, r"k_cache on cpu must be shaped \[num_blocks, kv_heads, head_dim/4, block_size, 4\]"),
+        (dict(k_cache=lambda a: int8_caches(a)[0], v_cache=lambda a: int8_caches(a)[1]), ValueError,
+         "k_scales is required"),
         (dict(block_tables=lambda a: a["block_tables"].long()), TypeError, "block_tables has dtype"),
         (dict(seq_lens=lambda a: a["seq_lens"][:1]), ValueError, "seq_lens must have shape"),
         (dict(query_start_loc=lambda a: a["query_start_loc"][:2]), ValueError, "query_start_loc must have shape"),
@@ -320,15 +327,18 @@ def test_decode_matches_reference(cache, gqa, head_dim, block_size, threads, dec
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 8)])
-def test_int8_decode_error_is_below_bf16_rounding(head_dim, block_size, decode_path):
-    """The int8 path rounds q and the weights to int16, finer than bf16: with sharp scores (q x 3)
-    its error against the dequantized reference stays within bf16 output rounding (measured 1e-4
-    beyond it; the kernel that widened codes to bf16 and rounded the weights to bf16: 4e-3)."""
+def test_int8_decode_error_with_sharp_scores(head_dim, block_size, decode_path):
+    """The int8 path rounds q to 15-bit codes (two int8 halves) and the weights to u8 per row and
+    chunk. With sharp scores (q x 3) its error against the dequantized reference: rms under 3.5e-3
+    (measured 2.5e-3; the bf16 path on a bf16 cache 1e-3) and at most 0.025 beyond bf16 output
+    rounding (measured 0.014-0.019). q as a single int8 code fails both (rms 5e-3-7e-3, 0.03-0.06);
+    it also cost the default model 0.5% of top-1 agreement (native/cpu/attention.cpp)."""
     q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(DECODE, 6, 2, head_dim, block_size, torch.bfloat16,
                                                   cache_dtype=torch.int8, seed=5)
     q = q * 3
     out = paged_attention(q, kc, vc, bt, sl, qsl, head_dim**-0.5, k_scales=ks, v_scales=vs)
     ref = reference(q, kc, vc, bt, sl, qsl, head_dim**-0.5, ks, vs)
     err = (out.float() - ref).abs() - ref.abs() * 2**-8  # beyond half a bf16 ulp of the output
-    print(f"int8 decode: max error beyond bf16 rounding {err.max().item():.5f}")
-    assert err.max().item() < 2e-3
+    rms = (out.float() - ref).pow(2).mean().sqrt().item()
+    print(f"int8 decode: rms error {rms:.2e}, max error beyond bf16 rounding {err.max().item():.5f}")
+    assert rms < 3.5e-3 and err.max().item() < 0.025

@@ -53,7 +53,7 @@ def assert_kv_quantized(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
 
 
 def make_cache(num_blocks, kv_heads, block_size, head_dim, dtype, quant=False):
-    k_shape, v_shape = kv_cache_shapes(num_blocks, kv_heads, block_size, head_dim, "cpu")
+    k_shape, v_shape = kv_cache_shapes(num_blocks, kv_heads, block_size, head_dim, "cpu", dtype)
     k, v = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
     if not quant:
         return k, v, None, None
@@ -80,6 +80,34 @@ def test_writes_rows_and_skips_minus_one(dtype):
     assert torch.equal(cache_rows(v, slots[keep], bs), value[keep])
     assert int((k != 0).any(-1).sum()) == int(keep.sum()) * kvh  # nothing else written
     assert int((v != 0).any(-1).sum()) == int(keep.sum()) * kvh
+
+
+@pytest.mark.parametrize("cache_dtype,lane", [(torch.bfloat16, 2), (torch.float32, 2), (torch.int8, 4),
+                                              (torch.float8_e4m3fn, 4)])
+def test_cpu_tiles_hold_lanes_of_dims_in_k_and_of_tokens_in_v(cache_dtype, lane):
+    """The CPU layout (kv_layout.h), element by element: K [NB, KVH, D/L, BS, L] holds dims L j .. L j + L - 1
+    of a token in one lane, V [NB, KVH, BS/L, D, L] tokens L p .. L p + L - 1 of a dim; L = 4 for
+    one-byte caches (the int8/fp8 decode kernel's quads), 2 otherwise (bf16 pairs)."""
+    nb, kvh, bs, D, T = 3, 2, 8, 16, 11
+    k_shape, v_shape = kv_cache_shapes(nb, kvh, bs, D, "cpu", cache_dtype)
+    assert k_shape == (nb, kvh, D // lane, bs, lane) and v_shape == (nb, kvh, bs // lane, D, lane)
+    # values each cache holds exactly, with scale 1 for int8 (absmax 127) and fp8 (absmax 448)
+    top = QMAX.get(cache_dtype, 127.0)
+    key = torch.randint(-15, 16, (T, kvh, D), generator=torch.Generator().manual_seed(3)).float()
+    key[:, :, 0] = top
+    value = key.flip(-1)
+    quant = cache_dtype in QMAX
+    kc, vc, ks, vs = make_cache(nb, kvh, bs, D, cache_dtype, quant=quant)
+    slots = torch.arange(T) + bs  # block 1 from offset 0, then block 2
+    src = torch.float32 if quant else cache_dtype
+    reshape_and_cache(key.to(src), value.to(src), kc, vc, slots, k_scales=ks, v_scales=vs)
+    if quant:
+        assert (ks[slots // bs, :, slots % bs] == 1).all() and (vs[slots // bs, :, slots % bs] == 1).all()
+    for t in range(T):
+        blk, off = (bs + t) // bs, (bs + t) % bs
+        for d in range(D):
+            assert torch.equal(kc[blk, :, d // lane, off, d % lane].float(), key[t, :, d])
+            assert torch.equal(vc[blk, :, off // lane, d, off % lane].float(), value[t, :, d])
 
 
 def test_strided_key_value_views():
@@ -223,11 +251,11 @@ def test_fp8_codec_matches_torch_on_every_code():
     """Decoding all 254 finite e4m3 codes through the cache path reproduces torch's fp8 values."""
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # drop the NaN codes
-    values = codes.float()  # exact in fp32
+    values = torch.cat([codes.float(), torch.zeros(2)])  # exact in fp32; 256: a head_dim the layout takes
     # a row of exactly representable values quantizes to itself when its absmax is 448
     n = values.numel()
     key = values.view(1, 1, n)
-    kc, vc, ks, vs = make_cache(1, 1, 2, n, torch.float8_e4m3fn, quant=True)
+    kc, vc, ks, vs = make_cache(1, 1, 4, n, torch.float8_e4m3fn, quant=True)
     reshape_and_cache(key, key, kc, vc, torch.zeros(1, dtype=torch.int64), k_scales=ks, v_scales=vs)
     assert float(ks[0, 0, 0]) == 1.0
     k, v = from_cache_layout(kc, vc)
@@ -255,6 +283,8 @@ def good_args():
         (dict(v_cache=torch.zeros(2, 2, 4, 8, 2)), ValueError, "v_cache must have shape"),
         (dict(k_cache=torch.zeros(2, 2, 8, 16)), ValueError, "k_cache on cpu must be shaped"),
         (dict(k_cache=torch.zeros(2, 2, 8, 8, 2, dtype=torch.int8), v_cache=torch.zeros(2, 2, 4, 16, 2, dtype=torch.int8)),
+         ValueError, r"k_cache on cpu must be shaped \[num_blocks, kv_heads, head_dim/4, block_size, 4\]"),
+        (dict(k_cache=torch.zeros(2, 2, 4, 8, 4, dtype=torch.int8), v_cache=torch.zeros(2, 2, 2, 16, 4, dtype=torch.int8)),
          ValueError, "k_scales is required"),
         (dict(k_cache=torch.zeros(2, 2, 8, 8, 2, device="meta")), ValueError, "k_cache is on meta"),
     ],

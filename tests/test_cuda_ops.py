@@ -361,7 +361,7 @@ def test_cache_then_attention_matches_cpu():
     sl, qsl = torch.tensor([T], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32)
     outs = []
     for dev in ("cpu", DEV):
-        k_shape, v_shape = kv_cache_shapes(nb, kvh, bs, D, dev)  # each device's own layout
+        k_shape, v_shape = kv_cache_shapes(nb, kvh, bs, D, dev, torch.int8)  # each device's own layout
         kc = torch.zeros(k_shape, dtype=torch.int8, device=dev)
         vc = torch.zeros(v_shape, dtype=torch.int8, device=dev)
         ks, vs = torch.zeros(nb, kvh, bs, device=dev), torch.zeros(nb, kvh, bs, device=dev)

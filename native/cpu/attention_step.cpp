@@ -14,6 +14,7 @@
 
 #include "prefill_attention.h"
 #include "pyengine/cpu_ops.h"
+#include "pyengine/kv_layout.h"
 
 namespace pyengine {
 namespace {
@@ -27,8 +28,10 @@ void check_attention_step(const AttentionStep& a) {
   if (a.KVH <= 0 || a.H % a.KVH != 0)
     fail("num_heads (" + std::to_string(a.H) + ") must be a multiple of num_kv_heads (" + std::to_string(a.KVH) + ")");
   if (a.D <= 0 || a.D > kMaxHeadDim) fail("head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "]");
-  if (a.BS <= 0 || a.BS % 2 || a.D % 2) fail("block_size and head_dim must be positive and even (the CPU cache layout)");
   const bool quant = a.cdt == DType::kFloat8E4M3 || a.cdt == DType::kInt8;
+  const int64_t lane = kv_lane(quant ? 1 : 2);
+  if (a.BS <= 0 || a.BS % lane || a.D % lane)
+    fail("block_size and head_dim must be positive multiples of " + std::to_string(lane) + " (the CPU cache layout)");
   if (!quant && a.cdt != a.qdt) fail("the cache dtype must match q's dtype (or be fp8/int8)");
   if (quant && (a.ks == nullptr || a.vs == nullptr)) fail("fp8/int8 caches need k_scales and v_scales");
   if (a.qdt != DType::kFloat32 && a.qdt != DType::kBFloat16 && a.qdt != DType::kFloat16)

@@ -3,10 +3,10 @@
 // Layouts (element strides, all row-major):
 //   key, value      [T, KVH, D]; token stride key_stride / value_stride, heads and D contiguous
 //                   (so a column slice of a fused QKV projection works without a copy)
-//   k_cache [NB, KVH, D/2, BS, 2], v_cache [NB, KVH, BS/2, D, 2]: the CPU cache layout. Per (block,
-//                   kv head) tile, K holds pairs of dims of each token ([D/2][BS][2]) and V pairs of
-//                   tokens of each dim ([BS/2][D][2]): the operand layouts of vdpbf16ps for QK
-//                   (tokens in lanes) and PV (dims in lanes), so attention reads them without shuffles.
+//   k_cache [NB, KVH, D/L, BS, L], v_cache [NB, KVH, BS/L, D, L]: the CPU cache layout (kv_layout.h),
+//                   L = 4 for fp8/int8 caches, 2 otherwise. Per (block, kv head) tile, K holds groups of
+//                   L dims of each token and V groups of L tokens of each dim: the operand layouts of
+//                   the decode kernel's dot products, so attention reads them without shuffles.
 //   k_scales, v_scales [NB, KVH, BS] fp32 (fp8/int8 caches only)
 //   slot_mapping    [T] int64, slot = block * BS + offset; -1 = skip the token
 //   query           [T, H, D] or null; token stride query_stride: this step's q (in K's basis), for which
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "pyengine/dtype.h"
+#include "pyengine/kv_layout.h"
 #include "pyengine/kv_quant.h"
 #include "pyengine/parallel.h"
 
@@ -239,14 +240,15 @@ void unit_queries(const char* q, DType t, int64_t h, int64_t G, int64_t D, size_
   }
 }
 
-// One token's row of D elements (es bytes each) into its tile at token offset `off`.
+// One token's row of D elements (es bytes each) into its tiles at token offset `off` (kv_layout.h).
 void scatter_k(const char* row, char* tile, int64_t off, int64_t BS, int64_t D, size_t es) {
-  for (int64_t j = 0; j < D / 2; ++j) std::memcpy(tile + (j * BS + off) * 2 * es, row + 2 * j * es, 2 * es);
+  const int64_t L = kv_lane(es);
+  for (int64_t j = 0; j < D; j += L) std::memcpy(tile + kv_k_offset(off, j, BS, L) * es, row + j * es, L * es);
 }
 
 void scatter_v(const char* row, char* tile, int64_t off, int64_t D, size_t es) {
-  char* dst = tile + ((off / 2) * D * 2 + off % 2) * es;
-  for (int64_t d = 0; d < D; ++d) std::memcpy(dst + 2 * d * es, row + d * es, es);
+  const int64_t L = kv_lane(es);
+  for (int64_t d = 0; d < D; ++d) std::memcpy(tile + kv_v_offset(off, d, D, L) * es, row + d * es, es);
 }
 
 }  // namespace
@@ -268,8 +270,10 @@ void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, vo
   if (!quant && cache_dtype != src_dtype) throw std::invalid_argument("cache dtype must match key/value dtype");
   if (quant && (k_scales == nullptr || v_scales == nullptr))
     throw std::invalid_argument("fp8/int8 caches need k_scales and v_scales");
-  if (block_size % 2 || head_dim % 2)
-    throw std::invalid_argument("block_size and head_dim must be even (the CPU cache layout)");
+  const int64_t lane = kv_lane(elem_size(cache_dtype));
+  if (block_size % lane || head_dim % lane)
+    throw std::invalid_argument("block_size and head_dim must be multiples of " + std::to_string(lane) +
+                                " (the CPU cache layout)");
   const bool for_queries = cache_dtype == DType::kFloat8E4M3 && query != nullptr;
   if (for_queries && (num_heads <= 0 || num_heads % num_kv_heads))
     throw std::invalid_argument("num_heads must be a positive multiple of num_kv_heads");

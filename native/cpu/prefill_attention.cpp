@@ -46,6 +46,7 @@
 #include "prefill_attention.h"
 #include "pyengine/amx.h"
 #include "pyengine/cpu_ops.h"
+#include "pyengine/kv_layout.h"
 #include "pyengine/kv_quant.h"
 #include "pyengine/parallel.h"
 #include "pyengine/vec_exp.h"
@@ -153,6 +154,22 @@ inline void copy32(uint16_t* dst, const char* src) {
   }
 }
 
+#if defined(__AVX512BW__)
+// A line of 64 codes of a one-byte cache (four values per 32-bit lane, kv_layout.h: K 16 tokens of a
+// dims group, V 16 dims of a token group) -> two runs of 32 bf16: each lane's first pair to `even`,
+// its second to `odd` (K: dims pairs 2j and 2j + 1; V: token pairs 2p and 2p + 1).
+template <DType CD>
+inline void split_quads(uint16_t* even, uint16_t* odd, const char* src) {
+  alignas(64) uint16_t tmp[64];
+  copy32<CD>(tmp, src);
+  copy32<CD>(tmp + 32, src + 32);
+  const __m512i a = _mm512_load_si512(tmp), b = _mm512_load_si512(tmp + 32);
+  const __m512i first = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  _mm512_storeu_si512(even, _mm512_permutex2var_epi32(a, first, b));
+  _mm512_storeu_si512(odd, _mm512_permutex2var_epi32(a, _mm512_add_epi32(first, _mm512_set1_epi32(1)), b));
+}
+#endif
+
 // Positions [lo + t0, lo + t1) of pair P (t0, t1 multiples of 16) into its packed run.
 template <DType CD>
 void pack_range(const AttentionStep& a, const Packed& P, int64_t t0, int64_t t1) {
@@ -164,17 +181,29 @@ void pack_range(const AttentionStep& a, const Packed& P, int64_t t0, int64_t t1)
   };
   const int64_t D = a.D, half = D / 2, len = a.seq_lens[P.seq];
   const size_t es = kQuant ? 1 : 2, tile_bytes = a.BS * D * es;
+  const int64_t L = kv_lane(es);
   const int32_t* blocks = a.block_tables + P.seq * a.MB;
   for (int64_t g0 = t0; g0 < t1; g0 += 16) {
     const int64_t pos0 = P.lo + g0;
     uint16_t* kg = P.k + g0 * D;  // the group: dims pair j of token u at kg[32 j + 2 u]
     if (a.BS % 16 == 0 && pos0 + 16 <= len && (!kQuant || kHaveLut32)) {
-      // a whole group inside one block: the block's K lines and V pairs as they lie, 32 values at a time
+      // a whole group inside one block: the block's K lines and V pairs as they lie, 32 values at a
+      // time (bf16), or its K and V lines of quads split into pairs (fp8/int8)
       const int64_t tile = static_cast<int64_t>(blocks[pos0 / a.BS]) * a.KVH + P.kvh, off = pos0 % a.BS;
       const char* kt = static_cast<const char*>(a.k) + tile * tile_bytes;
       const char* vt = static_cast<const char*>(a.v) + tile * tile_bytes;
-      for (int64_t j = 0; j < half; ++j) copy32<CD>(kg + 32 * j, kt + (j * a.BS + off) * 2 * es);
-      for (int64_t i = 0; i < 16 * D; i += 32) copy32<CD>(P.v + g0 * D + i, vt + (off * D + i) * es);
+      if constexpr (kQuant) {
+#if defined(__AVX512BW__)
+        for (int64_t j = 0; j < D / 4; ++j) split_quads<CD>(kg + 64 * j, kg + 64 * j + 32, kt + (j * a.BS + off) * 4);
+        for (int64_t p = 0; p < 4; ++p)
+          for (int64_t d0 = 0; d0 < D; d0 += 16)
+            split_quads<CD>(P.v + (g0 + 4 * p) * D + 2 * d0, P.v + (g0 + 4 * p + 2) * D + 2 * d0,
+                            vt + ((off / 4 + p) * D + d0) * 4);
+#endif
+      } else {
+        for (int64_t j = 0; j < half; ++j) copy32<CD>(kg + 32 * j, kt + (j * a.BS + off) * 4);
+        for (int64_t i = 0; i < 16 * D; i += 32) copy32<CD>(P.v + g0 * D + i, vt + (off * D + i) * 2);
+      }
       for (int64_t u = 0; u < 16; ++u) {
         P.ks[g0 + u] = kQuant ? a.ks[tile * a.BS + off + u] : 1.0f;
         P.vs[g0 + u] = kQuant ? a.vs[tile * a.BS + off + u] : 1.0f;
@@ -192,14 +221,10 @@ void pack_range(const AttentionStep& a, const Packed& P, int64_t t0, int64_t t1)
         continue;
       }
       const int64_t tile = static_cast<int64_t>(blocks[pos / a.BS]) * a.KVH + P.kvh, off = pos % a.BS;
-      const char* kt = static_cast<const char*>(a.k) + tile * tile_bytes;  // [D/2][BS][2]
-      const char* vt = static_cast<const char*>(a.v) + tile * tile_bytes;  // [BS/2][D][2]
-      for (int64_t j = 0; j < half; ++j) {
-        kd[32 * j] = bits(kt, (j * a.BS + off) * 2);
-        kd[32 * j + 1] = bits(kt, (j * a.BS + off) * 2 + 1);
-      }
-      const int64_t v0 = off / 2 * D * 2 + off % 2;
-      for (int64_t d = 0; d < D; ++d) vd[2 * d] = bits(vt, v0 + 2 * d);
+      const char* kt = static_cast<const char*>(a.k) + tile * tile_bytes;  // [D/L][BS][L]
+      const char* vt = static_cast<const char*>(a.v) + tile * tile_bytes;  // [BS/L][D][L]
+      for (int64_t d = 0; d < D; ++d) kd[32 * (d / 2) + d % 2] = bits(kt, kv_k_offset(off, d, a.BS, L));
+      for (int64_t d = 0; d < D; ++d) vd[2 * d] = bits(vt, kv_v_offset(off, d, D, L));
       P.ks[t] = kQuant ? a.ks[tile * a.BS + off] : 1.0f;
       P.vs[t] = kQuant ? a.vs[tile * a.BS + off] : 1.0f;
     }

@@ -47,7 +47,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 def allocate_kv_caches(
     cfg: ModelConfig, num_blocks: int, block_size: int, cache_dtype: torch.dtype, device: torch.device | str
 ) -> list[KVCache]:
-    k_shape, v_shape = kv_cache_shapes(num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, device)
+    k_shape, v_shape = kv_cache_shapes(num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, device,
+                                       cache_dtype)
     scales_shape = (num_blocks, cfg.num_key_value_heads, block_size)
     quantized = cache_dtype in QUANTIZED_CACHE_DTYPES
     caches = []

@@ -9,33 +9,42 @@ ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
-def kv_cache_shapes(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                    device: torch.device | str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of one layer's K and V cache on `device`.
+def cpu_cache_lane(dtype: torch.dtype) -> int:
+    """Values per 32-bit lane of the CPU cache layout: 4 for one-byte caches (fp8, int8), else 2."""
+    return 4 if dtype.itemsize == 1 else 2
 
-    cuda: both [num_blocks, KVH, block_size, head_dim]. cpu: K [num_blocks, KVH, head_dim/2, block_size, 2]
-    and V [num_blocks, KVH, block_size/2, head_dim, 2]: per (block, kv head) tile, K as pairs of dims of
-    each token and V as pairs of tokens of each dim, the operand layouts of the CPU's bf16 dot-product
-    instruction (native/cpu/cache.cpp), so attention reads the tiles without shuffles. Needs an even
-    block_size and head_dim on the CPU.
+
+def kv_cache_shapes(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                    device: torch.device | str, dtype: torch.dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's K and V cache of `dtype` on `device`.
+
+    cuda: both [num_blocks, KVH, block_size, head_dim]. cpu: K [num_blocks, KVH, head_dim/L, block_size, L]
+    and V [num_blocks, KVH, block_size/L, head_dim, L], L = cpu_cache_lane(dtype) values per 32-bit lane:
+    per (block, kv head) tile, K as groups of L dims of each token and V as groups of L tokens of each dim,
+    the operand layouts of the CPU decode kernel's dot products (native/include/pyengine/kv_layout.h), so
+    attention reads the tiles without shuffles. On the CPU block_size and head_dim must be multiples of L.
     """
     nb, kvh, bs, d = num_blocks, num_kv_heads, block_size, head_dim
     if torch.device(device).type != "cpu":
         return (nb, kvh, bs, d), (nb, kvh, bs, d)
-    if bs % 2 or d % 2:
-        raise ValueError(f"the CPU KV cache needs an even block_size and head_dim, got {bs} and {d}")
-    return (nb, kvh, d // 2, bs, 2), (nb, kvh, bs // 2, d, 2)
+    lane = cpu_cache_lane(dtype)
+    if bs % lane or d % lane:
+        raise ValueError(f"the CPU {str(dtype).removeprefix('torch.')} KV cache needs a block_size and head_dim "
+                         f"that are multiples of {lane}, got {bs} and {d}")
+    return (nb, kvh, d // lane, bs, lane), (nb, kvh, bs // lane, d, lane)
 
 
 def kv_cache_geometry(k_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """(num_blocks, num_kv_heads, block_size, head_dim) of a K cache in its device's layout."""
     cpu = k_cache.device.type == "cpu"
-    if k_cache.dim() != (5 if cpu else 4) or (cpu and k_cache.shape[4] != 2):
-        want = "[num_blocks, kv_heads, head_dim/2, block_size, 2]" if cpu else "[num_blocks, kv_heads, block_size, head_dim]"
+    if k_cache.dim() != (5 if cpu else 4) or (cpu and k_cache.shape[4] != cpu_cache_lane(k_cache.dtype)):
+        lane = cpu_cache_lane(k_cache.dtype)
+        want = (f"[num_blocks, kv_heads, head_dim/{lane}, block_size, {lane}]" if cpu
+                else "[num_blocks, kv_heads, block_size, head_dim]")
         raise ValueError(f"k_cache on {k_cache.device.type} must be shaped {want}, got {list(k_cache.shape)}")
     if cpu:
-        nb, kvh, half_d, bs, _ = k_cache.shape
-        return nb, kvh, bs, 2 * half_d
+        nb, kvh, groups, bs, lane = k_cache.shape
+        return nb, kvh, bs, groups * lane
     return tuple(k_cache.shape)
 
 
@@ -45,8 +54,9 @@ def to_cache_layout(k: torch.Tensor, v: torch.Tensor, device: torch.device | str
     if k.device.type != "cpu":
         return k.contiguous(), v.contiguous()
     nb, kvh, bs, d = k.shape
-    return (k.reshape(nb, kvh, bs, d // 2, 2).permute(0, 1, 3, 2, 4).contiguous(),
-            v.reshape(nb, kvh, bs // 2, 2, d).permute(0, 1, 2, 4, 3).contiguous())
+    lane = cpu_cache_lane(k.dtype)
+    return (k.reshape(nb, kvh, bs, d // lane, lane).permute(0, 1, 3, 2, 4).contiguous(),
+            v.reshape(nb, kvh, bs // lane, lane, d).permute(0, 1, 2, 4, 3).contiguous())
 
 
 def from_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +85,8 @@ def check_kv_cache(
         raise ValueError(f"k_cache has {kvh} kv heads; expected {num_kv_heads}")
     if head_dim is not None and d != head_dim:
         raise ValueError(f"k_cache has head_dim {d}; expected {head_dim}")
-    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=kv_cache_shapes(nb, kvh, bs, d, device)[1],
-                 device=device)
+    v_shape = kv_cache_shapes(nb, kvh, bs, d, device, k_cache.dtype)[1]
+    check_tensor("v_cache", v_cache, dtypes=(k_cache.dtype,), shape=v_shape, device=device)
     if k_cache.dtype in QUANT_DTYPES:
         for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
             if s is None:
