@@ -34,7 +34,8 @@ def rel(pattern: str) -> list[str]:
 
 CPU_ARCH = os.environ.get("PYENGINE_CPU_ARCH", "native")
 # -fopenmp links libgomp.so.1, the soname torch ships: torch loads first, so both share one runtime
-# (native/include/pyengine/parallel.h says why that matters).
+# (parallel.h asks it whether a kernel is called from inside one of torch's parallel regions and
+# reads its default thread count).
 CXX_FLAGS = ["-O3", f"-march={CPU_ARCH}", "-fno-math-errno", "-fopenmp", "-Wall", "-Wno-unused-function"]
 
 ext_modules = [

@@ -86,7 +86,11 @@ class EngineConfig:
     # newcomer's wait: with the heaviest step of an n=8 echo+logprobs 2k prompt in flight, its TTFT is
     # 1.9x idle at 64 and 4.0x at 128 (bench/bench_fairness.py --cpu-steps). Prefill attention reads a
     # bf16 cache in place, so 64-token chunks cost a long prompt little: 1.2x (2k), about 1.0x (8k)
-    # the CPU time of unchunked steps (1 thread).
+    # the CPU time of unchunked steps (1 thread). On 2 threads a chunk's ~300 kernel loops no longer
+    # wait for a helper thread the OS has not run (native/include/pyengine/parallel.h): on shared cores
+    # a 64-token step took 3x a 1-thread one before (141 vs 43 ms), about 50 ms now. Larger chunks
+    # while nothing else waits would buy a lone long prompt little (2k: about as fast; 8k: ~1.1x, 2
+    # threads at load 4.5), and a newcomer arriving meanwhile would wait for the whole chunk.
     long_prefill_tokens: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     num_threads: int | None = None  # CPU threads for torch and the native kernels

@@ -422,37 +422,42 @@ inline __m512 tanh512(__m512 x) {
   return _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
 }
 
-// 2^x for x <= 0 (clamped at -126), degree-4 Taylor on [-0.5, 0.5]: ~4e-5 relative, enough for
-// probabilities that are rounded to bf16 (2^-9) right after; half the work of exp512.
+// 2^x for x <= 0 (clamped at -126): 2^round(x) times a degree-3 minimax polynomial of 2^f on
+// [-0.5, 0.5], 7.5e-5 relative error: the probabilities are rounded to bf16 (2^-9) right after.
 inline __m512 exp2_prob(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(9.6181291e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(5.51709794e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.42609710e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93260968e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99928176e-1f));
   return _mm512_scalef_ps(p, n);
 }
 
 // As softmax_row_portable, with m in log2 units (scores times log2 e, so exp is exp2). The running
 // max moves only when a score passes it by more than kMaxSlack: until then the row's probabilities
 // stay <= 2^kMaxSlack (harmless in fp32 and bf16), alpha is exactly 1 (the accumulator is not
-// rescaled) and the row needs no horizontal max.
+// rescaled) and the row needs no horizontal max. Plain scores (no softcap, no per-token K scales)
+// stay raw dot products until the exponent, where one fused multiply-subtract scales them and
+// subtracts the max; rows that see the whole chunk skip the masks.
 inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
   __m512 x[4];
   __mmask16 keep[4];
-  const bool capped = c.softcap > 0.0f;
-  const __m512 scale = _mm512_set1_ps(capped ? c.scale / c.softcap : c.scale * kLog2e);
+  const bool capped = c.softcap > 0.0f, plain = !capped && !c.ks, masked = lo > 0 || hi < kChunk;
+  const float unit = capped ? c.scale / c.softcap : c.scale * kLog2e;  // raw score -> log2 units (or tanh's)
+  const __m512 scale = _mm512_set1_ps(unit);
   const __m512 cap = _mm512_set1_ps(c.softcap * kLog2e);
-  const __m512 limit = _mm512_set1_ps(m + kMaxSlack);
+  const __m512 limit = _mm512_set1_ps(plain ? (m + kMaxSlack) / unit : m + kMaxSlack);  // in x's units
   __mmask16 over = 0;
   for (int g = 0; g < 4; ++g) {
     keep[g] = tail_mask(hi - 16 * g) & static_cast<__mmask16>(~tail_mask(lo - 16 * g));
-    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * g), scale);
-    if (c.ks) v = _mm512_mul_ps(v, _mm512_loadu_ps(c.ks + 16 * g));
-    if (capped) v = _mm512_mul_ps(cap, tanh512(v));
+    __m512 v = _mm512_loadu_ps(s + 16 * g);
+    if (!plain) {
+      v = _mm512_mul_ps(v, scale);
+      if (c.ks) v = _mm512_mul_ps(v, _mm512_loadu_ps(c.ks + 16 * g));
+      if (capped) v = _mm512_mul_ps(cap, tanh512(v));
+    }
     x[g] = v;
     over |= _mm512_mask_cmp_ps_mask(keep[g], v, limit, _CMP_NLE_UQ);  // NaN counts as over
   }
@@ -460,17 +465,19 @@ inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi
   if (over || m == kNegInf) {
     __m512 vmax = _mm512_set1_ps(kNegInf);
     for (int g = 0; g < 4; ++g) vmax = _mm512_mask_max_ps(vmax, keep[g], vmax, x[g]);
-    m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+    m_new = std::max(m, _mm512_reduce_max_ps(vmax) * (plain ? unit : 1.0f));  // unit > 0: max commutes
   }
   const float alpha = m_new == m ? 1.0f : std::exp2(m - m_new);
   const __m512 vm = _mm512_set1_ps(m_new);
-  __m512 sum = _mm512_setzero_ps();
+  __m512 sum = _mm512_setzero_ps(), e[4];
   for (int g = 0; g < 4; ++g) {
-    __m512 e = _mm512_maskz_mov_ps(keep[g], exp2_prob(_mm512_sub_ps(x[g], vm)));
-    sum = _mm512_add_ps(sum, e);
-    if (c.vs) e = _mm512_mul_ps(e, _mm512_loadu_ps(c.vs + 16 * g));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * g), (__m256i)_mm512_cvtneps_pbh(e));
+    e[g] = exp2_prob(plain ? _mm512_fmsub_ps(x[g], scale, vm) : _mm512_sub_ps(x[g], vm));
+    if (masked) e[g] = _mm512_maskz_mov_ps(keep[g], e[g]);
+    sum = _mm512_add_ps(sum, e[g]);
+    if (c.vs) e[g] = _mm512_mul_ps(e[g], _mm512_loadu_ps(c.vs + 16 * g));
   }
+  for (int g = 0; g < 4; g += 2)  // tokens 16 g .. 16 g + 31, one vector
+    _mm512_storeu_si512(p + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(e[g + 1], e[g]));
   l = l * alpha + _mm512_reduce_add_ps(sum);
   m = m_new;
   return alpha;
