@@ -35,7 +35,7 @@ from pyengine.ops.attention import check_kv_cache, paged_attention
 from pyengine.ops.cache import reshape_and_cache
 from pyengine.ops.layers import add_rms_norm, hadamard_heads, rms_norm, rotary_embedding, silu_and_mul
 from pyengine.ops.linear import PackedLinear
-from pyengine.ops.qlinear import QuantLinear
+from pyengine.ops.qlinear import QuantLinear, WeightArena
 
 WeightGetter = Callable[[str], "torch.Tensor | None"]  # HF tensor name -> tensor (None if absent)
 # HF tensor names -> (GGML type, uint8 blocks of the row-concatenated tensors) or None (loader.QuantizedGetter)
@@ -213,12 +213,15 @@ class LlamaForCausalLM(torch.nn.Module):
                 return None
             return torch.cat([p.to(dtype=dtype) for p in parts], dim=0).to(device).contiguous()
 
+        arena = WeightArena()  # the quantized weights together, on huge pages
+
         def quant(names: list[str], bias: torch.Tensor | None, out_dtype: torch.dtype | None = None):
             """A QuantLinear over the row-concatenated tensors `names`, where they stay quantized."""
             parts = quantized(names) if quantized is not None else None
             if parts is None:
                 return None
-            return QuantLinear([b for _, b in parts], [t for t, _ in parts], bias, out_dtype=out_dtype or dtype)
+            return QuantLinear([b for _, b in parts], [t for t, _ in parts], bias, out_dtype=out_dtype or dtype,
+                               arena=arena)
 
         def linear(names: list[str], bias: torch.Tensor | None,
                    fused_name: str | None = None) -> tuple[Linear, torch.Tensor | None]:
