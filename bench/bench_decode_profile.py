@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's time goes, beside a plain read of the weight bytes it streams.
 
-1. One 128-token greedy generate (weights="auto"): per step, the native layers (decoder_layers), the
-   lm_head, and the rest (embedding, final norm, sampling, scheduler, outputs: Python).
+1. One 128-token greedy generate (weights="auto"): per step, the native layers (decoder_layers, the final
+   norm included), the lm_head, and the rest (embedding, sampling, scheduler, outputs: Python).
 2. The same kernels alone, M = 1, min over repeats: every projection of every layer in model order,
    then the lm_head, each against pyengine's read_bandwidth probe over as many bytes (same threads).
    "x read" is the kernel's time over the read's: 1.00 would be a GEMV as fast as streaming its weight.

@@ -42,8 +42,9 @@ class PagedEchoModel(torch.nn.Module):
         qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
         assert len(seq_lens) == meta.block_tables.shape[0] and max(seq_lens) == meta.max_seq_len
         last_row = {qsl[s + 1] - 1: s for s in range(len(seq_lens))}
-        logits = torch.full((len(logits_indices), VOCAB), -30.0)
-        for i, idx in enumerate(logits_indices.tolist()):
+        rows = range(len(input_ids)) if logits_indices is None else logits_indices.tolist()  # None: every row
+        logits = torch.full((len(rows), VOCAB), -30.0)
+        for i, idx in enumerate(rows):
             s = last_row[idx]
             n = seq_lens[s]
             blocks = meta.block_tables[s, : -(-n // bs)].long()

@@ -197,6 +197,8 @@ class AllRowsEchoModel(PagedEchoModel):
     predicts from the context up to i, read back from the paged KV cache like the last row."""
 
     def forward(self, input_ids, positions, kv_caches, meta, logits_indices):
+        if logits_indices is None:  # every row (a decode-only step)
+            logits_indices = torch.arange(len(input_ids))
         last = super().forward(input_ids, positions, kv_caches, meta, logits_indices[:0])  # writes the KV
         k, _ = from_cache_layout(kv_caches[0].k, kv_caches[0].v)
         bs = k.shape[2]

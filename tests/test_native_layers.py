@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pyengine import _C
-from model_helpers import TINY_ARCHS, TINY_NATIVE_ARCHS, SequenceRunner, default_model_path, write_tiny_checkpoint
+from model_helpers import (TINY_ARCHS, TINY_NATIVE_ARCHS, SequenceRunner, default_model_path, step_metadata,
+                           write_tiny_checkpoint)
 from pyengine.model.loader import load_model
 from pyengine.ops.attention import from_cache_layout
 from test_cache_ops import QMAX, ref_kv_quantize
@@ -50,6 +51,25 @@ STEPS = [list(range(3, 43)), [7], [9], list(range(50, 70)), [11]]  # a prompt, d
 def test_tiny_models_bit_identical(kind, tmp_path):
     cfg, model = load_model(write_tiny_checkpoint(str(tmp_path), kind), torch.bfloat16, "cpu")
     assert_same(run_both(model, cfg, STEPS))
+
+
+def test_no_logits_indices_means_every_row(tmp_path):
+    """forward(..., logits_indices=None), the runner's decode-only steps (the final norm then runs inside
+    decoder_layers), gives every row's logits: the same bits as naming each row, native and op by op."""
+    cfg, model = load_model(write_tiny_checkpoint(str(tmp_path), "llama"), torch.bfloat16, "cpu")
+    rows = model.native_layer_rows
+    try:
+        for native_rows in (rows, 0):
+            model.native_layer_rows = native_rows
+            logits = []
+            for indices in (torch.arange(5), None):
+                runner = SequenceRunner(model, cfg, 400)
+                runner.step(list(range(3, 20)))
+                meta = step_metadata(runner.block_table, runner.block_size, runner.length, 5)
+                logits.append(model(torch.arange(20, 25), torch.arange(17, 22), runner.caches, meta, indices))
+            assert logits[1].shape == (5, cfg.vocab_size) and torch.equal(logits[0], logits[1])
+    finally:
+        model.native_layer_rows = rows
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])

@@ -135,6 +135,14 @@ def test_resident_weights_within_file_bytes():
     assert expanded.weight_bytes() > 2.5 * file_bytes  # what "auto" saves
 
 
+def test_quantized_weights_sit_in_huge_page_memory():
+    from test_qlinear_op import huge_page_eligible
+
+    _, model = load_model(default_model_path(), torch.bfloat16, "cpu")
+    lins = [model.embed_q, *(x for layer in model.linears for x in layer)]
+    assert all(huge_page_eligible(x.tiles[0].data_ptr()) for x in lins)
+
+
 def test_unknown_weights_mode_is_refused():
     with pytest.raises(ValueError, match="weights must be one of auto, dequantize"):
         load_model(default_model_path(), torch.bfloat16, "cpu", weights="int4")

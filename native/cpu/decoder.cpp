@@ -16,6 +16,8 @@
 //   fp8/int8 cache: q, k and v rotated before (hadamard_heads: K and V are cached rotated), attn after
 //   x = attn Wo^T (+ b);  residual += x; x = rms_norm(residual)                   post_norm
 //   x = silu_and_mul(x Wgu^T) Wdown^T                [T, 2 I] -> [T, I] -> [T, hidden]
+// Then, where final_norm is given (not 0): residual += x; x = rms_norm(residual), the model's final norm,
+// so a decode step goes from the embedding to the lm_head's input in this one call.
 // Scratch: qkv [T, (H + 2 KVH) D], attn [T, H D], gate_up [T, 2 I], act [T, I], all bf16.
 // Layer table: int64 [num_layers, kLayerFields], one row of addresses per layer (fields below;
 // 0 for an absent bias or scales). A projection's weight is PackedLinear's bf16 layout (linear.cpp)
@@ -48,7 +50,7 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
                     uintptr_t query_start_loc, int64_t T, int64_t hidden, int64_t H, int64_t KVH, int64_t D,
                     int64_t inter, int64_t num_blocks, int64_t block_size, int64_t num_seqs, int64_t max_blocks,
                     int64_t max_seq_len, double eps, double scale, int norm_dtype, int cache_dtype,
-                    int64_t window) {
+                    int64_t window, uintptr_t final_norm) {
   const int bf16 = static_cast<int>(DType::kBFloat16), fp32 = static_cast<int>(DType::kFloat32);
   const int64_t nqkv = (H + 2 * KVH) * D;
   const uintptr_t q = qkv, k = qkv + H * D * 2, v = qkv + (H + KVH) * D * 2;
@@ -86,6 +88,7 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
     silu_and_mul(gate_up, act, T, inter, bf16);
     project(act, at(kDown), w[kDownType], 0, x, T, hidden, inter);
   }
+  if (final_norm) add_rms_norm(x, residual, final_norm, T, hidden, eps, bf16, norm_dtype, fp32);
 }
 
 }  // namespace pyengine::cpu

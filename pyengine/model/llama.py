@@ -35,12 +35,13 @@ from pyengine.ops.attention import check_kv_cache, paged_attention
 from pyengine.ops.cache import reshape_and_cache
 from pyengine.ops.layers import add_rms_norm, hadamard_heads, rms_norm, rotary_embedding, silu_and_mul
 from pyengine.ops.linear import PackedLinear
-from pyengine.ops.qlinear import QuantLinear
+from pyengine.ops.qlinear import QuantLinear, WeightArena
 
 WeightGetter = Callable[[str], "torch.Tensor | None"]  # HF tensor name -> tensor (None if absent)
 # HF tensor names -> (GGML type, uint8 blocks of the row-concatenated tensors) or None (loader.QuantizedGetter)
 QuantizedGetter = Callable[[list[str]], "tuple[str, torch.Tensor] | None"]
 QUANTIZED_KV = (torch.float8_e4m3fn, torch.int8)  # caches that hold K and V rotated (hadamard_heads)
+SCRATCH_KEPT_ROWS = 256  # decoder_layers' scratch is kept between steps of up to this many rows (decode)
 
 
 class LayerWeights(NamedTuple):
@@ -212,12 +213,15 @@ class LlamaForCausalLM(torch.nn.Module):
                 return None
             return torch.cat([p.to(dtype=dtype) for p in parts], dim=0).to(device).contiguous()
 
+        arena = WeightArena()  # the quantized weights together, on huge pages
+
         def quant(names: list[str], bias: torch.Tensor | None, out_dtype: torch.dtype | None = None):
             """A QuantLinear over the row-concatenated tensors `names`, where they stay quantized."""
             parts = quantized(names) if quantized is not None else None
             if parts is None:
                 return None
-            return QuantLinear([b for _, b in parts], [t for t, _ in parts], bias, out_dtype=out_dtype or dtype)
+            return QuantLinear([b for _, b in parts], [t for t, _ in parts], bias, out_dtype=out_dtype or dtype,
+                               arena=arena)
 
         def linear(names: list[str], bias: torch.Tensor | None,
                    fused_name: str | None = None) -> tuple[Linear, torch.Tensor | None]:
@@ -285,8 +289,9 @@ class LlamaForCausalLM(torch.nn.Module):
                             or cfg.attn_logit_softcap or cfg.final_logit_softcap or len(set(windows)) > 1)
         native = llama_shaped and dtype == torch.bfloat16 and all(_holds_weights(x) for x in lins)
         self.native_layer_rows = 1 << 62 if native else 0
-        self._layer_table: torch.Tensor | None = None  # addresses for decoder_layers, per KV cache list
+        self._layer_table: tuple[torch.Tensor, int, int] | None = None  # for decoder_layers, per KV cache list
         self._layer_table_caches: list[KVCache] | None = None
+        self._scratch: list[torch.Tensor] = []  # decoder_layers' scratch of the last decode-sized step
 
     def weight_bytes(self) -> int:
         tensors = {id(t): t for t in [self.embed, self.norm, self.lm_head, *(x for l in self.layers for x in l)]
@@ -304,7 +309,8 @@ class LlamaForCausalLM(torch.nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids, positions [T] int64; logits_indices [B] int64 -> logits [B, V] fp32."""
+        """input_ids, positions [T] int64; logits_indices [B] int64, or None for every row (B = T) -> logits
+        [B, V] fp32."""
         t = input_ids.shape[0]
         cfg, eps, scale, sizes, d = self.cfg, self.eps, self.scale, self.qkv_sizes, self.cfg.head_dim
         q_shape, kv_shape = (t, *self.q_shape), (t, *self.kv_shape)
@@ -316,9 +322,8 @@ class LlamaForCausalLM(torch.nn.Module):
         if cfg.embed_scale:  # the scale rounded to the model's dtype, as transformers does
             residual = residual * torch.tensor(cfg.embed_scale, dtype=self.dtype)
         if t <= self.native_layer_rows:
-            x = self._native_layers(residual, positions, kv_caches, meta)
-            add_rms_norm(x, residual, self.norm, eps)
-            return self.lm_head_linear(x.index_select(0, logits_indices))
+            x = self._native_layers(residual, positions, kv_caches, meta)  # the final norm included
+            return self.lm_head_linear(x if logits_indices is None else x.index_select(0, logits_indices))
         act_and_mul = gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else silu_and_mul
         softcap = cfg.attn_logit_softcap or 0.0
         rotate = kv_caches[0].k.dtype in QUANTIZED_KV
@@ -355,22 +360,23 @@ class LlamaForCausalLM(torch.nn.Module):
             if layer.mlp_out_norm is not None:
                 rms_norm(x, layer.mlp_out_norm, eps, out=x)
         add_rms_norm(x, residual, self.norm, eps)
-        logits = self.lm_head_linear(x.index_select(0, logits_indices))
+        logits = self.lm_head_linear(x if logits_indices is None else x.index_select(0, logits_indices))
         if cfg.final_logit_softcap:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
         return logits
 
     def _native_layers(self, residual: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                        meta: AttentionMetadata) -> torch.Tensor:
-        """All layers of the op-by-op loop above in one native call (same kernels, same order: the
-        same bits). residual (fp32) is updated in place; returns x, the last layer's MLP output (bf16)."""
+        """All layers of the op-by-op loop above and the final norm in one native call (same kernels, same
+        order: the same bits). residual (fp32) is updated in place; returns x, the normed last hidden state
+        (bf16). Per-step Python is kept to argument checks: a decode step's tensor ops cost ~20-100 us each
+        once the layers' weight stream has evicted the interpreter's data from the caches."""
         from pyengine import _C
 
         cfg, t = self.cfg, residual.shape[0]
         h, kvh, d, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+        table, nb, bs = self._layer_table_for(kv_caches)
         cache = kv_caches[0]
-        nb, _, bs, _ = check_kv_cache(cache.k, cache.v, cache.k_scales, cache.v_scales, torch.bfloat16,
-                                      residual.device, kvh, d)
         check_tensor("positions", positions, dtypes=(torch.int64,), shape=(t,))
         check_tensor("slot_mapping", meta.slot_mapping, dtypes=(torch.int64,), shape=(t,))
         check_tensor("block_tables", meta.block_tables, dtypes=(torch.int32,), ndim=2)
@@ -378,32 +384,46 @@ class LlamaForCausalLM(torch.nn.Module):
         check_tensor("seq_lens", meta.seq_lens, dtypes=(torch.int32,), shape=(s,))
         check_tensor("query_start_loc", meta.query_start_loc, dtypes=(torch.int32,), shape=(s + 1,))
         check_tensor("residual", residual, dtypes=(torch.float32,), shape=(t, cfg.hidden_size))
-        table = self._layer_table_for(kv_caches)
-        x, qkv, attn, gate_up, act = (torch.empty(t, n, dtype=torch.bfloat16) for n in
-                                      (cfg.hidden_size, sum(self.qkv_sizes), h * d, 2 * inter, inter))
+        qkv, attn, gate_up, act = self._scratch_for(t)
+        x = torch.empty(t, cfg.hidden_size, dtype=torch.bfloat16)
         _C.decoder_layers(
             residual.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
             table.data_ptr(), len(self.layers), positions.data_ptr(), self.cos_sin_cache.data_ptr(),
             self.cos_sin_cache.shape[0], meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
             meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), t, cfg.hidden_size, h, kvh, d, inter, nb, bs,
             s, max_blocks, meta.max_seq_len, self.eps, self.scale, DTYPE_CODES[self.layers[0].input_norm.dtype],
-            DTYPE_CODES[cache.k.dtype], self.attention[0].window)
+            DTYPE_CODES[cache.k.dtype], self.attention[0].window, self.norm.data_ptr())
         return x
 
-    def _layer_table_for(self, kv_caches: list[KVCache]) -> torch.Tensor:
-        """decoder_layers' table of addresses (native/cpu/decoder.cpp: LayerField), built once per cache list."""
+    def _scratch_for(self, t: int) -> list[torch.Tensor]:
+        """decoder_layers' scratch (qkv, attn, gate_up, act) for t rows. The last one of at most
+        SCRATCH_KEPT_ROWS rows is kept for the next step: a batch's decode steps all have its size."""
+        if self._scratch and self._scratch[0].shape[0] == t:
+            return self._scratch
+        cfg = self.cfg
+        widths = (sum(self.qkv_sizes), cfg.num_attention_heads * cfg.head_dim, 2 * cfg.intermediate_size,
+                  cfg.intermediate_size)
+        scratch = [torch.empty(t, n, dtype=torch.bfloat16) for n in widths]
+        if t <= SCRATCH_KEPT_ROWS:
+            self._scratch = scratch
+        return scratch
+
+    def _layer_table_for(self, kv_caches: list[KVCache]) -> tuple[torch.Tensor, int, int]:
+        """decoder_layers' table of addresses (native/cpu/decoder.cpp: LayerField) with the caches' num_blocks
+        and block_size, built (and the caches checked) once per cache list."""
         if self._layer_table_caches is not kv_caches:
             if len(kv_caches) != len(self.layers):
                 raise ValueError(f"{len(kv_caches)} KV caches for a model of {len(self.layers)} layers")
+            check_tensor("norm", self.norm, dtypes=(self.layers[0].input_norm.dtype,))  # one norm dtype for all
             ptr = lambda x: 0 if x is None else x.data_ptr()  # noqa: E731
             rows = []
             for layer, lin, c in zip(self.layers, self.linears, kv_caches):
-                check_kv_cache(c.k, c.v, c.k_scales, c.v_scales, torch.bfloat16, c.k.device,
-                               self.cfg.num_key_value_heads, self.cfg.head_dim)
+                nb, _, bs, _ = check_kv_cache(c.k, c.v, c.k_scales, c.v_scales, torch.bfloat16, c.k.device,
+                                              self.cfg.num_key_value_heads, self.cfg.head_dim)
                 rows.append([ptr(layer.input_norm), *lin.qkv.native_pointers(), *lin.o.native_pointers(),
                              ptr(layer.post_norm), lin.gate_up.native_pointers()[0], lin.down.native_pointers()[0],
                              ptr(c.k), ptr(c.v), ptr(c.k_scales), ptr(c.v_scales),
                              *(int(isinstance(x, QuantLinear)) for x in lin)])
-            self._layer_table = torch.tensor(rows, dtype=torch.int64)
+            self._layer_table = (torch.tensor(rows, dtype=torch.int64), nb, bs)
             self._layer_table_caches = kv_caches
         return self._layer_table

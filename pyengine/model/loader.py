@@ -1,6 +1,7 @@
 """Find and load checkpoints: Hugging Face folders (config.json + safetensors) and GGUF files."""
 from __future__ import annotations
 
+import ctypes
 import glob
 import importlib.util
 import json
@@ -203,6 +204,16 @@ def _log_formats(formats: Counter, dtype: torch.dtype) -> None:
                            type_name)
 
 
+def _release_freed_heap() -> None:
+    """Hands the loader's freed temporaries (dequantized and repacked tensors) back to the OS: glibc keeps
+    freed heap pages resident until trimmed, ~20 MiB for the default model, whose quantized weights live in
+    their own memory (ops.qlinear.WeightArena) and no longer reuse them."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device | str, weights: str = "auto"):
     """(ModelConfig, LlamaForCausalLM) from a .gguf file or a HF folder, weights in `dtype` on `device`.
 
@@ -233,6 +244,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device | str, weight
         model = LlamaForCausalLM(cfg, get, dtype, device, quantized=quantized)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
+    _release_freed_heap()
     _log_formats(formats, dtype)
     logger.info(
         "loaded %s (%s, %d layers) in %.1fs: weights %.1f MiB in %s",

@@ -95,16 +95,18 @@ class ModelRunner:
 
     def _forward(self, T: int, S: int, max_blocks: int, max_seq_len: int, nl: int, plan) -> torch.Tensor:
         """The model, eagerly, over the step in the host buffers: logits of the nl sampling rows, then of
-        the planned prompt-logprob rows."""
+        the planned prompt-logprob rows. A decode-only step (one token per sequence, each sampled) passes no
+        row indices and no query-length reduction: at batch 1 each small host op costs tens of microseconds."""
         bt = self.t["block_tables"][: S * max_blocks].view(S, max_blocks)
-        qsl = self.np["query_start_loc"][: S + 1]
+        decode = T == S == nl and not plan
         meta = AttentionMetadata(
             slot_mapping=self._dev("slot_mapping", T),
             block_tables=bt if self.device.type == "cpu" else bt.to(self.device, non_blocking=True),
             seq_lens=self._dev("seq_lens", S), query_start_loc=self._dev("query_start_loc", S + 1),
-            max_seq_len=max_seq_len, max_query_len=int(np.diff(qsl).max(initial=1)),
+            max_seq_len=max_seq_len,
+            max_query_len=1 if T == S else int(np.diff(self.np["query_start_loc"][: S + 1]).max(initial=1)),
             tensor_cores=self.tensor_cores)
-        indices = self._dev("logits_indices", nl)
+        indices = None if decode else self._dev("logits_indices", nl)
         if plan:
             rows = torch.tensor([r for _, rs, _ in plan for r in rs], dtype=torch.int64, device=self.device)
             indices = torch.cat([indices, rows])
@@ -177,9 +179,8 @@ class ModelRunner:
         self._mask_min_tokens(logits, reqs)
         if all_greedy and max_lp < 0 and bitmask is None:
             # numpy's argmax (the first maximum, as torch's) takes ~5 us on a CPU row of 49k logits, torch's ~90:
-            # 2% of a batch-1 decode step
-            cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
-            ids = logits.numpy().argmax(-1) if cpu else logits.argmax(dim=-1)
+            # 2% of a batch-1 decode step (the models' logits are fp32)
+            ids = logits.numpy().argmax(-1) if self.device.type == "cpu" else logits.argmax(dim=-1)
             return StepResult(ids.tolist())
         res = sample(logits, self._dev("temperature", n), self._dev("top_k", n), self._dev("top_p", n),
                      self._dev("min_p", n), self._dev("seeds", n), self._dev("steps", n),

@@ -78,7 +78,7 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
                     uintptr_t query_start_loc, int64_t T, int64_t hidden, int64_t H, int64_t KVH, int64_t D,
                     int64_t inter, int64_t num_blocks, int64_t block_size, int64_t num_seqs, int64_t max_blocks,
                     int64_t max_seq_len, double eps, double scale, int norm_dtype, int cache_dtype,
-                    int64_t window);
+                    int64_t window, uintptr_t final_norm);
 
 }  // namespace cpu
 }  // namespace pyengine
