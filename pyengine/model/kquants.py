@@ -27,19 +27,26 @@ def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.divide(a, b, out=np.zeros(np.broadcast(a, b).shape, np.float32), where=b != 0)
 
 
-def _q45_k(x: np.ndarray, bits: int) -> np.ndarray:
-    """[nb, 256] fp32 -> [nb, 144 (Q4_K) or 176 (Q5_K)] uint8 blocks."""
-    nb, top = x.shape[0], 2**bits - 1
-    xs = x.reshape(nb, 8, 32)
-    low = np.minimum(xs.min(-1), 0)                     # [nb, 8]: value = d sc q - dmin m
+def _scales_and_mins(xs: np.ndarray, top: int, scale_top: int) -> tuple[np.ndarray, ...]:
+    """The plain min/max quantizer of the types with value = d sc q - dmin m (Q2_K, Q4_K, Q5_K): xs [nb,
+    sub-blocks, values] -> d, dmin [nb, 1] fp16; sc, m [nb, sub-blocks] uint8 in [0, scale_top]; q uint8
+    in [0, top], xs's shape."""
+    low = np.minimum(xs.min(-1), 0)
     scale, minv = (xs.max(-1) - low) / top, -low
-    d = _f16(scale.max(-1, keepdims=True) / 63)
-    dmin = _f16(minv.max(-1, keepdims=True) / 63)
-    sc = np.clip(np.rint(_div(scale, d.astype(np.float32))), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(_div(minv, dmin.astype(np.float32))), 0, 63).astype(np.uint8)
+    d = _f16(scale.max(-1, keepdims=True) / scale_top)
+    dmin = _f16(minv.max(-1, keepdims=True) / scale_top)
+    sc = np.clip(np.rint(_div(scale, d.astype(np.float32))), 0, scale_top).astype(np.uint8)
+    m = np.clip(np.rint(_div(minv, dmin.astype(np.float32))), 0, scale_top).astype(np.uint8)
     eff_d = (d.astype(np.float32) * sc)[..., None]
     eff_m = (dmin.astype(np.float32) * m)[..., None]
-    q = np.clip(np.rint(_div(xs + eff_m, eff_d)), 0, top).astype(np.uint8)  # [nb, 8, 32]
+    q = np.clip(np.rint(_div(xs + eff_m, eff_d)), 0, top).astype(np.uint8)
+    return d, dmin, sc, m, q
+
+
+def _q45_k(x: np.ndarray, bits: int) -> np.ndarray:
+    """[nb, 256] fp32 -> [nb, 144 (Q4_K) or 176 (Q5_K)] uint8 blocks."""
+    nb = x.shape[0]
+    d, dmin, sc, m, q = _scales_and_mins(x.reshape(nb, 8, 32), 2**bits - 1, 63)  # q [nb, 8, 32]
     scales = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6,
                              (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4], axis=1)
     nib = q & 15
@@ -73,17 +80,7 @@ def _crumbs(q: np.ndarray) -> np.ndarray:
 
 def _q2_k(x: np.ndarray) -> np.ndarray:
     """[nb, 256] fp32 -> [nb, 84] uint8 Q2_K blocks: 16 sub-blocks of 16, value = d sc q - dmin m."""
-    nb = x.shape[0]
-    xs = x.reshape(nb, 16, 16)
-    low = np.minimum(xs.min(-1), 0)
-    scale, minv = (xs.max(-1) - low) / 3, -low
-    d = _f16(scale.max(-1, keepdims=True) / 15)
-    dmin = _f16(minv.max(-1, keepdims=True) / 15)
-    sc = np.clip(np.rint(_div(scale, d.astype(np.float32))), 0, 15).astype(np.uint8)
-    m = np.clip(np.rint(_div(minv, dmin.astype(np.float32))), 0, 15).astype(np.uint8)
-    eff_d = (d.astype(np.float32) * sc)[..., None]
-    eff_m = (dmin.astype(np.float32) * m)[..., None]
-    q = np.clip(np.rint(_div(xs + eff_m, eff_d)), 0, 3).astype(np.uint8)
+    d, dmin, sc, m, q = _scales_and_mins(x.reshape(x.shape[0], 16, 16), 3, 15)
     return np.concatenate([sc | m << 4, _crumbs(q), d.view(np.uint8), dmin.view(np.uint8)], axis=1)
 
 
