@@ -90,6 +90,25 @@ def test_long_prompt_and_nan_in_unowned_slots(path, block_size):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+def test_running_max_rising_through_the_prompt(path):
+    """Scores that grow with the position (keys along q, scaled up by the position): the running max
+    passes the old one by far more than the kernels' slack in every chunk, so each row is rescaled
+    again and again, on full rows (the common row of the vectorized softmax) and on the causal edge."""
+    specs = [(1024, 1024), (700, 40)]
+    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 6, 2, 64, 16, torch.bfloat16, seed=7)
+    k, v = from_cache_layout(kc, vc)
+    g = torch.Generator().manual_seed(8)
+    for s, (L, _) in enumerate(specs):
+        pos = torch.arange(L)
+        blocks, slots = bt[s, pos // 16].long(), pos % 16
+        ramp = (pos.float() / 48)[:, None, None]  # ~1.3 log2 units of score per token at scale 0.125
+        k[blocks, :, slots] = (ramp + 0.3 * torch.randn(L, 2, 64, generator=g)).to(k.dtype)
+    q = (1 + 0.3 * torch.randn(q.shape, generator=g)).to(q.dtype)
+    kc, vc = to_cache_layout(k, v, "cpu")
+    out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
+    torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.125), atol=2e-2, rtol=2e-2)
+
+
 def test_strided_q_in_a_mixed_step(path):
     """q as a view of a fused QKV output, prompts beside decodes (whose rows the step gathers)."""
     q, kc, vc, bt, sl, qsl, _ = make_batch([(40, 1), (90, 33), (9, 1)], 4, 2, 64, 8, torch.bfloat16, seed=5)

@@ -91,16 +91,17 @@ struct Item {
   int64_t work;
 };
 
-// Per-thread scratch of an item: its q rows (bf16), accumulators, running max/sum,
+// Per-thread scratch of an item: its q rows (bf16), accumulators, running max/sum, each row's causal end,
 // scores and bf16 probabilities of a row group (two of each for the AMX pipeline), a K/V group
 // packed from the cache (the one holding a sequence's last position) and the AMX path's V blocks.
 struct Scratch {
   std::vector<uint16_t> q, p, edge, vblocks;
   std::vector<float> o, m, l, s;
+  std::vector<int64_t> end;
   void fit(int64_t rows, int64_t D) {
     const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;  // whole AMX tiles of q rows
     if (static_cast<int64_t>(q.size()) < padded * D) q.resize(padded * D), o.resize(padded * D);
-    if (static_cast<int64_t>(m.size()) < padded) m.resize(padded), l.resize(padded);
+    if (static_cast<int64_t>(m.size()) < padded) m.resize(padded), l.resize(padded), end.resize(padded);
     s.resize(2 * kAmxRows * kChunk);
     p.resize(2 * kAmxRows * kChunk);
     edge.resize(32 * D);
@@ -441,7 +442,8 @@ inline __m512 exp2_prob(__m512 x) {
 // rescaled) and the row needs no horizontal max. Plain scores (no softcap, no per-token K scales)
 // stay raw dot products until the exponent, where one fused multiply-subtract scales them and
 // subtracts the max; rows that see the whole chunk skip the masks.
-inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
+__attribute__((noinline)) float softmax_row_general(const RowSoftmax& c, const float* s, int lo, int hi, float& m,
+                                                    float& l, uint16_t* p) {
   __m512 x[4];
   __mmask16 keep[4];
   const bool capped = c.softcap > 0.0f, plain = !capped && !c.ks, masked = lo > 0 || hi < kChunk;
@@ -481,6 +483,41 @@ inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi
   l = l * alpha + _mm512_reduce_add_ps(sum);
   m = m_new;
   return alpha;
+}
+
+// softmax_row_general's common row, inlined into the row loop: plain scores (no softcap, no per-token
+// scales) of a chunk the row sees whole, with no masks to build, no stack frame and no branch but the
+// rare max update. A row's scalar overhead cost as much as its vector work in the general function.
+__attribute__((always_inline)) inline float softmax_row_full(float unit, const float* s, float& m, float& l, uint16_t* p) {
+  const __m512 scale = _mm512_set1_ps(unit), limit = _mm512_set1_ps((m + kMaxSlack) / unit);
+  __m512 x[4];
+  __mmask16 over = 0;
+  for (int g = 0; g < 4; ++g) {
+    x[g] = _mm512_loadu_ps(s + 16 * g);
+    over |= _mm512_cmp_ps_mask(x[g], limit, _CMP_NLE_UQ);  // NaN counts as over
+  }
+  float m_new = m;
+  if (over || m == kNegInf) {
+    const __m512 vmax = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
+    m_new = std::max(m, _mm512_reduce_max_ps(vmax) * unit);
+  }
+  const float alpha = m_new == m ? 1.0f : std::exp2(m - m_new);
+  const __m512 vm = _mm512_set1_ps(m_new);
+  __m512 sum = _mm512_setzero_ps(), e[4];
+  for (int g = 0; g < 4; ++g) {
+    e[g] = exp2_prob(_mm512_fmsub_ps(x[g], scale, vm));
+    sum = _mm512_add_ps(sum, e[g]);
+  }
+  _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+  _mm512_storeu_si512(p + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
+  l = l * alpha + _mm512_reduce_add_ps(sum);
+  m = m_new;
+  return alpha;
+}
+
+inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
+  if (c.softcap == 0.0f && !c.ks && !c.vs && lo == 0 && hi == kChunk) return softmax_row_full(c.scale * kLog2e, s, m, l, p);
+  return softmax_row_general(c, s, lo, hi, m, l, p);
 }
 
 template <int NR>
@@ -594,8 +631,8 @@ class TileWork {
   void run(int i) {
     if (i < nqk_) return qk_product(i / 4, i % 4);
     i -= nqk_;
-    const int g = i % 4, tb = i / 4 % pv_.nblocks;
-    const int64_t d0 = i / 4 / pv_.nblocks * 64;
+    const int g = i % 4, tb = pv_.nblocks == 2 ? i / 4 % 2 : 0;  // no division by a variable per product
+    const int64_t d0 = (pv_.nblocks == 2 ? i / 8 : i / 4) * 64;
     float* o = pv_.o + d0;
     if (tb == 0 && g == 0) {
       _tile_loadd(0, o, D_ * 4);
@@ -767,6 +804,7 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
     std::fill(w.o.data() + r * D, w.o.data() + (r + 1) * D, 0.0f);
     w.l[r] = 0.0f;
     w.m[r] = kNegInf;
+    w.end[r] = first + tok0 + r / G + 1;  // the row's causal end (one past its position)
   }
 #if defined(PYENGINE_AMX)
   std::optional<AmxPipeline> amx;
@@ -790,7 +828,7 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
       int lo[kAmxRows] = {}, hi[kAmxRows] = {};  // padding rows see nothing
       bool any = false;
       for (int r = 0; r < nr; ++r) {
-        const int64_t end = first + tok0 + (r0 + r) / G + 1 - c0;  // the row's causal end in the chunk
+        const int64_t end = w.end[r0 + r] - c0;  // the row's causal end in the chunk
         hi[r] = static_cast<int>(std::clamp<int64_t>(end, 0, kChunk));
         lo[r] = a.window > 0 ? static_cast<int>(std::clamp<int64_t>(end - a.window, 0, kChunk)) : 0;
         any |= lo[r] < hi[r];
