@@ -515,7 +515,7 @@ __attribute__((always_inline)) inline float softmax_row_full(float unit, const f
   return alpha;
 }
 
-inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
+__attribute__((always_inline)) inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
   if (c.softcap == 0.0f && !c.ks && !c.vs && lo == 0 && hi == kChunk) return softmax_row_full(c.scale * kLog2e, s, m, l, p);
   return softmax_row_general(c, s, lo, hi, m, l, p);
 }
