@@ -814,8 +814,8 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
   // lines of chunk ci + kAhead are prefetched into L2 while ci computes (tiles are scattered, so the
   // hardware prefetcher stops at every tile edge; into L2 rather than L1, measured 1.9 -> 1.45 ms at
   // batch 32 x 2048). Past the item's last chunk come the next item's first ones (with many short
-  // sequences, a cold first chunk per item was a third of the reads); with no next item, chunk 0
-  // again (the prefetches then hit).
+  // sequences, a cold first chunk per item was a third of the reads); with no next item, a chunk the
+  // ring already holds (the prefetches then hit).
   const int64_t nchunks = std::max<int64_t>(0, (kv_end - kv_start + kChunk - 1) / kChunk);
   const int64_t next_end = next_item ? item_kv_end(a, *next_item) : 0;
   constexpr int kRing = kAhead + 2;
