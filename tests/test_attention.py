@@ -342,3 +342,40 @@ def test_int8_decode_error_with_sharp_scores(head_dim, block_size, decode_path):
     rms = (out.float() - ref).pow(2).mean().sqrt().item()
     print(f"int8 decode: rms error {rms:.2e}, max error beyond bf16 rounding {err.max().item():.5f}")
     assert rms < 3.5e-3 and err.max().item() < 0.025
+
+
+@pytest.mark.parametrize("cache", list(CACHE_DTYPES))
+def test_decode_scores_rising_through_the_context(cache, decode_path):
+    """Scores that climb by ~5.5 log2 units per 64-token chunk (~170 over the context) and jump by ~40
+    once: the decode kernel keeps its running max still until a score passes it by more than its
+    slack, so this checks that the max does move (a stuck max overflows exp2 into inf/NaN) and that
+    the weights computed against a max a few units low come out right."""
+    L, D, gqa = 2000, 64, 3
+    q, kc, vc, bt, sl, qsl, scales = make_batch([(L, 1)], gqa, 1, D, 16, torch.bfloat16, seed=6)
+    k, v = from_cache_layout(kc, vc)
+    pos = torch.zeros(k.shape[0], 16)
+    nblocks = (L + 15) // 16
+    pos[bt[0, :nblocks].long()] = torch.arange(nblocks * 16, dtype=torch.float32).view(nblocks, 16)
+    ramp = pos * 0.06 + (pos >= 1500) * 28.0  # natural-log units: 0.06 / token, +28 at position 1500
+    unit = q[0, 0].float() / q[0, 0].float().norm() ** 2 / D**-0.5  # k = ramp * unit: score = ramp for head 0
+    k = (k.float() * 0.05 + ramp[:, None, :, None] * unit).to(torch.bfloat16)
+    ks = vs = None
+    if CACHE_DTYPES[cache] is not None:
+        qmax = 448.0 if cache == "fp8" else 127.0
+        codes = []
+        for c in (k, v):
+            s = c.float().abs().amax(-1).clamp_min(1e-6) / qmax
+            x = c.float() / s[..., None]
+            codes.append(x.to(torch.float8_e4m3fn) if cache == "fp8" else x.round().to(torch.int8))
+            ks, vs = (s, None) if ks is None else (ks, s)
+        k, v = codes
+    kc, vc = to_cache_layout(k, v, "cpu")
+    saved = _C.num_threads()
+    _C.set_num_threads(1)  # one item over the whole context (a split would restart the max per part)
+    try:
+        out = paged_attention(q, kc, vc, bt, sl, qsl, D**-0.5, k_scales=ks, v_scales=vs)
+    finally:
+        _C.set_num_threads(saved)
+    ref = reference(q, kc, vc, bt, sl, qsl, D**-0.5, ks, vs)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

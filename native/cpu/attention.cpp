@@ -400,6 +400,10 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
 // prefetch of the next chunk starts later and arrives in a longer burst).
 constexpr int kChunk = 64, kTiles = kChunk / 16, kGroup = 4;
 constexpr float kQ16 = 16255.0f, kU8Max = 255.0f;
+constexpr float kMaxSlack = 8.0f;  // log2 units (softmax_row)
+// Chunks between the one computed and the one prefetched: 2 measured no faster for int8/fp8 and
+// 1.2-1.5x slower for bf16 (2 threads, batch 8 x 2048, cold).
+constexpr int kAhead = 1;
 
 // Values per 32-bit lane of a line, and bytes of q (or of the weights) per line's dot product.
 constexpr int lane_of(DType CD) { return CD == DType::kBFloat16 ? 2 : 4; }
@@ -570,6 +574,18 @@ inline __m512 tile_scales(const float* const* s0, const float* const* s1, int i,
     return _mm512_maskz_loadu_ps(valid, s0[i]);
 }
 
+// The scale lines of a chunk (one line of 16 fp32 scales per tile for K and for V; with SPLIT, one
+// per half): scattered like the tiles, so no hardware prefetcher fetches them, and without this QK's
+// epilogue and the softmax wait on them from DRAM.
+template <bool SPLIT>
+inline void prefetch_scales(const ChunkPtrs& c) {
+  for (int i = 0; i < kTiles; ++i) {
+    _mm_prefetch(c.ks0[i], _MM_HINT_T1);
+    _mm_prefetch(c.vs0[i], _MM_HINT_T1);
+    if constexpr (SPLIT) _mm_prefetch(c.ks1[i], _MM_HINT_T1), _mm_prefetch(c.vs1[i], _MM_HINT_T1);
+  }
+}
+
 // QK of NR rows over the chunk's tiles, 4 tiles (NR x 4 accumulators) at a time:
 // sc[r * kChunk + t] = q_r . k_t * scale (log2 units). q: the rows' operands (q_bytes apart);
 // qs, qsum: the rows' q scales and code sums (int8 cache).
@@ -590,8 +606,7 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_str
           _mm_prefetch(next.k0[i] + j * line_stride, _MM_HINT_T1);
           if constexpr (SPLIT) _mm_prefetch(next.k1[i] + j * line_stride, _MM_HINT_T1);
         }
-      for (int i = 0; i < kT; ++i) {
-        if (i0 + i >= ntiles) break;
+      for (int i = 0; i < kT; ++i) {  // tiles past the chunk's end read valid lines; their scores go unstored
         const Line k = prepare_line<CD, true>(
             load_line<SPLIT>(c.k0[i0 + i] + j * line_stride, SPLIT ? c.k1[i0 + i] + j * line_stride : nullptr));
         for (int r = 0; r < NR; ++r) {
@@ -622,7 +637,10 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_str
 // Online-softmax update of one row with the scores sc[lo, nv) (lo > 0: before its window): writes
 // the weights as PV's operands to pw[0, round_up(n, 16) tokens) (zeros outside [lo, nv)): bf16,
 // bf16 in fp8's operand order, or u8 codes of scale *wscale (int8); updates m and l; returns alpha
-// for acc.
+// for acc. The running max moves only when a score passes it by more than kMaxSlack (as in the
+// prefill kernel): until then the weights stay <= 2^kMaxSlack (harmless in fp32, bf16 and the int8
+// path's per-chunk u8 scale), alpha is exactly 1 and the row needs no horizontal max, which at
+// decode's 3 rows x 64 tokens per chunk was a large part of the softmax's time.
 template <DType CD, bool SPLIT>
 inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs& c, char* pw, float& m, float& l,
                          float& wscale) {
@@ -631,22 +649,33 @@ inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs
     std::memset(pw, 0, kChunk * 2);
     return 1.0f;
   }
-  float alpha;
-  const float m_new = online_max(sc + lo, nv - lo, m, alpha);
+  __m512 x[kTiles];
+  __mmask16 keep[kTiles];
+  const __m512 limit = _mm512_set1_ps(m + kMaxSlack);
+  __mmask16 over = 0;
+  for (int g = 0; g < kTiles; ++g) {
+    keep[g] = tail_mask(nv - 16 * g) & static_cast<__mmask16>(~tail_mask(lo - 16 * g));
+    x[g] = _mm512_loadu_ps(sc + 16 * g);
+    over |= _mm512_mask_cmp_ps_mask(keep[g], x[g], limit, _CMP_NLE_UQ);  // NaN counts as over
+  }
+  float m_new = m;
+  if (over || m == kNegInf) {
+    __m512 vmax = _mm512_set1_ps(kNegInf);
+    for (int g = 0; g < kTiles; ++g) vmax = _mm512_mask_max_ps(vmax, keep[g], vmax, x[g]);
+    m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+  }
+  const float alpha = m_new == m ? 1.0f : std::exp2(m - m_new);
   const __m512 vm = _mm512_set1_ps(m_new);
-  __m512 vsum = _mm512_setzero_ps(), wmax = _mm512_setzero_ps();
-  alignas(64) float w[kChunk];  // int8: the fp32 weights, rounded once their max is known
-  for (int t0 = 0; t0 < n; t0 += 16) {
-    const __mmask16 keep = tail_mask(nv - t0) & static_cast<__mmask16>(~tail_mask(lo - t0));
-    const __m512 p = _mm512_maskz_mov_ps(keep, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
-    __m256i* dst = reinterpret_cast<__m256i*>(pw + 2 * t0);
-    if constexpr (CD == DType::kInt8) {
-      const __m512 wt = _mm512_mul_ps(p, tile_scales<SPLIT>(c.vs0, c.vs1, t0 / 16, c.n));
-      _mm512_store_ps(w + t0, wt);
-      wmax = _mm512_max_ps(wmax, wt);
+  __m512 vsum = _mm512_setzero_ps(), wmax = _mm512_setzero_ps(), w[kTiles];
+  for (int g = 0; g < kTiles && 16 * g < n; ++g) {
+    const __m512 p = _mm512_maskz_mov_ps(keep[g], exp2_ps(_mm512_sub_ps(x[g], vm)));
+    __m256i* dst = reinterpret_cast<__m256i*>(pw + 32 * g);
+    if constexpr (CD == DType::kInt8) {  // the fp32 weights, rounded once their max is known
+      w[g] = _mm512_mul_ps(p, tile_scales<SPLIT>(c.vs0, c.vs1, g, c.n));
+      wmax = _mm512_max_ps(wmax, w[g]);
       vsum = _mm512_add_ps(vsum, p);
     } else if constexpr (CD == DType::kFloat8E4M3) {
-      const __m512 vs = tile_scales<SPLIT>(c.vs0, c.vs1, t0 / 16, c.n);
+      const __m512 vs = tile_scales<SPLIT>(c.vs0, c.vs1, g, c.n);
       const __m512 wt = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_set1_ps(1.0f / kFp8Unit)), vs);
       _mm256_storeu_si256(dst, fp8_operand_order((__m256i)_mm512_cvtneps_pbh(wt)));
       vsum = _mm512_add_ps(vsum, p);
@@ -659,9 +688,9 @@ inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs
   if constexpr (CD == DType::kInt8) {
     const float mx = _mm512_reduce_max_ps(wmax);
     const __m512 inv = _mm512_set1_ps(mx > 0.0f ? kU8Max / mx : 0.0f);
-    for (int t0 = 0; t0 < n; t0 += 16)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(pw + t0),
-                       _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(w + t0), inv))));
+    for (int g = 0; g < kTiles && 16 * g < n; ++g)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pw + 16 * g),
+                       _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w[g], inv))));
     wscale = mx / kU8Max;
   }
   l = l * alpha + _mm512_reduce_add_ps(vsum);
@@ -717,21 +746,6 @@ inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, 
   }
 }
 
-template <DType CD, int NC32, int NR, bool SPLIT>
-void group_chunk(const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_stride, const char* q, int64_t q_bytes,
-                 const float* qs, const int32_t* qsum, const int* lo, const int* nv, float* m, float* l, float* acc,
-                 float* sc, char* pw, float scale) {
-  qk_group<CD, NC32, NR, SPLIT>(c, next, line_stride, q, q_bytes, qs, qsum, sc, scale);
-  float alpha[NR], wscale[NR];
-  int maxnv = 0;
-  for (int r = 0; r < NR; ++r) {
-    alpha[r] =
-        softmax_row<CD, SPLIT>(sc + r * kChunk, lo[r], nv[r], c.n, c, pw + r * kChunk * 2, m[r], l[r], wscale[r]);
-    maxnv = std::max(maxnv, nv[r]);
-  }
-  pv_group<CD, NC32, NR, SPLIT>(c, next, pw, alpha, wscale, acc, maxnv);
-}
-
 // The cache positions [kv_lo, kv_end) an item reads (its causal end, within its split).
 inline int64_t item_kv_end(const Args& a, const Item& it) {
   const int64_t q_len = a.qsl[it.seq + 1] - a.qsl[it.seq];
@@ -778,7 +792,7 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
   const int64_t rows = (it.tok1 - it.tok0) * G;
   if (static_cast<int64_t>(ws.acc.size()) < rows * D) ws.acc.resize(rows * D), ws.qb.resize(rows * D);
   if (static_cast<int64_t>(ws.m.size()) < rows) ws.m.resize(rows), ws.l.resize(rows);
-  if (static_cast<int64_t>(ws.sc.size()) < kGroup * kChunk) ws.sc.resize(kGroup * kChunk), ws.pb.resize(kGroup * kChunk);
+  if (static_cast<int64_t>(ws.pb.size()) < kGroup * kChunk) ws.pb.resize(kGroup * kChunk);
   if (static_cast<int64_t>(ws.qs.size()) < rows) ws.qs.resize(rows), ws.qsum.resize(rows);
   const int64_t q_bytes = 2 * D;  // a row's q operands
   char* qbuf = reinterpret_cast<char*>(ws.qb.data());
@@ -793,54 +807,79 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
   const float qscale = a.scale * kLog2e;
   const int64_t line_stride = a.BS * 4;  // bytes between a token's K dims groups
   const int64_t kv_end = item_kv_end(a, it);
-  // Two chunks' pointers: this one's, and the next one's, whose lines are prefetched into L2 while
-  // this one computes (tiles are scattered, so the hardware prefetcher stops at every tile edge;
-  // into L2 rather than L1, measured 1.9 -> 1.45 ms at batch 32 x 2048). After the last chunk, the
-  // next item's first (with many short sequences, a cold first chunk per item was a third of the
-  // reads); with no next item, a copy of the last (the prefetches then hit).
-  const int64_t next_end = next_item ? item_kv_end(a, *next_item) : 0;
-  auto fill_next = [&](ChunkPtrs& c, int64_t c0, const ChunkPtrs& last) {
-    if (c0 < kv_end) {
-      fill_chunk<CD, NC32, SPLIT>(a, it, c0, kv_end, c);
-    } else if (next_item && next_item->kv_lo < next_end) {
-      fill_chunk<CD, NC32, SPLIT>(a, *next_item, next_item->kv_lo, next_end, c);
-    } else {
-      c = last;
-    }
-  };
   // with a window, from the 16-token tile holding the first row's window start (tiles stay aligned)
   const int64_t kv_start =
       a.window > 0 ? std::max<int64_t>(it.kv_lo, (first_pos + it.tok0 + 1 - a.window) / 16 * 16) : it.kv_lo;
-  ChunkPtrs buf[2];
-  if (kv_start < kv_end) fill_chunk<CD, NC32, SPLIT>(a, it, kv_start, kv_end, buf[0]);
-  for (int64_t c0 = kv_start, ci = 0; c0 < kv_end; c0 += kChunk, ci ^= 1) {
-    const ChunkPtrs& c = buf[ci];
-    fill_next(buf[ci ^ 1], c0 + kChunk, c);
-    const ChunkPtrs& next = buf[ci ^ 1];
-    for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
-      const int nr = static_cast<int>(std::min<int64_t>(kGroup, rows - r0));
-      int lo[kGroup], nv[kGroup];
-      for (int r = 0; r < nr; ++r) {
-        const int64_t end = first_pos + it.tok0 + (r0 + r) / G + 1 - c0;  // the row's causal end in the chunk
-        nv[r] = static_cast<int>(std::clamp<int64_t>(end, 0, c.n));
-        lo[r] = a.window > 0 ? static_cast<int>(std::clamp<int64_t>(end - a.window, 0, c.n)) : 0;
-      }
-      float* m = ws.m.data() + r0;
-      float* l = ws.l.data() + r0;
-      float* acc = ws.acc.data() + r0 * D;
-      const char* q = qbuf + r0 * q_bytes;
-      auto run = [&](auto nr_const) {
-        group_chunk<CD, NC32, decltype(nr_const)::value, SPLIT>(c, next, line_stride, q, q_bytes, ws.qs.data() + r0,
-                                                                 ws.qsum.data() + r0, lo, nv, m, l, acc, ws.sc.data(),
-                                                                 reinterpret_cast<char*>(ws.pb.data()), qscale);
-      };
-      switch (nr) {
-        case 1: run(std::integral_constant<int, 1>()); break;
-        case 2: run(std::integral_constant<int, 2>()); break;
-        case 3: run(std::integral_constant<int, 3>()); break;
-        default: run(std::integral_constant<int, 4>()); break;
-      }
+  // Chunk ci's pointers sit in ring[ci % kRing] from kAhead + 1 chunks before it is computed: the
+  // lines of chunk ci + kAhead are prefetched into L2 while ci computes (tiles are scattered, so the
+  // hardware prefetcher stops at every tile edge; into L2 rather than L1, measured 1.9 -> 1.45 ms at
+  // batch 32 x 2048). Past the item's last chunk come the next item's first ones (with many short
+  // sequences, a cold first chunk per item was a third of the reads); with no next item, a chunk the
+  // ring already holds (the prefetches then hit).
+  const int64_t nchunks = std::max<int64_t>(0, (kv_end - kv_start + kChunk - 1) / kChunk);
+  const int64_t next_end = next_item ? item_kv_end(a, *next_item) : 0;
+  constexpr int kRing = kAhead + 2;
+  ChunkPtrs ring[kRing];
+  auto fill = [&](int64_t ci) {
+    ChunkPtrs& c = ring[ci % kRing];
+    const int64_t next_pos = next_item ? next_item->kv_lo + (ci - nchunks) * kChunk : 0;
+    if (ci < nchunks) fill_chunk<CD, NC32, SPLIT>(a, it, kv_start + ci * kChunk, kv_end, c);
+    else if (next_item && next_pos < next_end) fill_chunk<CD, NC32, SPLIT>(a, *next_item, next_pos, next_end, c);
+    else c = ring[0];
+    if constexpr (CD != DType::kBFloat16) prefetch_scales<SPLIT>(c);
+  };
+  // Row groups of up to kGroup rows share each K/V load. Each group's QK runs one chunk ahead of its
+  // softmax and PV (scores double-buffered), so the softmax's chain of dependent reductions overlaps
+  // the next chunk's dot products instead of stalling between QK and PV.
+  const int ngroups = static_cast<int>((rows + kGroup - 1) / kGroup);
+  const int64_t sc_size = int64_t{2} * ngroups * kGroup * kChunk;
+  if (static_cast<int64_t>(ws.sc.size()) < sc_size) ws.sc.resize(sc_size);
+  auto scores = [&](int g, int64_t ci) { return ws.sc.data() + ((ci & 1) * ngroups + g) * kGroup * kChunk; };
+  auto for_group = [&](int g, auto&& body) {
+    const int64_t r0 = int64_t{g} * kGroup;
+    switch (std::min<int64_t>(kGroup, rows - r0)) {
+      case 1: body(std::integral_constant<int, 1>(), r0); break;
+      case 2: body(std::integral_constant<int, 2>(), r0); break;
+      case 3: body(std::integral_constant<int, 3>(), r0); break;
+      default: body(std::integral_constant<int, 4>(), r0); break;
     }
+  };
+  auto qk = [&](int g, int64_t ci) {
+    for_group(g, [&](auto nr, int64_t r0) {
+      qk_group<CD, NC32, decltype(nr)::value, SPLIT>(ring[ci % kRing], ring[(ci + kAhead) % kRing], line_stride,
+                                                     qbuf + r0 * q_bytes, q_bytes, ws.qs.data() + r0,
+                                                     ws.qsum.data() + r0, scores(g, ci), qscale);
+    });
+  };
+  if (nchunks > 0) {
+    for (int64_t ci = 0; ci <= kAhead; ++ci) fill(ci);
+    for (int g = 0; g < ngroups; ++g) qk(g, 0);
+  }
+  for (int64_t ci = 0; ci < nchunks; ++ci) {
+    fill(ci + kAhead + 1);
+    const ChunkPtrs& c = ring[ci % kRing];
+    const int64_t c0 = kv_start + ci * kChunk;
+    for (int g = 0; g < ngroups; ++g)
+      for_group(g, [&](auto nr, int64_t r0) {
+        constexpr int NR = decltype(nr)::value;
+        int lo[NR], nv[NR];
+        for (int r = 0; r < NR; ++r) {
+          const int64_t end = first_pos + it.tok0 + (r0 + r) / G + 1 - c0;  // the row's causal end in the chunk
+          nv[r] = static_cast<int>(std::clamp<int64_t>(end, 0, c.n));
+          lo[r] = a.window > 0 ? static_cast<int>(std::clamp<int64_t>(end - a.window, 0, c.n)) : 0;
+        }
+        const float* sc = scores(g, ci);
+        char* pw = reinterpret_cast<char*>(ws.pb.data());
+        float alpha[NR], wscale[NR];
+        int maxnv = 0;
+        for (int r = 0; r < NR; ++r) {
+          alpha[r] = softmax_row<CD, SPLIT>(sc + r * kChunk, lo[r], nv[r], c.n, c, pw + r * kChunk * 2,
+                                            ws.m[r0 + r], ws.l[r0 + r], wscale[r]);
+          maxnv = std::max(maxnv, nv[r]);
+        }
+        if (ci + 1 < nchunks) qk(g, ci + 1);
+        pv_group<CD, NC32, NR, SPLIT>(c, ring[(ci + kAhead) % kRing], pw, alpha, wscale, ws.acc.data() + r0 * D, maxnv);
+      });
   }
   for (int64_t r = 0; r < rows; ++r)
     finish_row(a, it, parts, q_start + it.tok0 + r / G, it.kvh * G + r % G, ws.acc.data() + r * D, ws.m[r], ws.l[r]);
