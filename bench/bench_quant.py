@@ -7,7 +7,13 @@ Per (file, weights): batch-1 decode tok/s (128-token prompt, 128 generated), a 6
 512- and one 2,000-token prompt (prompt tokens over the time to the first token), and the process RSS before and after loading (each configuration runs in a fresh subprocess, alternating A/B,
 `--repeats` times; figures are min..max over repeats).
 
+`--cpu-time`: the 64 x 128 generate alone, both weights loaded in one process and run alternately, timed in
+CPU seconds of the process (time.process_time; best of `--repeats`), by default on 1 thread (more threads
+would count their spinning). A loaded host's preemption stretches wall time by whole factors between the two
+subprocesses of a pair; CPU time of alternating runs gives the ratio that holds there.
+
     python bench/bench_quant.py [--threads 2] [--repeats 2] [--files Q4_1,Q8_0,Q4_K_M]
+    python bench/bench_quant.py --cpu-time [--threads 1] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -61,6 +67,31 @@ def one(path: str, weights: str, threads: int) -> dict:
             "weights_mib": llm.engine.model.weight_bytes() / 2**20}
 
 
+def gen64_cpu(path: str, threads: int, repeats: int) -> dict[str, float]:
+    """Output tokens per CPU second of the 64 x 128 generate, per weights, best of `repeats` alternating."""
+    import random
+    import time
+
+    import pyengine  # noqa: F401  (before torch)
+
+    from pyengine import LLM, SamplingParams
+
+    llms = {w: LLM(path, dtype="bfloat16", weights=w, num_threads=threads, kv_cache_memory=KV_BYTES,
+                   max_num_seqs=STREAMS, max_model_len=2048) for w in ("dequantize", "auto")}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(STREAMS)]
+    params = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+    best = {w: 0.0 for w in llms}
+    for llm in llms.values():  # warm-up
+        llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    for _ in range(repeats):
+        for w, llm in llms.items():
+            t0 = time.process_time()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            best[w] = max(best[w], sum(len(o.outputs[0].token_ids) for o in outs) / (time.process_time() - t0))
+    return best
+
+
 def measure(path: str, weights: str, threads: int) -> dict:
     """one() in a fresh subprocess (its RSS is the model's alone)."""
     env = {**os.environ, "PYTHONPATH": ROOT}
@@ -95,6 +126,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--files", default="Q4_1,Q8_0,Q4_K_M", help="comma-separated subset of Q4_1,Q8_0,Q4_K_M")
+    ap.add_argument("--cpu-time", action="store_true", help="gen64 only, in one process, CPU time (see top)")
     ap.add_argument("--one", nargs=2, metavar=("PATH", "WEIGHTS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -104,6 +136,15 @@ def main() -> None:
     q4 = os.path.join(folder, name)
     kinds = args.files.split(",")
     files = {kind: q4 if kind == "Q4_1" else requantized(q4, kind) for kind in kinds}
+    if args.cpu_time:
+        threads = 1 if "--threads" not in sys.argv else args.threads
+        print(f"gen64 ({STREAMS} x {GEN} tokens), output tok per CPU second, {threads} thread(s), best of {args.repeats}, "
+              "alternating in one process")
+        for kind, path in files.items():
+            r = gen64_cpu(path, threads, args.repeats)
+            print(f"{kind:6s} bf16 {r['dequantize']:7.1f}  auto {r['auto']:7.1f}  auto / bf16 {r['auto'] / r['dequantize']:.2f}x",
+                  flush=True)
+        return
     results: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeats):
         for kind, path in files.items():

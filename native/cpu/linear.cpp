@@ -221,16 +221,31 @@ void amx_block(const AmxArgs& a, int64_t r0, int64_t t0, float* c) {
   const uint16_t* x1 = RB == 2 ? a.block(r0 + 16) : nullptr;
   const int64_t tile_stride = a.KP * kTileLine, x_stride = a.K * 2;
   const uint16_t* w = a.w + t0 * tile_stride;
-  for (int64_t kb = 0; kb < a.K / 32; ++kb) {
-    _tile_loadd(4, x0 + kb * 32, x_stride);
-    if constexpr (RB == 2) _tile_loadd(5, x1 + kb * 32, x_stride);
-    _tile_loadd(6, w + kb * 16 * kTileLine, 64);
+  // Each A and B tile is reloaded for the next 32 k right after its last product is issued, so the loads
+  // run while the products queued before them execute, instead of the next products all waiting on loads
+  // issued at the top of the loop (a tile register is not renamed: a load waits for the products reading
+  // its old value). Each C tile still sums its products in k order: the same bits.
+  const int64_t KB = a.K / 32;
+  _tile_loadd(4, x0, x_stride);
+  if constexpr (RB == 2) _tile_loadd(5, x1, x_stride);
+  _tile_loadd(6, w, 64);
+  if constexpr (NT == 2) _tile_loadd(7, w + tile_stride, 64);
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const bool next = kb + 1 < KB;
+    const int64_t xo = (kb + 1) * 32, wo = (kb + 1) * 16 * kTileLine;
     _tile_dpbf16ps(0, 4, 6);
-    if constexpr (RB == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
+    if (next) _tile_loadd(4, x0 + xo, x_stride);
+    if constexpr (RB == 2) {
+      _tile_dpbf16ps(2, 5, 6);
+      if (next) _tile_loadd(6, w + wo, 64);
+      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
+      if (next) _tile_loadd(5, x1 + xo, x_stride);
+    } else if (next) {
+      _tile_loadd(6, w + wo, 64);
+    }
     if constexpr (NT == 2) {
-      _tile_loadd(7, w + tile_stride + kb * 16 * kTileLine, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      if constexpr (RB == 2) _tile_dpbf16ps(3, 5, 7);
+      if (next) _tile_loadd(7, w + tile_stride + wo, 64);
     }
   }
   _tile_stored(0, c, 128);
