@@ -400,7 +400,6 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
 // prefetch of the next chunk starts later and arrives in a longer burst).
 constexpr int kChunk = 64, kTiles = kChunk / 16, kGroup = 4;
 constexpr float kQ16 = 16255.0f, kU8Max = 255.0f;
-constexpr float kMaxSlack = 8.0f;  // log2 units (softmax_row)
 // Chunks between the one computed and the one prefetched: 2 measured no faster for int8/fp8 and
 // 1.2-1.5x slower for bf16 (2 threads, batch 8 x 2048, cold).
 constexpr int kAhead = 1;
@@ -637,10 +636,9 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_str
 // Online-softmax update of one row with the scores sc[lo, nv) (lo > 0: before its window): writes
 // the weights as PV's operands to pw[0, round_up(n, 16) tokens) (zeros outside [lo, nv)): bf16,
 // bf16 in fp8's operand order, or u8 codes of scale *wscale (int8); updates m and l; returns alpha
-// for acc. The running max moves only when a score passes it by more than kMaxSlack (as in the
-// prefill kernel): until then the weights stay <= 2^kMaxSlack (harmless in fp32, bf16 and the int8
-// path's per-chunk u8 scale), alpha is exactly 1 and the row needs no horizontal max, which at
-// decode's 3 rows x 64 tokens per chunk was a large part of the softmax's time.
+// for acc. The running max lags the scores by up to kMaxSlack (prefill_attention.h): while it does
+// not move, alpha is exactly 1 and the row needs no horizontal max, which at decode's 3 rows x 64
+// tokens per chunk was a large part of the softmax's time.
 template <DType CD, bool SPLIT>
 inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs& c, char* pw, float& m, float& l,
                          float& wscale) {

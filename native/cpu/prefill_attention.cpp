@@ -69,7 +69,6 @@ constexpr int64_t kPackTokens = 1024;   // positions per packing task
 constexpr int64_t kPackBudget = 64 << 20;  // bytes of packed K/V per batch of pairs
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kMaxSlack = 8.0f;  // log2 units (softmax_row_avx)
 
 // The kernels a build has, best first; set_prefill_attention_path caps which one runs (tests).
 enum class Path { kAmx, kAvx512Bf16, kPortable };

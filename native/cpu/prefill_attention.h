@@ -33,6 +33,11 @@ void check_attention_step(const AttentionStep& a);
 // the step's dtypes and head_dim); shorter ones, decodes included, to paged_attention_cpu.
 constexpr int64_t kPrefillMinQueries = 16;
 
+// Both kernels' online softmax lets the running max (log2 units) lag the scores by up to this much:
+// it moves only when a score passes it by more, so most chunks need no horizontal max and no rescale,
+// and the probabilities stay <= 2^kMaxSlack (harmless in fp32, bf16 and int8's per-chunk u8 scale).
+constexpr float kMaxSlack = 8.0f;
+
 // bf16 q over a bf16, fp8 or int8 cache, head_dim a multiple of 64 (<= 256).
 bool prefill_attention_supports(const AttentionStep& a);
 
