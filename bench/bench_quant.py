@@ -31,6 +31,19 @@ PREFILLS = (512, 2000)
 KV_BYTES = 256 << 20
 
 
+def load(path: str, weights: str, threads: int):
+    """The engine every measurement here runs: the same settings for both weights, or the ratio is not theirs."""
+    from pyengine import LLM
+
+    return LLM(path, dtype="bfloat16", weights=weights, num_threads=threads, kv_cache_memory=KV_BYTES,
+               max_num_seqs=STREAMS, max_model_len=2048)
+
+
+def stream_prompts(rng) -> list[list[int]]:
+    """The 64 x 128 generate's prompts: STREAMS of 16 random tokens."""
+    return [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(STREAMS)]
+
+
 def one(path: str, weights: str, threads: int) -> dict:
     """Runs in the subprocess: load, measure, return figures."""
     import random
@@ -38,12 +51,11 @@ def one(path: str, weights: str, threads: int) -> dict:
     import pyengine  # noqa: F401  (before torch)
     import psutil
 
-    from pyengine import LLM, SamplingParams
+    from pyengine import SamplingParams
 
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
-    llm = LLM(path, dtype="bfloat16", weights=weights, num_threads=threads, kv_cache_memory=KV_BYTES,
-              max_num_seqs=STREAMS, max_model_len=2048)
+    llm = load(path, weights, threads)
     rss1 = proc.memory_info().rss
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(PROMPT)]
@@ -51,7 +63,7 @@ def one(path: str, weights: str, threads: int) -> dict:
     out = llm.generate([prompt], SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
     m = out.metrics
     decode = (len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time)
-    prompts = [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(STREAMS)]
+    prompts = stream_prompts(rng)
     import time
 
     t0 = time.perf_counter()
@@ -74,12 +86,10 @@ def gen64_cpu(path: str, threads: int, repeats: int) -> dict[str, float]:
 
     import pyengine  # noqa: F401  (before torch)
 
-    from pyengine import LLM, SamplingParams
+    from pyengine import SamplingParams
 
-    llms = {w: LLM(path, dtype="bfloat16", weights=w, num_threads=threads, kv_cache_memory=KV_BYTES,
-                   max_num_seqs=STREAMS, max_model_len=2048) for w in ("dequantize", "auto")}
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(STREAMS)]
+    llms = {w: load(path, w, threads) for w in ("dequantize", "auto")}
+    prompts = stream_prompts(random.Random(0))
     params = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
     best = {w: 0.0 for w in llms}
     for llm in llms.values():  # warm-up
@@ -123,7 +133,7 @@ def tensor_bytes(path: str) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="default: 2, or 1 with --cpu-time")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--files", default="Q4_1,Q8_0,Q4_K_M", help="comma-separated subset of Q4_1,Q8_0,Q4_K_M")
     ap.add_argument("--cpu-time", action="store_true", help="gen64 only, in one process, CPU time (see top)")
@@ -137,7 +147,7 @@ def main() -> None:
     kinds = args.files.split(",")
     files = {kind: q4 if kind == "Q4_1" else requantized(q4, kind) for kind in kinds}
     if args.cpu_time:
-        threads = 1 if "--threads" not in sys.argv else args.threads
+        threads = args.threads or 1
         print(f"gen64 ({STREAMS} x {GEN} tokens), output tok per CPU second, {threads} thread(s), best of {args.repeats}, "
               "alternating in one process")
         for kind, path in files.items():
@@ -145,6 +155,7 @@ def main() -> None:
             print(f"{kind:6s} bf16 {r['dequantize']:7.1f}  auto {r['auto']:7.1f}  auto / bf16 {r['auto'] / r['dequantize']:.2f}x",
                   flush=True)
         return
+    args.threads = args.threads or 2
     results: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeats):
         for kind, path in files.items():
