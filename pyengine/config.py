@@ -79,19 +79,18 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    # Most tokens one sequence computes in a step (0: up to max_num_batched_tokens): a long prompt is
-    # prefilled in chunks of this size, and a request arriving meanwhile goes first (the chunk shrinks to
-    # make room for its first chunk; scheduler.pyx), so it starts within about one chunk's time.
-    # None: 64 on CPU, 512 on CUDA (where small steps leave the GPU idle). On the CPU the chunk bounds a
-    # newcomer's wait: with the heaviest step of an n=8 echo+logprobs 2k prompt in flight, its TTFT is
-    # 1.9-2.4x idle at 64 and 4.0x at 128 (bench/bench_fairness.py --cpu-steps; "heaviest" is the max of
-    # the heavy request's ~80 steps, 80-95 ms CPU against a 55-65 ms median chunk, so it moves with noise). Prefill attention reads a
-    # bf16 cache in place, so 64-token chunks cost a long prompt little: 1.2x (2k), about 1.0x (8k)
-    # the CPU time of unchunked steps (1 thread). On 2 threads a chunk's ~300 kernel loops no longer
-    # wait for a helper thread the OS has not run (native/include/pyengine/parallel.h): on shared cores
-    # a 64-token step took 3x a 1-thread one before (141 vs 43 ms), about 50 ms now. Larger chunks
-    # while nothing else waits would buy a lone long prompt little (2k: about as fast; 8k: ~1.1x, 2
-    # threads at load 4.5), and a newcomer arriving meanwhile would wait for the whole chunk.
+    # Most tokens one sequence computes in a step (0: up to max_num_batched_tokens): a long prompt is prefilled in
+    # chunks of this size, and a request arriving meanwhile goes first (the chunk shrinks to make room for its first
+    # chunk; scheduler.pyx), so it starts within about one chunk's time. None: 64 on CPU, 512 on CUDA (where small
+    # steps leave the GPU idle). On the CPU the chunk bounds a newcomer's wait: with the heaviest step of an n=8
+    # echo+logprobs 2k prompt in flight, its TTFT is 1.9-2.4x idle at 64 and 4.0x at 128 (bench/bench_fairness.py
+    # --cpu-steps; "heaviest" is the max of the heavy request's ~80 steps, 80-95 ms CPU against a 55-65 ms median
+    # chunk, so it moves with noise). Prefill attention reads a bf16 cache in place, so 64-token chunks cost a long
+    # prompt little: 1.2x (2k), about 1.0x (8k) the CPU time of unchunked steps (1 thread). On 2 threads a chunk's
+    # ~300 kernel loops no longer wait for a helper thread the OS has not run (native/include/pyengine/parallel.h): on
+    # shared cores a 64-token step took 3x a 1-thread one before (141 vs 43 ms), about 50 ms now. Larger chunks while
+    # nothing else waits would buy a lone long prompt little (2k: about as fast; 8k: ~1.1x, 2 threads at load 4.5),
+    # and a newcomer arriving meanwhile would wait for the whole chunk.
     long_prefill_tokens: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     num_threads: int | None = None  # CPU threads for torch and the native kernels
