@@ -136,11 +136,12 @@ def test_client_disconnect_frees_the_replicas_blocks(url):
 
 
 async def _stream(url: str, model: str, prompt: str, max_tokens: int, started: set, i: int) -> str | None:
-    """Stream one completion; None when it finished, else the error message."""
+    """Stream one completion of exactly max_tokens tokens (EOS ignored); None when it finished, else the error
+    message."""
     c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     try:
         stream = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
-                                            temperature=0)
+                                            temperature=0, extra_body={"ignore_eos": True})
         n = 0
         async for ch in stream:
             if ch.choices and ch.choices[0].text:
@@ -159,9 +160,11 @@ def test_killed_replica_loses_only_its_started_requests_and_serve_restarts_it(ur
     async def scenario():
         started: set[int] = set()
         generated = per_replica(metrics(url), "pyengine:generation_tokens_total")
-        # distinct short prompts: no shared block, so the router spreads them by load
+        # distinct short prompts: no shared block, so the router spreads them by load. 256 tokens each: the
+        # token counts reach /metrics by the ingress's poll (every second, later from a busy replica), so a
+        # replica must stay busy for several polls to be seen generating
         first = [asyncio.create_task(_stream(url, model, f"{i} little {['cats', 'dogs', 'owls', 'foxes'][i % 4]} "
-                                             f"went out to", 64, started, i)) for i in range(8)]
+                                             f"went out to", 256, started, i)) for i in range(8)]
         deadline = time.monotonic() + 60
         victim = None
         while victim is None and time.monotonic() < deadline:  # a replica generating for requests in flight
@@ -170,6 +173,7 @@ def test_killed_replica_loses_only_its_started_requests_and_serve_restarts_it(ur
             now, in_flight = per_replica(m, "pyengine:generation_tokens_total"), \
                 per_replica(m, "pyengine_ray:replica_in_flight")
             victim = next((r for r in REPLICAS if in_flight[r] and now[r] > generated[r]), None)
+        assert victim is not None, "no replica was seen generating within 60 s"
         handle = serve.get_deployment_handle(victim, app_name=APP_NAME)
         pid = (await handle.info.remote())["pid"]
         os.kill(pid, signal.SIGKILL)
