@@ -4,6 +4,9 @@ kernel (native/cpu/attention_step.cpp splits the step)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from pyengine.ops.attention import from_cache_layout, paged_attention, to_cache_
 from tests.test_attention import make_batch, reference
 
 PATHS = ["amx", "avx512_bf16", "portable"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Prompts and prompt chunks of ragged lengths (partial last blocks, a chunk after a cached prefix, one
 # ending on a block boundary, the 16-query threshold), decodes and a sequence with no query this step.
@@ -133,3 +137,30 @@ def test_bad_argument_changes_nothing():
 def test_unknown_path_name():
     with pytest.raises(ValueError, match="amx, avx512_bf16 or portable"):
         _C.set_prefill_attention_path("sse")
+
+
+@pytest.mark.parametrize("path_name", PATHS)
+def test_a_fresh_threads_first_item_stays_inside_its_scratch(path_name):
+    """A thread sizes its scratch by the first item it runs. 21 queries x 3 heads = 63 rows, which the
+    6-row vdpbf16ps kernel pads to 66: the scratch was sized for 64 (whole AMX tiles) whatever the path,
+    the padding rows were written past its end, and the next, larger prompt's resize found the heap
+    corrupt (a glibc abort that took the server down). In a fresh process, whose threads' scratch is
+    still empty; in this one earlier tests have grown it."""
+    code = f"""
+import pyengine, torch
+from pyengine import _C
+from pyengine.ops.attention import paged_attention
+from tests.test_attention import make_batch, reference
+_C.set_prefill_attention_path({path_name!r})
+_C.set_num_threads(1)
+if _C.prefill_attention_path() != {path_name!r}:
+    raise SystemExit(3)
+for specs in ([(21, 21)], [(600, 600)]):
+    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, 16, torch.bfloat16)
+    out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
+    torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.125), atol=2e-2, rtol=2e-2)
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if r.returncode == 3:
+        pytest.skip(f"no {path_name} path here")
+    assert r.returncode == 0, r.stderr[-3000:]

@@ -97,8 +97,8 @@ struct Scratch {
   std::vector<uint16_t> q, p, edge, vblocks;
   std::vector<float> o, m, l, s;
   std::vector<int64_t> end;
-  void fit(int64_t rows, int64_t D) {
-    const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;  // whole AMX tiles of q rows
+  // padded: the item's q rows rounded up to whole row groups of its path (the zero rows are computed too)
+  void fit(int64_t padded, int64_t D) {
     if (static_cast<int64_t>(q.size()) < padded * D) q.resize(padded * D), o.resize(padded * D);
     if (static_cast<int64_t>(m.size()) < padded) m.resize(padded), l.resize(padded), end.resize(padded);
     s.resize(2 * kAmxRows * kChunk);
@@ -794,8 +794,8 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
   const int64_t G = a.H / a.KVH, D = a.D, rows = (tok1 - tok0) * G;
   const int64_t q_start = a.qsl[P.seq], first = a.seq_lens[P.seq] - (a.qsl[P.seq + 1] - q_start);
   const int group = path == Path::kAmx ? kAmxRows : kRows;
-  const int64_t padded = (rows + group - 1) / group * group;  // zero rows complete the last AMX tile
-  w.fit(rows, D);
+  const int64_t padded = (rows + group - 1) / group * group;  // zero rows complete the last row group
+  w.fit(padded, D);
   for (int64_t r = 0; r < padded; ++r) {
     const int64_t tok = q_start + tok0 + r / G, head = P.kvh * G + r % G;
     if (r < rows) std::memcpy(w.q.data() + r * D, static_cast<const uint16_t*>(a.q) + tok * a.q_stride + head * D, D * 2);
