@@ -15,11 +15,12 @@
 //   bias    [N] fp32, or none (0).
 //   out     [M, N] bf16 (rounded once, to nearest even) or fp32.
 //
-// Parallel shape: the NB tiles are split into contiguous ranges, one per thread when the weight is
-// big enough (kMinParallelBytes), else the caller runs everything. Within a range, groups of NT
-// tiles (NT = 4, 2 or 1 by M: NT * min(M, 16) accumulators <= 16 zmm) are streamed together; each
-// 64-byte weight line is loaded once and fed to every row of a 16-row chunk of x. Rows beyond 16
-// re-read the group's tiles from L2, not from memory.
+// Parallel shape: the NB tiles are split into contiguous ranges, one per thread when the weight is big
+// enough (kMinParallelBytes), else the caller runs everything. Within a range, groups
+// of NT tiles (NT = 4 for M <= 4, else 2: NT x (rows of a block, <= 8) accumulators <= 16 zmm) are
+// streamed together; each 64-byte weight line is loaded once and fed to every row of a 16-row chunk of
+// x (two blocks of 8 rows, the second reading it from L1). Rows beyond 16 re-read the group's tiles from
+// L2, not from memory.
 // x is first repacked by the caller into k pairs, xp[r0 * KP + kp * MR + m] = (x[r, 2kp], x[r, 2kp+1])
 // as one 32-bit word (r = r0 + m, chunks of MR <= 16 rows from r0; the pair past an odd K is zero),
 // so the kernel broadcasts consecutive words from one pointer.
@@ -63,6 +64,7 @@ namespace {
 constexpr int64_t kTileN = 16;
 constexpr int64_t kTileLine = 32;                  // bf16 elements per (tile, k pair): 64 bytes
 constexpr int64_t kMaxRows = 16;                   // rows of x per pass over a tile group
+constexpr int kBlockRows = 8;                      // rows per micro-kernel block (a chunk: 1 or 2)
 constexpr int64_t kMinParallelBytes = 64 * 1024;   // below this weight size the caller runs alone
 constexpr int64_t kPanelMinRows = 256;             // above this many rows, x goes in L2-sized panels
 constexpr int64_t kPanelBytes = 256 * 1024;        // ... of about this many bytes (packed x)
@@ -79,7 +81,8 @@ struct Args {
   int64_t ldo;  // out's row stride (elements)
 };
 
-inline int tiles_per_group(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 2 : 1; }
+// NT * MR accumulators <= 16 zmm, MR = rows of a block (<= kBlockRows).
+inline int tiles_per_group(int64_t rows) { return rows <= 4 ? 4 : 2; }
 
 #if defined(__AVX512BF16__)
 
@@ -105,9 +108,10 @@ struct TileStore {
   }
 };
 
-// Rows [r0, r0 + MR) x tiles [t0, t0 + NT).
+// Rows [r0, r0 + MR) x tiles [t0, t0 + NT); xp at row r0's first k pair, the next pair ld words on
+// (the rows of its 16-row chunk).
 template <int MR, int NT>
-void tile_block(const Args& a, int64_t r0, int64_t t0) {
+void tile_block(const Args& a, const uint32_t* xp, int64_t ld, int64_t r0, int64_t t0) {
   // Weight lines prefetched ahead per stream, into L2 (past a tile's end: harmless). A line feeds MR
   // dot products, so with more rows the same distance is less time: 16 lines left 8..16-row blocks
   // waiting on memory (cold weights, M = 16: 230 -> 340 GFLOP/s with 64; 64 and 128 the same).
@@ -117,8 +121,7 @@ void tile_block(const Args& a, int64_t r0, int64_t t0) {
     for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
   const int64_t tile_stride = a.KP * kTileLine;
   const uint16_t* w = a.w + t0 * tile_stride;
-  const uint32_t* xp = a.xp + r0 * a.KP;
-  for (int64_t kp = 0; kp < a.KP; ++kp, xp += MR) {
+  for (int64_t kp = 0; kp < a.KP; ++kp, xp += ld) {
     __m512bh wv[NT];
     for (int t = 0; t < NT; ++t) {
       _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_stride + (kp + prefetch_lines) * kTileLine), _MM_HINT_T1);
@@ -135,7 +138,7 @@ void tile_block(const Args& a, int64_t r0, int64_t t0) {
   }
 }
 
-using BlockFn = void (*)(const Args&, int64_t, int64_t);
+using BlockFn = void (*)(const Args&, const uint32_t*, int64_t, int64_t, int64_t);
 
 template <int MR>
 constexpr BlockFn block_fn(int nt) {
@@ -149,14 +152,19 @@ BlockFn pick(int64_t rows, int nt, std::integer_sequence<int, MRs...>) {
 }
 
 inline BlockFn block_for(int64_t rows, int nt) {
-  return pick(rows, nt, std::make_integer_sequence<int, kMaxRows>{});
+  return pick(rows, nt, std::make_integer_sequence<int, kBlockRows>{});
 }
 
-// Tiles [t0, t0 + nt) for all rows, in 16-row chunks.
+// Tiles [t0, t0 + nt) for all rows, in 16-row chunks of blocks of up to 8 rows. A 16-row chunk as one
+// block of 16 x 1 tile loads 17 values (a weight line, 16 broadcasts) per 16 products: two 8 x 2 blocks
+// load 10, and Zen 5 issues two 512-bit loads per cycle beside its two vdpbf16ps. Each sum is the same
+// chain of products in k order either way: the same bits.
 void tile_group(const Args& a, int64_t t0, int nt) {
   for (int64_t r0 = 0; r0 < a.M; r0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, a.M - r0);
-    block_for(rows, nt)(a, r0, t0);
+    const uint32_t* xp = a.xp + r0 * a.KP;
+    for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows)
+      block_for(std::min<int64_t>(kBlockRows, rows - m0), nt)(a, xp + m0, rows, r0 + m0, t0);
   }
 }
 
