@@ -15,8 +15,8 @@
 //   bias    [N] fp32, or none (0).
 //   out     [M, N] bf16 (rounded once, to nearest even) or fp32.
 //
-// Parallel shape: the NB tiles are split into contiguous ranges, one per thread when the weight is big
-// enough (kMinParallelBytes), else the caller runs everything. Within a range, groups
+// Parallel shape: the NB tiles are split into contiguous ranges, a few per thread (taken in turn) when
+// the weight is big enough (kMinParallelBytes), else the caller runs everything. Within a range, groups
 // of NT tiles (NT = 4 for M <= 4, else 2: NT x (rows of a block, <= 8) accumulators <= 16 zmm) are
 // streamed together; each 64-byte weight line is loaded once and fed to every row of a 16-row chunk of
 // x (two blocks of 8 rows, the second reading it from L1). Rows beyond 16 re-read the group's tiles from
@@ -66,6 +66,7 @@ constexpr int64_t kTileLine = 32;                  // bf16 elements per (tile, k
 constexpr int64_t kMaxRows = 16;                   // rows of x per pass over a tile group
 constexpr int kBlockRows = 8;                      // rows per micro-kernel block (a chunk: 1 or 2)
 constexpr int64_t kMinParallelBytes = 64 * 1024;   // below this weight size the caller runs alone
+constexpr int64_t kRangesPerThread = 4;            // tile ranges per thread (see linear_bf16)
 constexpr int64_t kPanelMinRows = 256;             // above this many rows, x goes in L2-sized panels
 constexpr int64_t kPanelBytes = 256 * 1024;        // ... of about this many bytes (packed x)
 
@@ -322,10 +323,15 @@ void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, i
   if (packed % 64 != 0) throw std::invalid_argument("linear_bf16: packed weight must be 64-byte aligned");
   if (M == 0) return;
   const Bf16Rows rows(reinterpret_cast<const uint16_t*>(x), M, K);
-  // Ranges of whole tile pairs (AMX's blocks), one per thread unless the weight is small.
+  // Ranges of whole tile pairs (AMX's blocks), kRangesPerThread per thread unless the weight is small:
+  // the pool hands them out in turn, so where a helper is off its core (a shared host) the others take
+  // its share instead of waiting for its one range (one range per thread: the calling thread of a
+  // 64-row prompt step waited in 30% of its GEMM time at load 4 on 2 threads).
   const int64_t tiles = (N + kTileN - 1) / kTileN, pairs = (tiles + 1) / 2, tile_elems = (K + 1) / 2 * kTileLine;
   auto& pool = ThreadPool::instance();
-  const int64_t chunks = tiles * tile_elems * 2 < kMinParallelBytes ? 1 : std::min<int64_t>(pairs, pool.num_threads());
+  const int64_t chunks = tiles * tile_elems * 2 < kMinParallelBytes
+                             ? 1
+                             : std::min<int64_t>(pairs, pool.num_threads() * kRangesPerThread);
   const bool out_f32 = out_dtype == static_cast<int>(DType::kFloat32);
   pool.parallel_for(chunks, [&](int64_t c) {
     const int64_t begin = 2 * (pairs * c / chunks), end = std::min(tiles, 2 * (pairs * (c + 1) / chunks));
@@ -356,10 +362,11 @@ Bf16Rows::Bf16Rows(const uint16_t* x, int64_t M, int64_t K) : x_(x), M_(M), K_(K
   const int64_t KP = (K + 1) / 2;
   xp.resize(static_cast<size_t>(M * KP));
   uint32_t* const xbuf = xp.data();  // this thread's buffer (a worker's thread_local xp is another)
-  const bool big = M > kPanelMinRows;
-  ThreadPool::instance().parallel_for(big ? (M + kMaxRows - 1) / kMaxRows : 1, [&](int64_t c) {  // big M: in parallel
-    const int64_t r0 = big ? c * kMaxRows : 0, rows = big ? std::min(kMaxRows, M - r0) : M;
-    pack_x(x + r0 * K, rows, K, xbuf + r0 * KP);
+  // One 16-row chunk per item: a 64-row prompt step's chunks pack in parallel too (on the calling
+  // thread alone they took ~7% of its GEMM time while the helpers waited).
+  ThreadPool::instance().parallel_for((M + kMaxRows - 1) / kMaxRows, [&](int64_t c) {
+    const int64_t r0 = c * kMaxRows;
+    pack_x(x + r0 * K, std::min(kMaxRows, M - r0), K, xbuf + r0 * KP);
   });
   xp_ = xbuf;
 }
