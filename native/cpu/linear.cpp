@@ -64,7 +64,7 @@ namespace {
 constexpr int64_t kTileN = 16;
 constexpr int64_t kTileLine = 32;                  // bf16 elements per (tile, k pair): 64 bytes
 constexpr int64_t kMaxRows = 16;                   // rows of x per pass over a tile group
-constexpr int kBlockRows = 8;                      // rows per micro-kernel block (a chunk: 1 or 2)
+constexpr int kBlockRows = 8;                      // rows per block of a chunk of 2 tiles (see tile_group)
 constexpr int64_t kMinParallelBytes = 64 * 1024;   // below this weight size the caller runs alone
 constexpr int64_t kRangesPerThread = 4;            // tile ranges per thread (see linear_bf16)
 constexpr int64_t kPanelMinRows = 256;             // above this many rows, x goes in L2-sized panels
@@ -82,8 +82,8 @@ struct Args {
   int64_t ldo;  // out's row stride (elements)
 };
 
-// NT * MR accumulators <= 16 zmm, MR = rows of a block (<= kBlockRows).
-inline int tiles_per_group(int64_t rows) { return rows <= 4 ? 4 : 2; }
+// NT * MR accumulators <= 16 zmm, MR = rows of a block (see tile_group).
+inline int tiles_per_group(int64_t rows) { return rows <= 4 ? 4 : rows <= kBlockRows || rows == kMaxRows ? 2 : 1; }
 
 #if defined(__AVX512BF16__)
 
@@ -153,19 +153,22 @@ BlockFn pick(int64_t rows, int nt, std::integer_sequence<int, MRs...>) {
 }
 
 inline BlockFn block_for(int64_t rows, int nt) {
-  return pick(rows, nt, std::make_integer_sequence<int, kBlockRows>{});
+  return pick(rows, nt, std::make_integer_sequence<int, kMaxRows>{});
 }
 
-// Tiles [t0, t0 + nt) for all rows, in 16-row chunks of blocks of up to 8 rows. A 16-row chunk as one
-// block of 16 x 1 tile loads 17 values (a weight line, 16 broadcasts) per 16 products: two 8 x 2 blocks
-// load 10, and Zen 5 issues two 512-bit loads per cycle beside its two vdpbf16ps. Each sum is the same
-// chain of products in k order either way: the same bits.
+// Tiles [t0, t0 + nt) for all rows, in 16-row chunks: one block, or, for 2 tiles over more than 8 rows,
+// two halves. A 16-row chunk as one block of 16 x 1 tile loads 17 values (a weight line, 16 broadcasts)
+// per 16 products: two 8 x 2 blocks load 10, and Zen 5 issues two 512-bit loads per cycle beside its two
+// vdpbf16ps. (M = 9..15 keeps one block of 1 tile: its halves of 5..7 rows x 2 tiles, too few sums to
+// cover the product latency, were 5% slower.) Each sum is the same chain of products in k order either
+// way: the same bits.
 void tile_group(const Args& a, int64_t t0, int nt) {
   for (int64_t r0 = 0; r0 < a.M; r0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, a.M - r0);
     const uint32_t* xp = a.xp + r0 * a.KP;
-    for (int64_t m0 = 0; m0 < rows; m0 += kBlockRows)
-      block_for(std::min<int64_t>(kBlockRows, rows - m0), nt)(a, xp + m0, rows, r0 + m0, t0);
+    const int64_t half = nt == 1 || rows <= kBlockRows ? rows : (rows + 1) / 2;
+    block_for(half, nt)(a, xp, rows, r0, t0);
+    if (half < rows) block_for(rows - half, nt)(a, xp + half, rows, r0 + half, t0);
   }
 }
 
