@@ -15,10 +15,11 @@
 //   bias    [N] fp32, or none (0).
 //   out     [M, N] bf16 (rounded once, to nearest even) or fp32.
 //
-// Parallel shape: the NB tiles are split into contiguous ranges, one per thread when the weight is
-// big enough (kMinParallelBytes), else the caller runs everything. Within a range, groups of NT
-// tiles (NT = 4, 2 or 1 by M: NT * min(M, 16) accumulators <= 16 zmm) are streamed together; each
-// 64-byte weight line is loaded once and fed to every row of a 16-row chunk of x. Rows beyond 16
+// Parallel shape: the NB tiles are split into contiguous ranges, a few per thread (taken in turn) when
+// the weight is big enough (kMinParallelBytes), else the caller runs everything. Within a range, groups
+// of NT tiles (NT = 4 for M <= 4, 1 for M = 9..15, else 2: NT x (rows of a block) accumulators <= 16 zmm)
+// are streamed together; each 64-byte weight line is loaded once and fed to every row of a 16-row chunk
+// of x (of 2 tiles: two blocks of 8 rows, the second reading it from L1; see tile_group). Rows beyond 16
 // re-read the group's tiles from L2, not from memory.
 // x is first repacked by the caller into k pairs, xp[r0 * KP + kp * MR + m] = (x[r, 2kp], x[r, 2kp+1])
 // as one 32-bit word (r = r0 + m, chunks of MR <= 16 rows from r0; the pair past an odd K is zero),
@@ -63,7 +64,9 @@ namespace {
 constexpr int64_t kTileN = 16;
 constexpr int64_t kTileLine = 32;                  // bf16 elements per (tile, k pair): 64 bytes
 constexpr int64_t kMaxRows = 16;                   // rows of x per pass over a tile group
+constexpr int kBlockRows = 8;                      // rows per block of a chunk of 2 tiles (see tile_group)
 constexpr int64_t kMinParallelBytes = 64 * 1024;   // below this weight size the caller runs alone
+constexpr int64_t kRangesPerThread = 4;            // tile ranges per thread (see linear_bf16)
 constexpr int64_t kPanelMinRows = 256;             // above this many rows, x goes in L2-sized panels
 constexpr int64_t kPanelBytes = 256 * 1024;        // ... of about this many bytes (packed x)
 
@@ -79,7 +82,8 @@ struct Args {
   int64_t ldo;  // out's row stride (elements)
 };
 
-inline int tiles_per_group(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 2 : 1; }
+// NT * MR accumulators <= 16 zmm, MR = rows of a block (see tile_group).
+inline int tiles_per_group(int64_t rows) { return rows <= 4 ? 4 : rows <= kBlockRows || rows == kMaxRows ? 2 : 1; }
 
 #if defined(__AVX512BF16__)
 
@@ -105,9 +109,10 @@ struct TileStore {
   }
 };
 
-// Rows [r0, r0 + MR) x tiles [t0, t0 + NT).
+// Rows [r0, r0 + MR) x tiles [t0, t0 + NT); xp at row r0's first k pair, the next pair ld words on
+// (the rows of its 16-row chunk).
 template <int MR, int NT>
-void tile_block(const Args& a, int64_t r0, int64_t t0) {
+void tile_block(const Args& a, const uint32_t* xp, int64_t ld, int64_t r0, int64_t t0) {
   // Weight lines prefetched ahead per stream, into L2 (past a tile's end: harmless). A line feeds MR
   // dot products, so with more rows the same distance is less time: 16 lines left 8..16-row blocks
   // waiting on memory (cold weights, M = 16: 230 -> 340 GFLOP/s with 64; 64 and 128 the same).
@@ -117,8 +122,7 @@ void tile_block(const Args& a, int64_t r0, int64_t t0) {
     for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
   const int64_t tile_stride = a.KP * kTileLine;
   const uint16_t* w = a.w + t0 * tile_stride;
-  const uint32_t* xp = a.xp + r0 * a.KP;
-  for (int64_t kp = 0; kp < a.KP; ++kp, xp += MR) {
+  for (int64_t kp = 0; kp < a.KP; ++kp, xp += ld) {
     __m512bh wv[NT];
     for (int t = 0; t < NT; ++t) {
       _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_stride + (kp + prefetch_lines) * kTileLine), _MM_HINT_T1);
@@ -135,7 +139,7 @@ void tile_block(const Args& a, int64_t r0, int64_t t0) {
   }
 }
 
-using BlockFn = void (*)(const Args&, int64_t, int64_t);
+using BlockFn = void (*)(const Args&, const uint32_t*, int64_t, int64_t, int64_t);
 
 template <int MR>
 constexpr BlockFn block_fn(int nt) {
@@ -152,11 +156,19 @@ inline BlockFn block_for(int64_t rows, int nt) {
   return pick(rows, nt, std::make_integer_sequence<int, kMaxRows>{});
 }
 
-// Tiles [t0, t0 + nt) for all rows, in 16-row chunks.
+// Tiles [t0, t0 + nt) for all rows, in 16-row chunks: one block, or, for 2 tiles over more than 8 rows,
+// two halves. A 16-row chunk as one block of 16 x 1 tile loads 17 values (a weight line, 16 broadcasts)
+// per 16 products: two 8 x 2 blocks load 10, and Zen 5 issues two 512-bit loads per cycle beside its two
+// vdpbf16ps. (M = 9..15 keeps one block of 1 tile: its halves of 5..7 rows x 2 tiles, too few sums to
+// cover the product latency, were 5% slower.) Each sum is the same chain of products in k order either
+// way: the same bits.
 void tile_group(const Args& a, int64_t t0, int nt) {
   for (int64_t r0 = 0; r0 < a.M; r0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, a.M - r0);
-    block_for(rows, nt)(a, r0, t0);
+    const uint32_t* xp = a.xp + r0 * a.KP;
+    const int64_t half = nt == 1 || rows <= kBlockRows ? rows : (rows + 1) / 2;
+    block_for(half, nt)(a, xp, rows, r0, t0);
+    if (half < rows) block_for(rows - half, nt)(a, xp + half, rows, r0 + half, t0);
   }
 }
 
@@ -314,10 +326,15 @@ void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, i
   if (packed % 64 != 0) throw std::invalid_argument("linear_bf16: packed weight must be 64-byte aligned");
   if (M == 0) return;
   const Bf16Rows rows(reinterpret_cast<const uint16_t*>(x), M, K);
-  // Ranges of whole tile pairs (AMX's blocks), one per thread unless the weight is small.
+  // Ranges of whole tile pairs (AMX's blocks), kRangesPerThread per thread unless the weight is small:
+  // the pool hands them out in turn, so where a helper is off its core (a shared host) the others take
+  // its share instead of waiting for its one range (one range per thread: the calling thread of a
+  // 64-row prompt step waited in 30% of its GEMM time at load 4 on 2 threads).
   const int64_t tiles = (N + kTileN - 1) / kTileN, pairs = (tiles + 1) / 2, tile_elems = (K + 1) / 2 * kTileLine;
   auto& pool = ThreadPool::instance();
-  const int64_t chunks = tiles * tile_elems * 2 < kMinParallelBytes ? 1 : std::min<int64_t>(pairs, pool.num_threads());
+  const int64_t chunks = tiles * tile_elems * 2 < kMinParallelBytes
+                             ? 1
+                             : std::min<int64_t>(pairs, pool.num_threads() * kRangesPerThread);
   const bool out_f32 = out_dtype == static_cast<int>(DType::kFloat32);
   pool.parallel_for(chunks, [&](int64_t c) {
     const int64_t begin = 2 * (pairs * c / chunks), end = std::min(tiles, 2 * (pairs * (c + 1) / chunks));
@@ -348,10 +365,11 @@ Bf16Rows::Bf16Rows(const uint16_t* x, int64_t M, int64_t K) : x_(x), M_(M), K_(K
   const int64_t KP = (K + 1) / 2;
   xp.resize(static_cast<size_t>(M * KP));
   uint32_t* const xbuf = xp.data();  // this thread's buffer (a worker's thread_local xp is another)
-  const bool big = M > kPanelMinRows;
-  ThreadPool::instance().parallel_for(big ? (M + kMaxRows - 1) / kMaxRows : 1, [&](int64_t c) {  // big M: in parallel
-    const int64_t r0 = big ? c * kMaxRows : 0, rows = big ? std::min(kMaxRows, M - r0) : M;
-    pack_x(x + r0 * K, rows, K, xbuf + r0 * KP);
+  // One 16-row chunk per item: a 64-row prompt step's chunks pack in parallel too (on the calling
+  // thread alone they took ~7% of its GEMM time while the helpers waited).
+  ThreadPool::instance().parallel_for((M + kMaxRows - 1) / kMaxRows, [&](int64_t c) {
+    const int64_t r0 = c * kMaxRows;
+    pack_x(x + r0 * K, std::min(kMaxRows, M - r0), K, xbuf + r0 * KP);
   });
   xp_ = xbuf;
 }
