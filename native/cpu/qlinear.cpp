@@ -219,6 +219,20 @@ inline __m512 scale_pair(__m512i dot1, __m512i dot2, float dx1, float dx2, __m51
   return _mm512_fmadd_ps(c, _mm512_set1_ps(s12), acc);
 }
 
+// The bytes of one group step (a record / its groups) of each of nt tiles at `at` (stride apart), one pass
+// (nt tiles) ahead, into L2: a pass reads its nt tiles' records (contiguous) side by side, so this stays a
+// pass's length ahead of the reads, scale lines included, and at a pass's start the next pass's tiles are
+// already on their way (the old fixed 8 groups ahead within each tile left them cold). Batch-1 decode on
+// Zen 5 (1 thread, CPU s per 128 tokens, medians): Q4_1 0.54 -> 0.51, Q4_K_M 0.61 -> 0.51; Q8_0 was 4% slower
+// with it (its 8 full lines a group: more bytes per op), so Q8_0 keeps the near prefetch into L1.
+template <int T>
+inline void prefetch_ahead(const uint8_t* at, int64_t stride, int nt) {
+  constexpr int64_t step = layout(T).record_bytes() / layout(T).groups();
+  for (int t = 0; t < nt; ++t)
+    for (int64_t off = 0; off < step; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(at + (nt + t) * stride + off), _MM_HINT_T1);
+}
+
 // Rows [r0, r0 + MR) x tiles [t0, t0 + NT).
 template <int T, int MR, int NT>
 void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
@@ -236,6 +250,7 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
     // activation words (4 bytes) of this block, per row
     const int32_t* xw[MR];
     for (int m = 0; m < MR; ++m) xw[m] = reinterpret_cast<const int32_t*>(a.xq + (r0 + m) * a.K + b * kBlock);
+    if constexpr (L.lines != 8) prefetch_ahead<T>(w + b * L.record_bytes() / L.groups(), stride, NT);
     static_for<0, L.halves>([&](auto hc) {
       constexpr int h = decltype(hc)::value;
       __m512i dot[MR][NT];
@@ -245,7 +260,8 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
         constexpr int i = decltype(ic)::value;
         __m512i lo[NT], hi[NT];
         for (int t = 0; t < NT; ++t) {
-          _mm_prefetch(reinterpret_cast<const char*>(grp + t * stride + 64 * i + 8 * L.group_bytes()), _MM_HINT_T0);
+          if constexpr (L.lines == 8)
+            _mm_prefetch(reinterpret_cast<const char*>(grp + t * stride + 64 * i + 8 * L.group_bytes()), _MM_HINT_T0);
           vnni_line<T, i>(grp + t * stride, lo[t], hi[t]);
         }
         for (int m = 0; m < MR; ++m) {
