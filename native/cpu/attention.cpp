@@ -403,6 +403,15 @@ constexpr float kQ16 = 16255.0f, kU8Max = 255.0f;
 // Chunks between the one computed and the one prefetched: 2 measured no faster for int8/fp8 and
 // 1.2-1.5x slower for bf16 (2 threads, batch 8 x 2048, cold).
 constexpr int kAhead = 1;
+// The cache level those prefetches fill. L2 (T1) on AMX builds (-march of an Intel Sapphire Rapids or
+// later host), where it measured faster than L1: 1.9 -> 1.45 ms at batch 32 x 2048. L1 (T0)
+// elsewhere: on Zen 5 T0 measured 5-25% faster for all three caches (1 thread, CPU time from a cold
+// cache, 2nd fastest of 12), e.g. batch 16 x 4000 bf16 2179 -> 1900 us, int8 1190 -> 1063, fp8 1112 -> 1024.
+#if defined(__AMX_TILE__)
+constexpr _mm_hint kPrefetchLevel = _MM_HINT_T1;
+#else
+constexpr _mm_hint kPrefetchLevel = _MM_HINT_T0;
+#endif
 
 // Values per 32-bit lane of a line, and bytes of q (or of the weights) per line's dot product.
 constexpr int lane_of(DType CD) { return CD == DType::kBFloat16 ? 2 : 4; }
@@ -579,9 +588,9 @@ inline __m512 tile_scales(const float* const* s0, const float* const* s1, int i,
 template <bool SPLIT>
 inline void prefetch_scales(const ChunkPtrs& c) {
   for (int i = 0; i < kTiles; ++i) {
-    _mm_prefetch(c.ks0[i], _MM_HINT_T1);
-    _mm_prefetch(c.vs0[i], _MM_HINT_T1);
-    if constexpr (SPLIT) _mm_prefetch(c.ks1[i], _MM_HINT_T1), _mm_prefetch(c.vs1[i], _MM_HINT_T1);
+    _mm_prefetch(c.ks0[i], kPrefetchLevel);
+    _mm_prefetch(c.vs0[i], kPrefetchLevel);
+    if constexpr (SPLIT) _mm_prefetch(c.ks1[i], kPrefetchLevel), _mm_prefetch(c.vs1[i], kPrefetchLevel);
   }
 }
 
@@ -602,8 +611,8 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_str
       // the next chunk's K, each line once (tiles start on a line when lines are shorter than one)
       if (line_stride >= 64 || j * line_stride % 64 == 0)
         for (int i = i0; i < i0 + kT; ++i) {
-          _mm_prefetch(next.k0[i] + j * line_stride, _MM_HINT_T1);
-          if constexpr (SPLIT) _mm_prefetch(next.k1[i] + j * line_stride, _MM_HINT_T1);
+          _mm_prefetch(next.k0[i] + j * line_stride, kPrefetchLevel);
+          if constexpr (SPLIT) _mm_prefetch(next.k1[i] + j * line_stride, kPrefetchLevel);
         }
       for (int i = 0; i < kT; ++i) {  // tiles past the chunk's end read valid lines; their scores go unstored
         const Line k = prepare_line<CD, true>(
@@ -715,7 +724,8 @@ inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, 
     // token group p of the chunk; keep: the bytes of its lanes that hold tokens of the chunk
     auto group = [&](int p, __mmask64 keep) {
       if (d0 == 0)  // the next chunk's V group p
-        for (int64_t b = 0; b < group_bytes; b += 64) _mm_prefetch(v_group<CD, SPLIT>(next, p, group_bytes) + b, _MM_HINT_T1);
+        for (int64_t b = 0; b < group_bytes; b += 64)
+          _mm_prefetch(v_group<CD, SPLIT>(next, p, group_bytes) + b, kPrefetchLevel);
       const char* w = pw + p * operand_bytes(CD);
       for (int k = 0; k < 4; ++k) {
         __m512i raw = _mm512_loadu_si512(v_group<CD, SPLIT>(c, p, group_bytes) + (d0 + 16 * k) * 4);
@@ -809,11 +819,10 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
   const int64_t kv_start =
       a.window > 0 ? std::max<int64_t>(it.kv_lo, (first_pos + it.tok0 + 1 - a.window) / 16 * 16) : it.kv_lo;
   // Chunk ci's pointers sit in ring[ci % kRing] from kAhead + 1 chunks before it is computed: the
-  // lines of chunk ci + kAhead are prefetched into L2 while ci computes (tiles are scattered, so the
-  // hardware prefetcher stops at every tile edge; into L2 rather than L1, measured 1.9 -> 1.45 ms at
-  // batch 32 x 2048). Past the item's last chunk come the next item's first ones (with many short
-  // sequences, a cold first chunk per item was a third of the reads); with no next item, a chunk the
-  // ring already holds (the prefetches then hit).
+  // lines of chunk ci + kAhead are prefetched (to kPrefetchLevel) while ci computes (tiles are
+  // scattered, so the hardware prefetcher stops at every tile edge). Past the item's last chunk come
+  // the next item's first ones (with many short sequences, a cold first chunk per item was a third of
+  // the reads); with no next item, a chunk the ring already holds (the prefetches then hit).
   const int64_t nchunks = std::max<int64_t>(0, (kv_end - kv_start + kChunk - 1) / kChunk);
   const int64_t next_end = next_item ? item_kv_end(a, *next_item) : 0;
   constexpr int kRing = kAhead + 2;
