@@ -723,9 +723,11 @@ inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, 
       }
     // token group p of the chunk; keep: the bytes of its lanes that hold tokens of the chunk
     auto group = [&](int p, __mmask64 keep) {
-      if (d0 == 0)  // the next chunk's V group p
-        for (int64_t b = 0; b < group_bytes; b += 64)
-          _mm_prefetch(v_group<CD, SPLIT>(next, p, group_bytes) + b, kPrefetchLevel);
+      if (d0 == 0) {  // the next chunk's V group p (its address outside the call: at -O0 _mm_prefetch is a
+                      // macro, and the comma of v_group<CD, SPLIT> would split its arguments)
+        const char* nv = v_group<CD, SPLIT>(next, p, group_bytes);
+        for (int64_t b = 0; b < group_bytes; b += 64) _mm_prefetch(nv + b, kPrefetchLevel);
+      }
       const char* w = pw + p * operand_bytes(CD);
       for (int k = 0; k < 4; ++k) {
         __m512i raw = _mm512_loadu_si512(v_group<CD, SPLIT>(c, p, group_bytes) + (d0 + 16 * k) * 4);
