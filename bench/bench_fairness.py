@@ -3,11 +3,12 @@ while an n=8 echo+logprobs request on a 2,000-token prompt runs (what a completi
 n=8, echo=true, logprobs=5 asks of the engine). Same engine, same run, alternating. Goal: <= 2x idle.
 
     python bench/bench_fairness.py [--prompt-tokens 2000] [--n 8] [--short-tokens 64] [--repeats 3]
-                                   [--long-prefill-tokens N] [--cpu-steps]
+                                   [--long-prefill-tokens N] [--solo-prefill-tokens N] [--cpu-steps]
 
 The short request waits for the step in flight when it arrives, then goes first: the heavy request's
 next prompt chunk makes room for its first chunk. So its TTFT is about what is left of the step in
-flight plus one chunk's step, and grows with EngineConfig.long_prefill_tokens (the chunk size).
+flight plus one chunk's step, and grows with EngineConfig.long_prefill_tokens (the chunk size) and, when it
+arrives while the heavy request has the engine to itself, with solo_prefill_tokens.
 Also printed: the heavy request's own end-to-end time alone (what the fairness costs it).
 
 --cpu-steps: the same on the synchronous engine with one thread, timed in CPU seconds of the steps
@@ -37,7 +38,8 @@ async def ttft(llm: AsyncLLM, prompt: list[int], rid: str) -> float:
 
 
 async def main(args) -> None:
-    llm = AsyncLLM(EngineConfig(num_threads=args.threads, long_prefill_tokens=args.long_prefill_tokens))
+    llm = AsyncLLM(EngineConfig(num_threads=args.threads, long_prefill_tokens=args.long_prefill_tokens,
+                                solo_prefill_tokens=args.solo_prefill_tokens))
     await llm.start()
     vocab = llm.model_config.vocab_size
     big = [(17 + 31 * i) % (vocab - 200) + 100 for i in range(args.prompt_tokens)]
@@ -66,7 +68,8 @@ async def main(args) -> None:
         await task
     await llm.shutdown()
     mi, ml = statistics.median(idle), statistics.median(loaded)
-    print(f"long_prefill_tokens={llm.engine.scheduler.long_prefill_tokens}: short request ({args.short_tokens} tokens) TTFT, median of {args.repeats}: idle {mi * 1000:.0f} ms, "
+    print(f"long_prefill_tokens={llm.engine.scheduler.long_prefill_tokens}, solo_prefill_tokens="
+          f"{llm.engine.scheduler.solo_prefill_tokens}: short request ({args.short_tokens} tokens) TTFT, median of {args.repeats}: idle {mi * 1000:.0f} ms, "
           f"beside n={args.n} echo+logprobs on {args.prompt_tokens} tokens {ml * 1000:.0f} ms -> {ml / mi:.2f}x "
           f"(goal <= 2x); the heavy request took {statistics.median(heavy_s):.1f} s, {alone:.1f} s alone")
     print("idle ms:", [round(x * 1000) for x in idle], "loaded ms:", [round(x * 1000) for x in loaded])
@@ -75,7 +78,8 @@ async def main(args) -> None:
 def cpu_steps(args) -> None:
     from pyengine.engine.engine import Engine
 
-    engine = Engine(EngineConfig(num_threads=1, long_prefill_tokens=args.long_prefill_tokens))
+    engine = Engine(EngineConfig(num_threads=1, long_prefill_tokens=args.long_prefill_tokens,
+                                 solo_prefill_tokens=args.solo_prefill_tokens))
     vocab = engine.model_config.vocab_size
 
     def timed_step() -> tuple[float, list]:
@@ -113,7 +117,8 @@ def cpu_steps(args) -> None:
         loaded.append(first_token([(89 * r + 7 * i) % (vocab - 200) + 100 for i in range(args.short_tokens)], f"l{r}"))
         engine.abort_request(f"h{r}")
     mi, ml, mc, mh, ma = (statistics.median(x) for x in (idle, loaded, chunk, heaviest, alone))
-    print(f"long_prefill_tokens={engine.scheduler.long_prefill_tokens}, 1 thread, CPU ms (median of {args.repeats}): "
+    print(f"long_prefill_tokens={engine.scheduler.long_prefill_tokens}, solo_prefill_tokens="
+          f"{engine.scheduler.solo_prefill_tokens}, 1 thread, CPU ms (median of {args.repeats}): "
           f"short request ({args.short_tokens} tokens) alone {mi * 1000:.0f}; arriving at a step boundary of "
           f"n={args.n} echo+logprobs on {args.prompt_tokens} tokens {ml * 1000:.0f} -> {ml / mi:.2f}x; "
           f"heavy prompt chunk {mc * 1000:.0f}, heaviest heavy step {mh * 1000:.0f}; worst (the heaviest step in "
@@ -129,6 +134,7 @@ if __name__ == "__main__":
     ap.add_argument("--delay", type=float, default=0.2, help="seconds between the heavy and the short request")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--long-prefill-tokens", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--solo-prefill-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--cpu-steps", action="store_true", help="time the steps in CPU seconds (see above)")
     args = ap.parse_args()
     if args.cpu_steps:

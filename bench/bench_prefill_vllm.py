@@ -9,8 +9,8 @@
 Weights: the default GGUF dequantized by transformers into a bf16 HF folder (written once, under the
 temp dir, or --model), which both engines load: pyengine with dtype bfloat16, vLLM with dtype bfloat16.
 Nothing comes from a hub (HF_HUB_OFFLINE=1).
-Each engine runs with its own default scheduling (pyengine: long_prefill_tokens chunks, or
---long-prefill-tokens; vLLM-CPU: its max_num_batched_tokens) and prefix caching off. A point is one prompt of L - 1 random token ids and
+Each engine runs with its own default scheduling (pyengine: a prompt alone is chunked by
+solo_prefill_tokens, or --prefill-chunk; vLLM-CPU: its max_num_batched_tokens) and prefix caching off. A point is one prompt of L - 1 random token ids and
 max_tokens=1 (L positions), timed around generate; vLLM runs as a subprocess (its engine core in a
 process of its own, as vLLM serves), given VLLM_CPU_OMP_THREADS_BIND=0-(threads-1),
 VLLM_CPU_KVCACHE_SPACE and OMP_NUM_THREADS. One warm-up per engine and length, then --rounds rounds,
@@ -167,8 +167,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     ap.add_argument("--kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--no-vllm", action="store_true", help="pyengine only (its figures and profile)")
-    ap.add_argument("--long-prefill-tokens", type=int, default=None,
-                    help="pyengine's prompt chunk cap (default: the engine's own, 64 on CPU; 0: the step budget)")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="pyengine's chunk of a lone prompt: long_prefill_tokens and solo_prefill_tokens (default: "
+                         "the engine's own, 64 on CPU; 0: the step budget)
     args = ap.parse_args()
 
     import engine_common  # noqa: F401  (puts the checkout first on sys.path)
@@ -179,7 +180,7 @@ def main() -> None:
     max_len = max(args.lengths)
     vllm = None if args.no_vllm else VllmProcess(args.vllm_python, model, max_len, args.threads, args.kv_gib)
     llm = LLM(model, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False, max_model_len=max_len,
-              long_prefill_tokens=args.long_prefill_tokens)
+              long_prefill_tokens=args.prefill_chunk, solo_prefill_tokens=args.prefill_chunk)
     params = SamplingParams(max_tokens=1)
 
     def ours(ids: list[int]) -> float:
@@ -201,7 +202,7 @@ def main() -> None:
     if vllm is not None:
         vllm.close()
 
-    chunk = llm.engine.scheduler.long_prefill_tokens or llm.engine.config.max_num_batched_tokens
+    chunk = llm.engine.scheduler.solo_prefill_tokens or llm.engine.config.max_num_batched_tokens
     print(f"\nprefill tok/s (L - 1 prompt tokens / best of {args.rounds} rounds), bf16 weights, "
           f"{args.threads} threads, load average {os.getloadavg()[0]:.1f}; pyengine chunks of {chunk}"
           + ("" if vllm is None else f", vLLM max_num_batched_tokens {vllm.info['max_num_batched_tokens']}"))

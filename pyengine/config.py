@@ -92,6 +92,13 @@ class EngineConfig:
     # nothing else waits would buy a lone long prompt little (2k: about as fast; 8k: ~1.1x, 2 threads at load 4.5),
     # and a newcomer arriving meanwhile would wait for the whole chunk.
     long_prefill_tokens: int | None = None
+    # The chunk of a prompt that has the engine to itself (the only request running or waiting), never below
+    # long_prefill_tokens; None: long_prefill_tokens. It stalls nobody's decodes, and larger chunks run faster (on a
+    # Zen 5 host without AMX, a lone 2k prompt: 2,176 tok/s in chunks of 64, 2,772 in chunks of 512, bf16, 2
+    # threads), but a request that arrives meanwhile waits for the whole chunk: its TTFT beside the heaviest step in
+    # flight went from 2.2x idle at 64 to 4.5x at 256 and 8.6x at 512 (bench/bench_fairness.py --cpu-steps). A
+    # deployment that serves one long prompt at a time can trade that for prefill speed.
+    solo_prefill_tokens: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     num_threads: int | None = None  # CPU threads for torch and the native kernels
     seed: int = 0  # seeds the RNG that draws a seed for each request without one
@@ -116,6 +123,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.long_prefill_tokens is not None and self.long_prefill_tokens < 0:
             raise ValueError(f"long_prefill_tokens must be >= 0, got {self.long_prefill_tokens}")
+        if self.solo_prefill_tokens is not None and self.solo_prefill_tokens < 0:
+            raise ValueError(f"solo_prefill_tokens must be >= 0, got {self.solo_prefill_tokens}")
         for name in ("cuda_graphs", "tensor_core_prefill"):
             if getattr(self, name) and self.device != "cuda":
                 raise ValueError(f"{name} needs device='cuda', got device={self.device!r}")

@@ -249,6 +249,17 @@ def test_children_queue_behind_earlier_arrivals():
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("solo, first_chunk", [(None, 64), (512, 512)])
+def test_a_lone_prompt_is_chunked_by_solo_prefill_tokens(solo, first_chunk):
+    engine = fake_engine(max_num_batched_tokens=2048, long_prefill_tokens=64, solo_prefill_tokens=solo)
+    big = prompts_of([700], seed=7)[0]
+    engine.add_request("big", big, SamplingParams(max_tokens=2, **GREEDY))
+    engine.step()
+    assert engine.num_computed_tokens == first_chunk
+    assert tokens(drain(engine)["big"]) == reference(big, 2)
+    assert_all_free(engine)
+
+
 def test_one_request_adds_at_most_long_prefill_tokens_per_step():
     engine = fake_engine(max_num_batched_tokens=512, long_prefill_tokens=64)
     big = prompts_of([400], seed=7)[0]

@@ -1,4 +1,5 @@
 """Scheduler with fake requests and a fake deterministic "model" (next token = f(all tokens so far))."""
+import pytest
 from pyengine.engine.block_pool import BlockPool
 from pyengine.engine.request import Request, RequestStatus
 from pyengine.engine.scheduler import Scheduler
@@ -105,6 +106,38 @@ def test_a_newcomer_goes_ahead_of_a_running_prompt_chunk_in_at_most_every_other_
     assert long.output_token_ids == reference(300, 2)
     assert all(r.output_token_ids == reference(16, 1, start=10 + i) for i, r in enumerate(newcomers))
     assert pool.num_free == pool.num_blocks
+
+
+def test_a_prompt_alone_takes_solo_chunks_and_shrinks_to_long_prefill_tokens_once_others_come():
+    """solo_prefill_tokens 64 over long_prefill_tokens 16: alone (nothing else running or waiting),
+    a long prompt computes 64 tokens a step, from its admission on; once another request waits or
+    runs, 16 (less the newcomer's first chunk); alone again, 64 again."""
+    pool = BlockPool(256, BS)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=256, long_prefill_tokens=16,
+                      solo_prefill_tokens=64)
+    long = make("long", 300, 2)
+    sched.add_request(long)
+    assert step(sched).num_new == [64]
+    assert step(sched).num_new == [64]
+    short = make("short", 5, 3, start=1)
+    sched.add_request(short)
+    out = step(sched)
+    assert list(zip(out.reqs, out.num_new)) == [(long, 11), (short, 5)]
+    out = step(sched)  # the short one decodes beside the long prompt: the cap stays 16
+    assert list(zip(out.reqs, out.num_new)) == [(long, 16), (short, 1)]
+    step(sched)
+    assert short.finished
+    assert step(sched).num_new == [64]
+    run_all(sched, [])
+    assert long.output_token_ids == reference(300, 2)
+    assert pool.num_free == pool.num_blocks
+
+
+def test_solo_prefill_tokens_is_never_below_long_prefill_tokens_and_off_without_a_cap():
+    assert Scheduler(BlockPool(8, BS), 8, 64, long_prefill_tokens=16, solo_prefill_tokens=4).solo_prefill_tokens == 16
+    assert Scheduler(BlockPool(8, BS), 8, 64, long_prefill_tokens=0, solo_prefill_tokens=32).solo_prefill_tokens == 0
+    with pytest.raises(ValueError, match="solo_prefill_tokens"):
+        Scheduler(BlockPool(8, BS), 8, 64, solo_prefill_tokens=-1)
 
 
 def test_prompt_logprob_tokens_count_twice_against_the_chunk_cap_and_budget():

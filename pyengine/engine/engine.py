@@ -129,8 +129,9 @@ class Engine:
         long_prefill = config.long_prefill_tokens
         if long_prefill is None:
             long_prefill = 512 if self.device.type == "cuda" else 64
+        solo_prefill = long_prefill if config.solo_prefill_tokens is None else config.solo_prefill_tokens
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy, long_prefill)
+                                   config.scheduling_policy, long_prefill, solo_prefill)
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, kv_caches, block_size=bs, max_num_seqs=config.max_num_seqs,

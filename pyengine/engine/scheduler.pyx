@@ -11,7 +11,10 @@ priority, latest admitted — is preempted: its blocks are freed and it goes bac
 the waiting queue to be recomputed later (its full blocks usually come back from the prefix cache).
 A step that preempted admits nobody. long_prefill_tokens (> 0) caps the tokens one sequence computes
 in a step, so a long prompt is chunked and cannot hold a step (and the requests waiting behind it)
-for long. A waiting request that can be admitted goes first: a running prompt's next chunk shrinks
+for long. A prompt that has the engine to itself (the only sequence running or waiting) may take up
+to solo_prefill_tokens instead: its chunk stalls no decodes, and larger chunks spend less per token
+(fixed costs per step, dequantized weight strips), but a request that arrives during it waits for the
+whole chunk. A waiting request that can be admitted goes first: a running prompt's next chunk shrinks
 by the newcomer's first chunk (to nothing if need be), so the step stays about one chunk long and
 the newcomer's first token comes after about one chunk's time, not two. A prompt chunk yields so
 in at most every other step, so a stream of newcomers cannot starve a long prompt. A token of a
@@ -73,6 +76,8 @@ cdef class Scheduler:
     cdef readonly int num_waiting
     cdef readonly long long num_preemptions
     cdef readonly int long_prefill_tokens  # most tokens one sequence computes per step (0: no cap)
+    cdef readonly int solo_prefill_tokens  # the same for the only sequence running or waiting
+    cdef int chunk_cap  # this step's cap: one of the two
     cdef readonly long long prefix_query_tokens  # prompt tokens of admissions that looked up the prefix cache
     cdef readonly long long prefix_hit_tokens  # of which found cached
     cdef long long arrival_counter
@@ -80,12 +85,16 @@ cdef class Scheduler:
     cdef bint chunks_yielded  # the last step shrank a running prompt's chunk for a newcomer
 
     def __init__(self, BlockPool pool, int max_num_seqs, int max_num_batched_tokens, str policy="fcfs",
-                 int long_prefill_tokens=0):
+                 int long_prefill_tokens=0, int solo_prefill_tokens=0):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be fcfs or priority, got {policy!r}")
         if long_prefill_tokens < 0:
             raise ValueError(f"long_prefill_tokens must be >= 0, got {long_prefill_tokens}")
+        if solo_prefill_tokens < 0:
+            raise ValueError(f"solo_prefill_tokens must be >= 0, got {solo_prefill_tokens}")
         self.long_prefill_tokens = long_prefill_tokens
+        self.solo_prefill_tokens = max(solo_prefill_tokens, long_prefill_tokens) if long_prefill_tokens > 0 else 0
+        self.chunk_cap = long_prefill_tokens
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.pool = pool
@@ -168,15 +177,14 @@ cdef class Scheduler:
     cdef inline int _cap(self, int budget, int cost):
         """The tokens one sequence whose tokens cost `cost` may compute this step out of `budget` (at
         least one, so a step always moves)."""
-        cdef int cap = budget if self.long_prefill_tokens == 0 or budget < self.long_prefill_tokens \
-            else self.long_prefill_tokens
+        cdef int cap = budget if self.chunk_cap == 0 or budget < self.chunk_cap else self.chunk_cap
         return max(cap // cost, 1)
 
     cdef int _chunk_room(self):
         """The most tokens a running prompt's chunk may take this step (long_prefill_tokens > 0):
-        long_prefill_tokens less the first chunk of the waiting request that this step can admit,
+        the step's chunk cap less the first chunk of the waiting request that this step can admit,
         unless chunks yielded in the last step already."""
-        cdef int room = self.long_prefill_tokens
+        cdef int room = self.chunk_cap
         if self.chunks_yielded or len(self.running) >= self.max_num_seqs:
             return room
         req = self._peek_waiting()
@@ -239,6 +247,7 @@ cdef class Scheduler:
         cdef list running = self.running
         cdef BlockPool pool = self.pool
         now = None
+        self.chunk_cap = self.solo_prefill_tokens if len(running) + self.num_waiting == 1 else self.long_prefill_tokens
         if self.priority_policy:
             self._preempt_for_priority(preempted)
         cdef Py_ssize_t num_priority_preempted = len(preempted)
