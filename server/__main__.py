@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences decoded together in one step")
     m.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one engine step (decodes + prompt chunks)")
+    m.add_argument("--long-prefill-tokens", type=int, default=None,
+                   help="most tokens one prompt computes in a step while others run or wait (its chunk); a "
+                        "request arriving meanwhile starts within about one chunk (default: 64 on cpu, 512 on cuda)")
+    m.add_argument("--solo-prefill-tokens", type=int, default=None,
+                   help="the chunk of a prompt that has the engine to itself: larger runs faster, but a request "
+                        "arriving meanwhile waits for the whole chunk (default: --long-prefill-tokens)")
     m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of identical prompt prefixes")
     m.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -127,6 +133,7 @@ def engine_config(args: argparse.Namespace, model: str | None = None, **override
                  block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                  kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 long_prefill_tokens=args.long_prefill_tokens, solo_prefill_tokens=args.solo_prefill_tokens,
                  scheduling_policy=args.scheduling_policy, num_threads=args.num_threads, seed=args.seed,
                  cuda_graphs=args.cuda_graphs, tensor_core_prefill=args.tensor_core_prefill)
     return EngineConfig(model=model, **(flags | overrides))

@@ -278,3 +278,12 @@ def test_prefix_cache_computes_only_suffix():
     run_all(sched, [c])
     assert c.num_cached_tokens == 16 and c.num_computed_prompt_tokens == 4
     assert pool.num_free == pool.num_blocks
+
+
+def test_prefill_chunk_flags_reach_the_engine_config():
+    from server.__main__ import build_parser, engine_config
+
+    cfg = engine_config(build_parser().parse_args(["--long-prefill-tokens", "32", "--solo-prefill-tokens", "256"]))
+    assert (cfg.long_prefill_tokens, cfg.solo_prefill_tokens) == (32, 256)
+    cfg = engine_config(build_parser().parse_args([]))
+    assert (cfg.long_prefill_tokens, cfg.solo_prefill_tokens) == (None, None)  # the engine's defaults
