@@ -169,7 +169,7 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true", help="pyengine only (its figures and profile)")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="pyengine's chunk of a lone prompt: long_prefill_tokens and solo_prefill_tokens (default: "
-                         "the engine's own, 64 on CPU; 0: the step budget)
+                         "the engine's own, 64 on CPU; 0: the step budget)")
     args = ap.parse_args()
 
     import engine_common  # noqa: F401  (puts the checkout first on sys.path)
