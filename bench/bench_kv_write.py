@@ -1,7 +1,9 @@
 """reshape_and_cache at the default model's shapes (3 kv heads, 9 q heads, head_dim 64, bf16 K/V), ms
 per layer-write (best of N) for T = 1 (a decode step), 64 (a prefill chunk), 2048 tokens: a bf16
 cache, int8, fp8 without q (the scale search alone) and fp8 with the step's q (K rounded for it, as
-the model writes).
+the model writes). Row "64 streams": a decode step of 64 sequences, each token into a block of its own
+among 30 layers' caches (8 blocks a sequence), the layers written in turn, so the lines a token writes
+come cold from memory as in a 64-stream generate.
 
     python bench/bench_kv_write.py [--threads 2]
 """
@@ -20,19 +22,25 @@ CACHES = {"bf16": (torch.bfloat16, False), "int8": (torch.int8, False), "fp8": (
           "fp8 + q": (torch.float8_e4m3fn, True)}
 
 
-def best_ms(T: int, cache_dtype: torch.dtype, with_q: bool) -> float:
-    nb = (T + BLOCK - 1) // BLOCK
-    k_shape, v_shape = kv_cache_shapes(nb, KV_HEADS, BLOCK, HEAD_DIM, "cpu")
-    kc, vc = torch.zeros(k_shape, dtype=cache_dtype), torch.zeros(v_shape, dtype=cache_dtype)
+STREAMS, LAYERS, BLOCKS_PER_STREAM = 64, 30, 8
+
+
+def best_ms(T: int, cache_dtype: torch.dtype, with_q: bool, streams: bool = False) -> float:
+    layers = LAYERS if streams else 1
+    nb = STREAMS * BLOCKS_PER_STREAM if streams else (T + BLOCK - 1) // BLOCK
+    k_shape, v_shape = kv_cache_shapes(nb, KV_HEADS, BLOCK, HEAD_DIM, "cpu", cache_dtype)
+    caches = [(torch.zeros(k_shape, dtype=cache_dtype), torch.zeros(v_shape, dtype=cache_dtype)) for _ in range(layers)]
     quant = cache_dtype != torch.bfloat16
     ks, vs = (torch.zeros(nb, KV_HEADS, BLOCK), torch.zeros(nb, KV_HEADS, BLOCK)) if quant else (None, None)
     key, value = torch.randn(T, KV_HEADS, HEAD_DIM).bfloat16(), torch.randn(T, KV_HEADS, HEAD_DIM).bfloat16()
     q = torch.randn(T, HEADS, HEAD_DIM).bfloat16() if with_q else None
-    slots = torch.arange(T)
+    # streams: token i at offset 5 of a random one of its sequence's blocks
+    slots = (torch.randperm(nb)[:T] * BLOCK + 5) if streams else torch.arange(T)
 
     def write() -> None:
-        reshape_and_cache(key, value, kc, vc, slots, k_scales=ks, v_scales=vs, query=q)
-    return min_time(write, 200 if T < 2048 else 20, warmup=0) * 1e3
+        for kc, vc in caches:
+            reshape_and_cache(key, value, kc, vc, slots, k_scales=ks, v_scales=vs, query=q)
+    return min_time(write, 200 // layers if T < 2048 else 20, warmup=0) * 1e3 / layers
 
 
 def main() -> None:
@@ -43,6 +51,7 @@ def main() -> None:
     print(f"{'tokens':>6} " + " ".join(f"{name:>9}" for name in CACHES) + "   (ms per layer-write)")
     for T in (1, 64, 2048):
         print(f"{T:>6} " + " ".join(f"{best_ms(T, *spec):9.3f}" for spec in CACHES.values()))
+    print(f"{'64 streams':>6} " + " ".join(f"{best_ms(STREAMS, *spec, streams=True):9.3f}" for spec in CACHES.values()))
 
 
 if __name__ == "__main__":
