@@ -34,7 +34,7 @@ def best_ms(T: int, cache_dtype: torch.dtype, with_q: bool, streams: bool = Fals
     ks, vs = (torch.zeros(nb, KV_HEADS, BLOCK), torch.zeros(nb, KV_HEADS, BLOCK)) if quant else (None, None)
     key, value = torch.randn(T, KV_HEADS, HEAD_DIM).bfloat16(), torch.randn(T, KV_HEADS, HEAD_DIM).bfloat16()
     q = torch.randn(T, HEADS, HEAD_DIM).bfloat16() if with_q else None
-    # streams: token i at offset 5 of a random one of its sequence's blocks
+    # streams: each token at offset 5 of a block of its own, the blocks drawn at random from the pool
     slots = (torch.randperm(nb)[:T] * BLOCK + 5) if streams else torch.arange(T)
 
     def write() -> None:
@@ -48,10 +48,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     _C.set_num_threads(args.threads)
-    print(f"{'tokens':>6} " + " ".join(f"{name:>9}" for name in CACHES) + "   (ms per layer-write)")
+    print(f"{'tokens':>10} " + " ".join(f"{name:>9}" for name in CACHES) + "   (ms per layer-write)")
     for T in (1, 64, 2048):
-        print(f"{T:>6} " + " ".join(f"{best_ms(T, *spec):9.3f}" for spec in CACHES.values()))
-    print(f"{'64 streams':>6} " + " ".join(f"{best_ms(STREAMS, *spec, streams=True):9.3f}" for spec in CACHES.values()))
+        print(f"{T:>10} " + " ".join(f"{best_ms(T, *spec):9.3f}" for spec in CACHES.values()))
+    print(f"{'64 streams':>10} " + " ".join(f"{best_ms(STREAMS, *spec, streams=True):9.3f}" for spec in CACHES.values()))
 
 
 if __name__ == "__main__":
