@@ -127,9 +127,14 @@ def test_report_agrees_with_serve_load(server, log_path, tmp_path):
     rows = rows_for(log_path, "rep-", 8)
     s = report.summarize(rows)
     assert s["ok"] == 8
-    for name in ("ttft", "tpot", "e2e"):
+    # The client's TTFT and E2E also hold its own connect/send/receive time, which the server cannot see: on a
+    # busy 2-core host that was 2-7 ms of a ~35 ms TTFT. So the server's figure may be below the client's by
+    # 10% or 10 ms, never above it (beyond clock noise); TPOT has no such offset and must agree both ways.
+    for name in ("ttft", "e2e"):
         want, got = client[f"{name}_s"]["p50"], s["latency"][name]["p50"]
-        assert abs(got - want) <= max(0.10 * want, 0.003), (name, got, want)
+        assert -0.002 <= want - got <= max(0.10 * want, 0.010), (name, got, want)
+    want, got = client["tpot_s"]["p50"], s["latency"]["tpot"]["p50"]
+    assert abs(got - want) <= max(0.10 * want, 0.003), ("tpot", got, want)
     # the CLI: the table and the plots
     cli = subprocess.run([sys.executable, "-m", "pyengine.report", log_path, "--plots", str(tmp_path / "plots")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
