@@ -6,9 +6,10 @@ Run: python -m pytest bench/bench_attention.py -q --benchmark-columns=min,mean,r
      (-k decode / -k prefill for one half; the prefill half takes a few minutes: 8k-token prompts)
 
 Decode.
-Shape: 9 q heads, 3 kv heads, head_dim 64, block 16, bf16 q; KV cache bf16, int8 and fp8 (one fp32
-scale per token and kv head); batch 8/32 x context 2k/8k and batch 1 x 8k by default, batch
-1/8/32/64 x context 512/2k/8k/32k with BENCH_ATTENTION_FULL=1; 2 threads for pyengine and torch.
+Shape: 9 q heads, 3 kv heads, head_dim 64, block 16 (BENCH_ATTENTION_BLOCK=N for another), bf16 q;
+KV cache bf16, int8 and fp8 (one fp32 scale per token and kv head); batch 8/32 x context 2k/8k and
+batch 1 x 8k by default, batch 1/8/32/64 x context 512/2k/8k/32k with BENCH_ATTENTION_FULL=1; 2 threads
+for pyengine and torch.
 Per point, in the same run:
   bf16, int8, fp8  pyengine paged_attention over a shuffled paged cache (one decode token per sequence)
   read2, read1     pyengine read_bandwidth over a buffer of as many bytes as the bf16 (read2) or the
@@ -38,7 +39,8 @@ import torch.nn.functional as F
 from pyengine import _C
 from pyengine.ops.attention import paged_attention, to_cache_layout
 
-H, KVH, D, BS, DTYPE = 9, 3, 64, 16, torch.bfloat16
+H, KVH, D, DTYPE = 9, 3, 64, torch.bfloat16
+BS = int(os.environ.get("BENCH_ATTENTION_BLOCK", "16"))
 if os.environ.get("BENCH_ATTENTION_FULL") == "1":
     POINTS = [(b, c) for b in (1, 8, 32, 64) for c in (512, 2048, 8192, 32768)]
 else:
@@ -69,7 +71,7 @@ def two_threads_and_table(request):
     head = f"{'batch':>5} {'ctx':>5} {'read2 GB/s':>10} {'read1 GB/s':>10}"
     for c in CACHES:
         head += f" | {c + ' us':>8} {'GB/s':>5} {'%read':>5}"
-    lines = ["", "decode attention (9/3 heads, D 64, block 16, bf16 q, 2 threads): min us, GB/s of K/V read, "
+    lines = ["", f"decode attention (9/3 heads, D 64, block {BS}, bf16 q, 2 threads): min us, GB/s of K/V read, "
              "% of a plain read of the same bytes", head + f" | {'sdpa us':>8} {'bf16 x':>6}"]
     for b, c in POINTS:
         t = {k: RESULTS.get((b, c, k)) for k in (*CACHES, "read2", "read1", "sdpa")}

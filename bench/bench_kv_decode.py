@@ -2,6 +2,7 @@
 (greedy, EOS ignored), bf16 model, KV cache bf16 / int8 / fp8, one after another in the same run.
 
     python bench/bench_kv_decode.py [--threads 2] [--seqs 16] [--prompt 4000] [--steps 64] [--rounds 2]
+                                    [--block-sizes 16,128]
 
 The prefills run untimed; the decode phase is timed from the first step in which every sequence
 decodes (seqs tokens per step) for --steps steps. At this size a step reads about five times more
@@ -22,7 +23,7 @@ import torch
 KV_DTYPES = ("auto", "int8", "fp8")
 
 
-def decode_tok_s(parts, kv: str, prompts: list[list[int]], steps: int, threads: int) -> float:
+def decode_tok_s(parts, kv: str, prompts: list[list[int]], steps: int, threads: int, block_size: int) -> float:
     from pyengine.config import EngineConfig
     from pyengine.engine.engine import Engine
     from pyengine.model.metadata import kv_bytes_per_token
@@ -31,7 +32,7 @@ def decode_tok_s(parts, kv: str, prompts: list[list[int]], steps: int, threads: 
     max_len = len(prompts[0]) + steps + 32
     cache_dtype = {"auto": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]
     config = EngineConfig(dtype="bfloat16", kv_cache_dtype=kv, max_model_len=max_len, max_num_seqs=len(prompts),
-                          enable_prefix_caching=False, num_threads=threads,
+                          enable_prefix_caching=False, num_threads=threads, block_size=block_size,
                           kv_cache_memory=len(prompts) * (max_len + 16) * kv_bytes_per_token(parts[0], cache_dtype))
     engine = Engine(config, parts=parts)
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4000)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--block-sizes", default="16", help="comma-separated KV block sizes (tokens), one row each per cache")
     args = ap.parse_args()
     from pyengine.model.loader import load_model, resolve_model_path
     from pyengine.tokenizer import Tokenizer
@@ -65,17 +67,20 @@ def main() -> None:
     parts = (cfg, model, Tokenizer.from_model_path(path), "smollm2-135m")
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt)] for _ in range(args.seqs)]
-    best = {kv: 0.0 for kv in KV_DTYPES}
+    sizes = [int(b) for b in args.block_sizes.split(",")]
+    runs = [(bs, kv) for bs in sizes for kv in KV_DTYPES]
+    best = {run: 0.0 for run in runs}
     for r in range(args.rounds):
-        for kv in KV_DTYPES:
-            tps = decode_tok_s(parts, kv, prompts, args.steps, args.threads)
-            best[kv] = max(best[kv], tps)
-            print(f"round {r}: kv {kv:>4}: decode {tps:7.1f} tok/s", flush=True)
+        for bs, kv in runs:
+            tps = decode_tok_s(parts, kv, prompts, args.steps, args.threads, bs)
+            best[bs, kv] = max(best[bs, kv], tps)
+            print(f"round {r}: block {bs:>3} kv {kv:>4}: decode {tps:7.1f} tok/s", flush=True)
     print(f"\n{args.seqs} x {args.prompt}-token prompts, {args.steps} decode steps, {args.threads} threads, bf16 model")
-    print(f"{'KV cache':>8} {'decode tok/s':>13} {'x bf16':>7}")
-    for kv in KV_DTYPES:
-        print(f"{'bf16' if kv == 'auto' else kv:>8} {best[kv]:>13.1f} {best[kv] / best['auto']:>6.2f}x")
-
+    first = f"x bf16@{sizes[0]}"
+    print(f"{'block':>5} {'KV cache':>8} {'decode tok/s':>13} {'x bf16':>7} {first:>10}")
+    for bs, kv in runs:
+        print(f"{bs:>5} {'bf16' if kv == 'auto' else kv:>8} {best[bs, kv]:>13.1f} {best[bs, kv] / best[bs, 'auto']:>6.2f}x "
+              f"{best[bs, kv] / best[sizes[0], 'auto']:>9.2f}x")
 
 if __name__ == "__main__":
     main()
