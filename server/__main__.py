@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a size such as 2GiB")
     m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
                    help="KV-cache element type; fp8/int8 halve or quarter its size")
-    m.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32],
-                   help="tokens per KV-cache block")
+    m.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128],
+                   help="tokens per KV-cache block: the prefix cache's unit; larger blocks are longer runs "
+                        "for CPU decode attention to stream")
     m.add_argument("--max-num-seqs", type=int, default=256,
                    help="most sequences decoded together in one step")
     m.add_argument("--max-num-batched-tokens", type=int, default=2048,

@@ -141,7 +141,7 @@ def test_sliding_window_and_softcap(window, softcap, dtype, cache_dtype):
         _C.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_cache_matches_dequantized_reference(cache_dtype, dtype, block_size):
@@ -307,11 +307,12 @@ def decode_path(request):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("gqa,head_dim,block_size", [(3, 64, 16), (4, 128, 16), (3, 128, 8), (4, 64, 32)])
+@pytest.mark.parametrize("gqa,head_dim,block_size",
+                         [(3, 64, 16), (4, 128, 16), (3, 128, 8), (4, 64, 32), (3, 64, 64), (4, 128, 128)])
 @pytest.mark.parametrize("cache", list(CACHE_DTYPES))
 def test_decode_matches_reference(cache, gqa, head_dim, block_size, threads, decode_path):
     """Every decode path of bf16 q (vdpbf16ps and fp32; bf16, int8 and fp8 caches; GQA 3:1 and 4:1;
-    head_dim 64 and 128; block sizes 8, 16, 32; one thread and split over two) against the
+    head_dim 64 and 128; block sizes 8 to 128; one thread and split over two) against the
     dequantized reference."""
     saved = _C.num_threads()
     _C.set_num_threads(threads)

@@ -66,9 +66,10 @@ def cache_rows(cache, slots, block_size):
     return cache[slots // block_size, :, slots % block_size]
 
 
+@pytest.mark.parametrize("bs", [16, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_writes_rows_and_skips_minus_one(dtype):
-    T, kvh, D, bs, nb = 12, 3, 64, 16, 5
+def test_writes_rows_and_skips_minus_one(dtype, bs):
+    T, kvh, D, nb = 12, 3, 64, 5
     key, value = torch.randn(T, kvh, D).to(dtype), torch.randn(T, kvh, D).to(dtype)
     slots = torch.randperm(nb * bs)[:T]
     slots[[2, 7]] = -1

@@ -208,17 +208,18 @@ def test_real_64_mixed_prompts_batch_equals_alone(real_parts):
     assert_all_free(batched.engine)
 
 
-def test_real_prefix_caching_computes_only_suffix(real_parts):
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_real_prefix_caching_computes_only_suffix(real_parts, block_size):
     tok = real_parts[2]
     shared = text_ids(tok, 500)
     a = shared + tok.encode(" Question: who invented it?", add_special_tokens=False)
     b = shared + tok.encode(" In one word, the topic is", add_special_tokens=False)
-    cached = real_llm(real_parts)
+    cached = real_llm(real_parts, block_size=block_size)
     greedy_tokens(cached, [a], 4)
     before = cached.engine.stats().num_computed_tokens
     got = greedy_tokens(cached, [b], 6)
     computed = cached.engine.stats().num_computed_tokens - before
-    hit = 496  # 31 full blocks of 16 from the shared 500 tokens
+    hit = 500 // block_size * block_size  # the full blocks of the shared 500 tokens: 496 or 384
     assert computed == (len(b) - hit) + 5  # the suffix, then 5 decode steps
     plain = real_llm(real_parts, enable_prefix_caching=False)
     assert got == greedy_tokens(plain, [b], 6)

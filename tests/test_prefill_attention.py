@@ -44,6 +44,7 @@ def path(request):
     (4, 2, 128, 32),  # head_dim 128
     (3, 1, 128, 16),
     (1, 2, 64, 24),   # no GQA; a block size that is no multiple of 16
+    (3, 3, 64, 128),  # the largest blocks
 ])
 def test_prompts_match_reference(path, gqa, kv_heads, head_dim, block_size):
     q, kc, vc, bt, sl, qsl, _ = make_batch(PROMPTS, gqa * kv_heads, kv_heads, head_dim, block_size, torch.bfloat16)
@@ -53,7 +54,7 @@ def test_prompts_match_reference(path, gqa, kv_heads, head_dim, block_size):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
-@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 128)])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 128), (64, 64)])
 def test_quantized_cache(path, cache_dtype, block_size, head_dim):
     q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(PROMPTS, 9, 3, head_dim, block_size, torch.bfloat16,
                                                   cache_dtype=cache_dtype, seed=2)
@@ -74,7 +75,7 @@ def test_window_and_softcap(path, window, softcap, cache_dtype):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
 def test_long_prompt_and_nan_in_unowned_slots(path, block_size):
     """A 2k-token prompt (several kv chunks per query block, items of unequal causal work) beside a
     shorter chunk; NaN in every slot no sequence owns must not leak (a bf16 cache is read in place:

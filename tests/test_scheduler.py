@@ -287,3 +287,17 @@ def test_prefill_chunk_flags_reach_the_engine_config():
     assert (cfg.long_prefill_tokens, cfg.solo_prefill_tokens) == (32, 256)
     cfg = engine_config(build_parser().parse_args([]))
     assert (cfg.long_prefill_tokens, cfg.solo_prefill_tokens) == (None, None)  # the engine's defaults
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+def test_block_size_flag_reaches_the_engine_config(block_size):
+    from server.__main__ import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["--block-size", str(block_size)])).block_size == block_size
+
+
+def test_block_size_outside_the_supported_sizes_is_refused():
+    from pyengine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="block_size must be 8, 16, 32, 64 or 128, got 48"):
+        EngineConfig(block_size=48)
