@@ -82,5 +82,6 @@ def main() -> None:
         print(f"{bs:>5} {'bf16' if kv == 'auto' else kv:>8} {best[bs, kv]:>13.1f} {best[bs, kv] / best[bs, 'auto']:>6.2f}x "
               f"{best[bs, kv] / best[sizes[0], 'auto']:>9.2f}x")
 
+
 if __name__ == "__main__":
     main()

@@ -61,6 +61,9 @@ class ModelConfig:
         return self.sliding_window
 
 
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV-cache block the kernels and flags take
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start. Sizes are in tokens unless named otherwise."""
@@ -117,8 +120,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be 8, 16, 32, 64 or 128, got {self.block_size}")
+        if self.block_size not in BLOCK_SIZES:
+            sizes = ", ".join(map(str, BLOCK_SIZES[:-1])) + f" or {BLOCK_SIZES[-1]}"
+            raise ValueError(f"block_size must be {sizes}, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.long_prefill_tokens is not None and self.long_prefill_tokens < 0:

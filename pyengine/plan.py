@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from pyengine.config import EngineConfig, ModelConfig, memory_size
+from pyengine.config import BLOCK_SIZES, EngineConfig, ModelConfig, memory_size
 from pyengine.model.metadata import QUANTIZED_CACHE_DTYPES, kv_bytes_per_token
 
 _GiB = 1 << 30
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8", "all"],
                    help="all: one plan per KV cache dtype")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    p.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],

@@ -10,7 +10,7 @@ import sys
 
 from aiohttp import web
 
-from pyengine.config import memory_size
+from pyengine.config import BLOCK_SIZES, memory_size
 from pyengine.request_log import RequestLog
 from server import config_file, store
 from server.app import MODELS, ServerConfig, create_app, listen
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a size such as 2GiB")
     m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
                    help="KV-cache element type; fp8/int8 halve or quarter its size")
-    m.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128],
+    m.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES,
                    help="tokens per KV-cache block: the prefix cache's unit; larger blocks are longer runs "
                         "for CPU decode attention to stream")
     m.add_argument("--max-num-seqs", type=int, default=256,
