@@ -29,6 +29,10 @@ using ggml::kTileRows;
 
 constexpr int64_t kDefaultStripRows = 16;
 constexpr int64_t kStripBytes = 256 * 1024;  // bf16 per strip: a share of L2 beside x's rows and the output
+// How far ahead of the group being dequantized its weight bytes are prefetched (into L1). A model's weights
+// come from L3 or memory at every step, and the hardware prefetchers alone left the loop waiting: 64 x 128
+// generate on the default model, 2 threads, all layers' projections 4.3 -> 3.5 s (2,048 beside 4,096 and 8,192: 2,048 best).
+constexpr int64_t kPrefetchBytes = 2048;
 
 std::atomic<int64_t> g_strip_rows{kDefaultStripRows};
 
@@ -116,9 +120,12 @@ void dequantize_strip(const uint8_t* w, int64_t KB, int64_t begin, int64_t end, 
   constexpr Layout L = layout(T);
   constexpr int lines_per_half = L.lines / L.halves;
   const int64_t stride = tile_stride(L, KB);
+  const int64_t group_bytes = stride / KB;  // a tile's bytes per group of 32 k (tiles lie back to back)
   for (int64_t tile = begin; tile < end; ++tile) {
     for (int64_t b = 0; b < KB; ++b, out += kBlock / 2 * 32) {
       const uint8_t* rec = w + tile * stride + b / L.groups() * L.record_bytes();
+      const char* ahead = reinterpret_cast<const char*>(w + tile * stride + b * group_bytes) + kPrefetchBytes;
+      for (int64_t o = 0; o < group_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
       const int64_t g = b % L.groups();
       const uint8_t* grp = rec + g * L.group_bytes();
       const LineScales s0 = half_scales<T>(rec, g, 0), s1 = L.halves == 2 ? half_scales<T>(rec, g, 1) : s0;
