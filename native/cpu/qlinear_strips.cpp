@@ -29,9 +29,11 @@ using ggml::kTileRows;
 
 constexpr int64_t kDefaultStripRows = 16;
 constexpr int64_t kStripBytes = 256 * 1024;  // bf16 per strip: a share of L2 beside x's rows and the output
-// How far ahead of the group being dequantized its weight bytes are prefetched (into L1). A model's weights
-// come from L3 or memory at every step, and the hardware prefetchers alone left the loop waiting: 64 x 128
-// generate on the default model, 2 threads, all layers' projections 4.3 -> 3.5 s (2,048 beside 4,096 and 8,192: 2,048 best).
+// How far ahead of the group being dequantized its weight bytes are prefetched (into L1). A model's
+// weights come from L3 or memory at every step, and the hardware prefetchers alone left the loop
+// waiting: 64 x 128 generate on the default model, 2 threads, all layers' projections 4.3 -> 3.5 s
+// (2,048 beside 4,096 and 8,192: 2,048 best; a second, L2 prefetch 8 KB ahead, or prefetching the next
+// strip while the tile products run: no change).
 constexpr int64_t kPrefetchBytes = 2048;
 
 std::atomic<int64_t> g_strip_rows{kDefaultStripRows};
