@@ -122,7 +122,7 @@ void dequantize_strip(const uint8_t* w, int64_t KB, int64_t begin, int64_t end, 
   constexpr Layout L = layout(T);
   constexpr int lines_per_half = L.lines / L.halves;
   const int64_t stride = tile_stride(L, KB);
-  const int64_t group_bytes = stride / KB;  // a tile's bytes per group of 32 k (tiles lie back to back)
+  constexpr int64_t group_bytes = L.record_bytes() / L.groups();  // a tile's bytes per 32 k, on average
   for (int64_t tile = begin; tile < end; ++tile) {
     for (int64_t b = 0; b < KB; ++b, out += kBlock / 2 * 32) {
       const uint8_t* rec = w + tile * stride + b / L.groups() * L.record_bytes();
