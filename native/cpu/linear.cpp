@@ -109,6 +109,33 @@ struct TileStore {
   }
 };
 
+// TileStore for two whole output tiles side by side (32 columns): a row's 32 values leave in one unmasked
+// store of 64 bytes (bf16, both halves rounded by one vcvtne2ps2bf16: the same bits) or two (fp32).
+// Two masked 32-byte stores per row took ~20% of the AMX tile loop's time at 64 rows (M = 64, K = 576,
+// weight in L2); these about 5%.
+struct TilePairStore {
+  int64_t n0;
+  __m512 bias0, bias1;
+
+  template <class A>
+  TilePairStore(const A& a, int64_t tile) : n0(tile * kTileN) {
+    bias0 = a.bias ? _mm512_loadu_ps(a.bias + n0) : _mm512_setzero_ps();
+    bias1 = a.bias ? _mm512_loadu_ps(a.bias + n0 + kTileN) : _mm512_setzero_ps();
+  }
+
+  template <class A>
+  void store(const A& a, int64_t row, __m512 sums0, __m512 sums1) const {
+    const __m512 v0 = _mm512_add_ps(sums0, bias0), v1 = _mm512_add_ps(sums1, bias1);
+    const int64_t off = row * a.ldo + n0;
+    if (a.out_f32) {
+      _mm512_storeu_ps(static_cast<float*>(a.out) + off, v0);
+      _mm512_storeu_ps(static_cast<float*>(a.out) + off + kTileN, v1);
+    } else {
+      _mm512_storeu_si512(static_cast<uint16_t*>(a.out) + off, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+    }
+  }
+};
+
 // Rows [r0, r0 + MR) x tiles [t0, t0 + NT); xp at row r0's first k pair, the next pair ld words on
 // (the rows of its 16-row chunk).
 template <int MR, int NT>
@@ -278,6 +305,11 @@ void amx_range(const AmxArgs& a, int64_t begin, int64_t end) {
       const int nt = std::min<int64_t>(2, end - t0);
       if (rows > 16) (nt == 2 ? amx_block<2, 2> : amx_block<2, 1>)(a, r0, t0, c);
       else (nt == 2 ? amx_block<1, 2> : amx_block<1, 1>)(a, r0, t0, c);
+      if (nt == 2 && (t0 + 2) * kTileN <= a.N) {
+        const TilePairStore out(a, t0);
+        for (int64_t m = 0; m < rows; ++m) out.store(a, r0 + m, _mm512_load_ps(c + m * 32), _mm512_load_ps(c + m * 32 + 16));
+        continue;
+      }
       for (int t = 0; t < nt; ++t) {
         const TileStore out(a, t0 + t);
         for (int64_t m = 0; m < rows; ++m) out.store(a, r0 + m, _mm512_load_ps(c + m * 32 + t * 16));

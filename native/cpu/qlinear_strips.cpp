@@ -170,16 +170,17 @@ bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, vo
   const int64_t KB = K / kBlock, tile_bytes = K * kTileRows * 2;
   auto& pool = ThreadPool::instance();
   // Strips of at most about kStripBytes, a multiple of the thread count where the segment has the tiles
-  // for it: equal shares (at 3 strips for 2 threads, one thread idled a third of the time).
+  // for it: equal shares (at 3 strips for 2 threads, one thread idled a third of the time). A strip is
+  // whole tile pairs, the AMX kernel's blocks, so its output rows leave as full 64-byte lines.
   std::vector<Strip> strips;
   const int64_t threads = pool.num_threads();
   for (int64_t s = 0, col = 0; s < seg[0]; col += seg[2 + 3 * s], ++s) {
-    const int64_t rows = seg[2 + 3 * s], tiles = (rows + kTileRows - 1) / kTileRows;
+    const int64_t rows = seg[2 + 3 * s], tiles = (rows + kTileRows - 1) / kTileRows, pairs = (tiles + 1) / 2;
     const int64_t rounds = (tiles * tile_bytes + kStripBytes * threads - 1) / (kStripBytes * threads);
-    const int64_t n = std::min(tiles, rounds * threads);
+    const int64_t n = std::min(pairs, rounds * threads);
     for (int64_t i = 0; i < n; ++i)
       strips.push_back({static_cast<int>(seg[1 + 3 * s]), reinterpret_cast<const uint8_t*>(seg[3 + 3 * s]),
-                        tiles * i / n, tiles * (i + 1) / n, col, rows});
+                        2 * (pairs * i / n), std::min(tiles, 2 * (pairs * (i + 1) / n)), col, rows});
   }
   const Bf16Rows xr(x, M, K);
   pool.parallel_for(static_cast<int64_t>(strips.size()), [&](int64_t i) {
