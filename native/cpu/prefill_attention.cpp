@@ -712,6 +712,12 @@ void v_blocks(const ChunkKV& kv, int64_t D, uint16_t* buf, const uint16_t* vb[2]
 // probabilities are double-buffered; the tile loads of a PV find its probabilities (vector stores,
 // which tile loads do not forward from) in L1. The V blocks of a group's chunk must stay put until
 // its PV: up to three chunks are in flight.
+// How much it overlaps, measured on a 2-core Xeon with AMX (an 8k prompt in chunks of 512, 1 thread,
+// each part alone by compiling the others out): QK 40 ms, PV 64-84, the softmax 59, the rest 24; all
+// together 188, about their sum. Where the tile work sits among the rows (all before, all after, or
+// spread a few rows early) changed nothing beyond noise except all after (+10%). On that core a
+// standalone block of tile products followed by register-only FMAs also took the sum of both: the
+// overlap is small, so each part's own cost counts in full.
 class AmxPipeline {
  public:
   AmxPipeline(Scratch& w, int64_t D) : w_(w), D_(D) { configure_tiles(8); }
