@@ -111,8 +111,8 @@ struct TileStore {
 
 // TileStore for two whole output tiles side by side (32 columns): a row's 32 values leave in one unmasked
 // store of 64 bytes (bf16, both halves rounded by one vcvtne2ps2bf16: the same bits) or two (fp32).
-// Two masked 32-byte stores per row took ~20% of the AMX tile loop's time at 64 rows (M = 64, K = 576,
-// weight in L2); these about 5%.
+// Against the bare tile loop at 64 rows (K = 576, a strip in L2; bench/amx_probe.cpp): two masked 32-byte
+// stores per row +65%, this +7%.
 struct TilePairStore {
   int64_t n0;
   __m512 bias0, bias1;
@@ -369,7 +369,7 @@ void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, i
                              : std::min<int64_t>(pairs, pool.num_threads() * kRangesPerThread);
   const bool out_f32 = out_dtype == static_cast<int>(DType::kFloat32);
   pool.parallel_for(chunks, [&](int64_t c) {
-    const int64_t begin = 2 * (pairs * c / chunks), end = std::min(tiles, 2 * (pairs * (c + 1) / chunks));
+    const auto [begin, end] = tile_pair_range(tiles, c, chunks);
     const int64_t n0 = begin * kTileN;
     rows.run(reinterpret_cast<const uint16_t*>(packed) + begin * tile_elems,
              bias ? reinterpret_cast<const float*>(bias) + n0 : nullptr,

@@ -9,6 +9,16 @@ namespace pyengine::cpu {
 // Whether linear_bf16 runs a SIMD kernel (AMX or AVX512-BF16) for a weight of K columns.
 bool linear_bf16_simd(int64_t K);
 
+// Part i of n of `tiles` output tiles, cut at tile pairs (the AMX kernel's blocks, whose rows leave as
+// whole 64-byte lines): tiles [begin, end), n <= (tiles + 1) / 2.
+struct TileRange {
+  int64_t begin, end;
+};
+inline TileRange tile_pair_range(int64_t tiles, int64_t i, int64_t n) {
+  const int64_t pairs = (tiles + 1) / 2, end = 2 * (pairs * (i + 1) / n);
+  return {2 * (pairs * i / n), end < tiles ? end : tiles};
+}
+
 // x [M, K] bf16 made ready once for the kernel linear_bf16 runs at this K (AMX: the last partial 16 rows
 // copied zero-padded; vdpbf16ps: packed in k pairs, linear.cpp's header), in buffers of the constructing
 // thread; then run() computes any block of output columns, from any thread. One at a time per

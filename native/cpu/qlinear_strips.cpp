@@ -175,12 +175,14 @@ bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, vo
   std::vector<Strip> strips;
   const int64_t threads = pool.num_threads();
   for (int64_t s = 0, col = 0; s < seg[0]; col += seg[2 + 3 * s], ++s) {
-    const int64_t rows = seg[2 + 3 * s], tiles = (rows + kTileRows - 1) / kTileRows, pairs = (tiles + 1) / 2;
+    const int64_t rows = seg[2 + 3 * s], tiles = (rows + kTileRows - 1) / kTileRows;
     const int64_t rounds = (tiles * tile_bytes + kStripBytes * threads - 1) / (kStripBytes * threads);
-    const int64_t n = std::min(pairs, rounds * threads);
-    for (int64_t i = 0; i < n; ++i)
-      strips.push_back({static_cast<int>(seg[1 + 3 * s]), reinterpret_cast<const uint8_t*>(seg[3 + 3 * s]),
-                        2 * (pairs * i / n), std::min(tiles, 2 * (pairs * (i + 1) / n)), col, rows});
+    const int64_t n = std::min((tiles + 1) / 2, rounds * threads);
+    for (int64_t i = 0; i < n; ++i) {
+      const TileRange r = tile_pair_range(tiles, i, n);
+      strips.push_back({static_cast<int>(seg[1 + 3 * s]), reinterpret_cast<const uint8_t*>(seg[3 + 3 * s]), r.begin,
+                        r.end, col, rows});
+    }
   }
   const Bf16Rows xr(x, M, K);
   pool.parallel_for(static_cast<int64_t>(strips.size()), [&](int64_t i) {
