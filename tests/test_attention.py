@@ -327,6 +327,24 @@ def test_decode_matches_reference(cache, gqa, head_dim, block_size, threads, dec
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("num_seqs", [3, 5, 9])  # 2 threads, 4 kv heads: items of 1 (kv split), 2 and 4 heads
+@pytest.mark.parametrize("cache", list(CACHE_DTYPES))
+def test_decode_items_over_several_kv_heads(cache, num_seqs, decode_path):
+    """A decode item spans as many adjacent kv heads as leave 4 items per thread; each head's rows
+    still meet only that head's K/V (4 kv heads, ragged lengths, block size 16)."""
+    saved = _C.num_threads()
+    _C.set_num_threads(2)
+    try:
+        q, kc, vc, bt, sl, qsl, scales = make_batch(DECODE[-num_seqs:], 12, 4, 64, 16, torch.bfloat16,
+                                                    cache_dtype=CACHE_DTYPES[cache], seed=9)
+        ks, vs = scales or (None, None)
+        out = paged_attention(q, kc, vc, bt, sl, qsl, 64**-0.5, k_scales=ks, v_scales=vs)
+    finally:
+        _C.set_num_threads(saved)
+    ref = reference(q, kc, vc, bt, sl, qsl, 64**-0.5, ks, vs)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 8)])
 def test_int8_decode_error_with_sharp_scores(head_dim, block_size, decode_path):
     """The int8 path rounds q to 15-bit codes (two int8 halves) and the weights to u8 per row and

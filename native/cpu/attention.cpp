@@ -14,8 +14,9 @@
 // Gemma sliding-window layers); softcap > 0 maps each score s (scale included) to
 // softcap * tanh(s / softcap) before the softmax (Gemma 2; the run_item path only).
 //
-// Parallel shape: work items (sequence, kv head, query tile, kv split) over the thread pool, heaviest
-// first. A query tile is QT = max(1, 16 / G) query tokens x the G q heads of one kv head (<= 16 rows
+// Parallel shape: work items (sequence, kv heads, query tile, kv split) over the thread pool, heaviest
+// first. An item spans as many adjacent kv heads as still leave 4 items per thread (their tiles are
+// adjacent in a block: longer runs of memory for the prefetchers). A query tile is QT = max(1, 16 / G) query tokens x the G q heads of one kv head (<= 16 rows
 // unless G > 16), so each K/V row is loaded and dequantized once per tile into an fp32 scratch chunk
 // (L1-sized) and reused by every row. When (sequences x kv heads x tiles) is too few to feed the pool
 // (decode at small batch, long context) the kv range is split flash-decoding style and the partial
@@ -59,6 +60,7 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kMinSplitTokens = 256;
+constexpr int32_t kMaxItemHeads = 8;  // kv heads one decode work item may span
 
 // The decode paths a build has, best first; set_decode_attention_path caps which one runs (tests:
 // a CPU without AVX512-BF16 runs the fp32 path, which this host would otherwise never test with bf16 q).
@@ -71,7 +73,8 @@ struct Args : AttentionStep {
 };
 
 struct Item {
-  int32_t seq, kvh, tok0, tok1;  // query tokens [tok0, tok1) of the sequence
+  int32_t seq, kvh, nkvh;        // kv heads [kvh, kvh + nkvh)
+  int32_t tok0, tok1;            // query tokens [tok0, tok1) of the sequence
   int32_t kv_lo, kv_hi;          // cache positions [kv_lo, kv_hi)
   int32_t split, nsplit;         // split index and count (nsplit > 1: write partials)
   int64_t work;
@@ -793,13 +796,27 @@ void fill_chunk(const Args& a, const Item& it, int64_t c0, int64_t kv_end, Chunk
   }
 }
 
+// Chunk c's pointers moved to kv head `h` heads further: a block's kv heads are adjacent tiles.
+inline ChunkPtrs head_shifted(const ChunkPtrs& c, int64_t h, int64_t tile_bytes, int64_t BS) {
+  ChunkPtrs s = c;
+  for (int i = 0; i < kTiles; ++i) {
+    s.k0[i] += h * tile_bytes, s.k1[i] += h * tile_bytes, s.v0[i] += h * tile_bytes, s.v1[i] += h * tile_bytes;
+    if (c.ks0[i]) s.ks0[i] += h * BS, s.ks1[i] += h * BS, s.vs0[i] += h * BS, s.vs1[i] += h * BS;
+  }
+  return s;
+}
+
 template <DType CD, int NC32, bool SPLIT>
 void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partials& parts, Workspace& ws) {
   constexpr int64_t D = 32 * NC32;
-  const int64_t G = a.G;
+  constexpr int64_t es = CD == DType::kBFloat16 ? 2 : 1;
+  const int64_t G = a.G, nh = it.nkvh, tile_bytes = a.BS * D * es;
   const int64_t q_start = a.qsl[it.seq], q_len = a.qsl[it.seq + 1] - q_start;
   const int64_t first_pos = a.seq_lens[it.seq] - q_len;
-  const int64_t rows = (it.tok1 - it.tok0) * G;
+  // rows: per kv head (head-major), the query tokens x its G q heads
+  const int64_t head_rows = (it.tok1 - it.tok0) * G, rows = nh * head_rows;
+  auto row_token = [&](int64_t r) { return q_start + it.tok0 + r % head_rows / G; };
+  auto row_head = [&](int64_t r) { return (it.kvh + r / head_rows) * G + r % G; };
   if (static_cast<int64_t>(ws.acc.size()) < rows * D) ws.acc.resize(rows * D), ws.qb.resize(rows * D);
   if (static_cast<int64_t>(ws.m.size()) < rows) ws.m.resize(rows), ws.l.resize(rows);
   if (static_cast<int64_t>(ws.pb.size()) < kGroup * kChunk) ws.pb.resize(kGroup * kChunk);
@@ -807,9 +824,8 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
   const int64_t q_bytes = 2 * D;  // a row's q operands
   char* qbuf = reinterpret_cast<char*>(ws.qb.data());
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t tok = q_start + it.tok0 + r / G, head = it.kvh * G + r % G;
-    ws.qs[r] = stage_q<CD>(static_cast<const uint16_t*>(a.q) + tok * a.q_stride + head * D, D, qbuf + r * q_bytes,
-                           ws.qsum.data() + r);
+    ws.qs[r] = stage_q<CD>(static_cast<const uint16_t*>(a.q) + row_token(r) * a.q_stride + row_head(r) * D, D,
+                           qbuf + r * q_bytes, ws.qsum.data() + r);
     std::fill(ws.acc.data() + r * D, ws.acc.data() + (r + 1) * D, 0.0f);
     ws.m[r] = kNegInf;
     ws.l[r] = 0.0f;
@@ -820,42 +836,47 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
   // with a window, from the 16-token tile holding the first row's window start (tiles stay aligned)
   const int64_t kv_start =
       a.window > 0 ? std::max<int64_t>(it.kv_lo, (first_pos + it.tok0 + 1 - a.window) / 16 * 16) : it.kv_lo;
-  // Chunk ci's pointers sit in ring[ci % kRing] from kAhead + 1 chunks before it is computed: the
-  // lines of chunk ci + kAhead are prefetched (to kPrefetchLevel) while ci computes (tiles are
-  // scattered, so the hardware prefetcher stops at every tile edge). Past the item's last chunk come
-  // the next item's first ones (with many short sequences, a cold first chunk per item was a third of
-  // the reads); with no next item, a chunk the ring already holds (the prefetches then hit).
+  // Chunk ci's pointers sit in ring[ci % kRing] from kAhead + 1 chunks before it is computed, one
+  // entry per kv head of the item: the lines of chunk ci + kAhead are prefetched (to kPrefetchLevel)
+  // while ci computes (tiles are scattered, so the hardware prefetcher stops at every tile edge).
+  // Past the item's last chunk come the next item's first ones (with many short sequences, a cold
+  // first chunk per item was a third of the reads); with no next item, a chunk the ring already
+  // holds (the prefetches then hit).
   const int64_t nchunks = std::max<int64_t>(0, (kv_end - kv_start + kChunk - 1) / kChunk);
   const int64_t next_end = next_item ? item_kv_end(a, *next_item) : 0;
   constexpr int kRing = kAhead + 2;
-  ChunkPtrs ring[kRing];
+  ChunkPtrs ring[kRing][kMaxItemHeads];
   auto fill = [&](int64_t ci) {
-    ChunkPtrs& c = ring[ci % kRing];
+    ChunkPtrs* c = ring[ci % kRing];
     const int64_t next_pos = next_item ? next_item->kv_lo + (ci - nchunks) * kChunk : 0;
-    if (ci < nchunks) fill_chunk<CD, NC32, SPLIT>(a, it, kv_start + ci * kChunk, kv_end, c);
-    else if (next_item && next_pos < next_end) fill_chunk<CD, NC32, SPLIT>(a, *next_item, next_pos, next_end, c);
-    else c = ring[0];
-    if constexpr (CD != DType::kBFloat16) prefetch_scales<SPLIT>(c);
+    if (ci < nchunks) fill_chunk<CD, NC32, SPLIT>(a, it, kv_start + ci * kChunk, kv_end, c[0]);
+    else if (next_item && next_pos < next_end) fill_chunk<CD, NC32, SPLIT>(a, *next_item, next_pos, next_end, c[0]);
+    else c[0] = ring[0][0];
+    for (int64_t h = 1; h < nh; ++h) c[h] = head_shifted(c[0], h, tile_bytes, a.BS);
+    if constexpr (CD != DType::kBFloat16)
+      for (int64_t h = 0; h < nh; ++h) prefetch_scales<SPLIT>(c[h]);
   };
-  // Row groups of up to kGroup rows share each K/V load. Each group's QK runs one chunk ahead of its
-  // softmax and PV (scores double-buffered), so the softmax's chain of dependent reductions overlaps
-  // the next chunk's dot products instead of stalling between QK and PV.
-  const int ngroups = static_cast<int>((rows + kGroup - 1) / kGroup);
+  // Row groups of up to kGroup rows of one kv head share each K/V load. Each group's QK runs one
+  // chunk ahead of its softmax and PV (scores double-buffered), so the softmax's chain of dependent
+  // reductions overlaps the next chunk's dot products instead of stalling between QK and PV.
+  const int head_groups = static_cast<int>((head_rows + kGroup - 1) / kGroup);
+  const int ngroups = static_cast<int>(nh) * head_groups;
   const int64_t sc_size = int64_t{2} * ngroups * kGroup * kChunk;
   if (static_cast<int64_t>(ws.sc.size()) < sc_size) ws.sc.resize(sc_size);
   auto scores = [&](int g, int64_t ci) { return ws.sc.data() + ((ci & 1) * ngroups + g) * kGroup * kChunk; };
+  // group g: kv head g / head_groups of the item, its first row r0 and row count
   auto for_group = [&](int g, auto&& body) {
-    const int64_t r0 = int64_t{g} * kGroup;
-    switch (std::min<int64_t>(kGroup, rows - r0)) {
-      case 1: body(std::integral_constant<int, 1>(), r0); break;
-      case 2: body(std::integral_constant<int, 2>(), r0); break;
-      case 3: body(std::integral_constant<int, 3>(), r0); break;
-      default: body(std::integral_constant<int, 4>(), r0); break;
+    const int64_t h = g / head_groups, first = int64_t{g % head_groups} * kGroup, r0 = h * head_rows + first;
+    switch (std::min<int64_t>(kGroup, head_rows - first)) {
+      case 1: body(std::integral_constant<int, 1>(), h, r0); break;
+      case 2: body(std::integral_constant<int, 2>(), h, r0); break;
+      case 3: body(std::integral_constant<int, 3>(), h, r0); break;
+      default: body(std::integral_constant<int, 4>(), h, r0); break;
     }
   };
   auto qk = [&](int g, int64_t ci) {
-    for_group(g, [&](auto nr, int64_t r0) {
-      qk_group<CD, NC32, decltype(nr)::value, SPLIT>(ring[ci % kRing], ring[(ci + kAhead) % kRing], line_stride,
+    for_group(g, [&](auto nr, int64_t h, int64_t r0) {
+      qk_group<CD, NC32, decltype(nr)::value, SPLIT>(ring[ci % kRing][h], ring[(ci + kAhead) % kRing][h], line_stride,
                                                      qbuf + r0 * q_bytes, q_bytes, ws.qs.data() + r0,
                                                      ws.qsum.data() + r0, scores(g, ci), qscale);
     });
@@ -866,14 +887,14 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
   }
   for (int64_t ci = 0; ci < nchunks; ++ci) {
     fill(ci + kAhead + 1);
-    const ChunkPtrs& c = ring[ci % kRing];
     const int64_t c0 = kv_start + ci * kChunk;
     for (int g = 0; g < ngroups; ++g)
-      for_group(g, [&](auto nr, int64_t r0) {
+      for_group(g, [&](auto nr, int64_t h, int64_t r0) {
         constexpr int NR = decltype(nr)::value;
+        const ChunkPtrs& c = ring[ci % kRing][h];
         int lo[NR], nv[NR];
         for (int r = 0; r < NR; ++r) {
-          const int64_t end = first_pos + it.tok0 + (r0 + r) / G + 1 - c0;  // the row's causal end in the chunk
+          const int64_t end = first_pos + (row_token(r0 + r) - q_start) + 1 - c0;  // the row's causal end in the chunk
           nv[r] = static_cast<int>(std::clamp<int64_t>(end, 0, c.n));
           lo[r] = a.window > 0 ? static_cast<int>(std::clamp<int64_t>(end - a.window, 0, c.n)) : 0;
         }
@@ -887,11 +908,12 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
           maxnv = std::max(maxnv, nv[r]);
         }
         if (ci + 1 < nchunks) qk(g, ci + 1);
-        pv_group<CD, NC32, NR, SPLIT>(c, ring[(ci + kAhead) % kRing], pw, alpha, wscale, ws.acc.data() + r0 * D, maxnv);
+        pv_group<CD, NC32, NR, SPLIT>(c, ring[(ci + kAhead) % kRing][h], pw, alpha, wscale, ws.acc.data() + r0 * D,
+                                      maxnv);
       });
   }
   for (int64_t r = 0; r < rows; ++r)
-    finish_row(a, it, parts, q_start + it.tok0 + r / G, it.kvh * G + r % G, ws.acc.data() + r * D, ws.m[r], ws.l[r]);
+    finish_row(a, it, parts, row_token(r), row_head(r), ws.acc.data() + r * D, ws.m[r], ws.l[r]);
 }
 
 // Items go to the threads in runs of consecutive ones (so each knows the next item, to prefetch
@@ -956,7 +978,11 @@ template <DType CD, int NC>
 void run_all(const Args& a, const std::vector<Item>& items, Partials& parts) {
   ThreadPool::instance().parallel_for(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local Workspace ws;
-    run_item<CD, NC>(a, items[i], parts, ws);
+    for (int32_t h = 0; h < items[i].nkvh; ++h) {
+      Item one = items[i];
+      one.kvh += h, one.nkvh = 1;
+      run_item<CD, NC>(a, one, parts, ws);
+    }
   });
 }
 
@@ -999,6 +1025,17 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
     split_tokens = (want + 63) / 64 * 64;  // whole 64-token chunks of the bf16 path
   }
 
+  // kv heads per item: as many as keep 4 items per thread (a divisor of KVH). A block's kv heads are
+  // adjacent tiles, so an item over several reads longer runs of memory (3 heads at the default
+  // model's shape: 6 KB of K and of V per block instead of 2 KB).
+  int32_t nkvh = 1;
+  if (split_tokens == std::numeric_limits<int32_t>::max())
+    for (int32_t n = static_cast<int32_t>(std::min<int64_t>(a.KVH, kMaxItemHeads)); n > 1; --n)
+      if (a.KVH % n == 0 && base_items / n >= 4 * nthreads) {
+        nkvh = n;
+        break;
+      }
+
   std::vector<Item> items;
   items.reserve(base_items);
   Partials parts;
@@ -1006,13 +1043,13 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
     const int32_t q_len = a.qsl[s + 1] - a.qsl[s], len = seq_lens[s];
     const int32_t nsplit = std::max<int64_t>(1, (len + split_tokens - 1) / split_tokens);
     parts.nsplit = std::max<int64_t>(parts.nsplit, nsplit);
-    for (int32_t h = 0; h < a.KVH; ++h)
+    for (int32_t h = 0; h < a.KVH; h += nkvh)
       for (int32_t t0 = 0; t0 < q_len; t0 += a.QT)
         for (int32_t j = 0; j < nsplit; ++j) {
           const int32_t t1 = std::min<int32_t>(q_len, t0 + a.QT);
           const int32_t lo = j * split_tokens, hi = std::min<int64_t>(len, (int64_t)(j + 1) * split_tokens);
           const int64_t end = std::min<int64_t>(hi, len - q_len + t1);
-          items.push_back({s, h, t0, t1, lo, hi, j, nsplit, std::max<int64_t>(0, end - lo) * (t1 - t0)});
+          items.push_back({s, h, nkvh, t0, t1, lo, hi, j, nsplit, std::max<int64_t>(0, end - lo) * (t1 - t0)});
         }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.work > y.work; });
