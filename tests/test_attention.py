@@ -293,6 +293,21 @@ DECODE = [(1, 1), (7, 1), (16, 1), (33, 1), (64, 1), (65, 1), (250, 1), (1000, 1
 CACHE_DTYPES = {"bf16": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
+def check_decode(specs, num_heads, kv_heads, head_dim, block_size, cache, threads, seed):
+    """One decode step of bf16 q over `specs` on `threads` kernel threads, against the dequantized reference."""
+    saved = _C.num_threads()
+    _C.set_num_threads(threads)
+    try:
+        q, kc, vc, bt, sl, qsl, scales = make_batch(specs, num_heads, kv_heads, head_dim, block_size, torch.bfloat16,
+                                                    cache_dtype=CACHE_DTYPES[cache], seed=seed)
+        ks, vs = scales or (None, None)
+        out = paged_attention(q, kc, vc, bt, sl, qsl, head_dim**-0.5, k_scales=ks, v_scales=vs)
+    finally:
+        _C.set_num_threads(saved)
+    ref = reference(q, kc, vc, bt, sl, qsl, head_dim**-0.5, ks, vs)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.fixture(params=["avx512_bf16", "fp32"])
 def decode_path(request):
     """Each decode kernel path this build has for bf16 q (set_decode_attention_path caps the choice):
@@ -314,17 +329,7 @@ def test_decode_matches_reference(cache, gqa, head_dim, block_size, threads, dec
     """Every decode path of bf16 q (vdpbf16ps and fp32; bf16, int8 and fp8 caches; GQA 3:1 and 4:1;
     head_dim 64 and 128; block sizes 8 to 128; one thread and split over two) against the
     dequantized reference."""
-    saved = _C.num_threads()
-    _C.set_num_threads(threads)
-    try:
-        q, kc, vc, bt, sl, qsl, scales = make_batch(DECODE, 2 * gqa, 2, head_dim, block_size, torch.bfloat16,
-                                                    cache_dtype=CACHE_DTYPES[cache], seed=4)
-        ks, vs = scales or (None, None)
-        out = paged_attention(q, kc, vc, bt, sl, qsl, head_dim**-0.5, k_scales=ks, v_scales=vs)
-    finally:
-        _C.set_num_threads(saved)
-    ref = reference(q, kc, vc, bt, sl, qsl, head_dim**-0.5, ks, vs)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    check_decode(DECODE, 2 * gqa, 2, head_dim, block_size, cache, threads, seed=4)
 
 
 @pytest.mark.parametrize("num_seqs", [3, 5, 9])  # 2 threads, 4 kv heads: items of 1 (kv split), 2 and 4 heads
@@ -332,17 +337,7 @@ def test_decode_matches_reference(cache, gqa, head_dim, block_size, threads, dec
 def test_decode_items_over_several_kv_heads(cache, num_seqs, decode_path):
     """A decode item spans as many adjacent kv heads as leave 4 items per thread; each head's rows
     still meet only that head's K/V (4 kv heads, ragged lengths, block size 16)."""
-    saved = _C.num_threads()
-    _C.set_num_threads(2)
-    try:
-        q, kc, vc, bt, sl, qsl, scales = make_batch(DECODE[-num_seqs:], 12, 4, 64, 16, torch.bfloat16,
-                                                    cache_dtype=CACHE_DTYPES[cache], seed=9)
-        ks, vs = scales or (None, None)
-        out = paged_attention(q, kc, vc, bt, sl, qsl, 64**-0.5, k_scales=ks, v_scales=vs)
-    finally:
-        _C.set_num_threads(saved)
-    ref = reference(q, kc, vc, bt, sl, qsl, 64**-0.5, ks, vs)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    check_decode(DECODE[-num_seqs:], 12, 4, 64, 16, cache, threads=2, seed=9)
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 8)])

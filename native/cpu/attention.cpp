@@ -16,8 +16,8 @@
 //
 // Parallel shape: work items (sequence, kv heads, query tile, kv split) over the thread pool, heaviest
 // first. An item spans as many adjacent kv heads as still leave 4 items per thread (their tiles are
-// adjacent in a block: longer runs of memory for the prefetchers). A query tile is QT = max(1, 16 / G) query tokens x the G q heads of one kv head (<= 16 rows
-// unless G > 16), so each K/V row is loaded and dequantized once per tile into an fp32 scratch chunk
+// adjacent in a block: longer runs of memory for the prefetchers). A query tile is QT = max(1, 16 / G)
+// query tokens x the G q heads of one kv head (<= 16 rows unless G > 16), so each K/V row is loaded and dequantized once per tile into an fp32 scratch chunk
 // (L1-sized) and reused by every row. When (sequences x kv heads x tiles) is too few to feed the pool
 // (decode at small batch, long context) the kv range is split flash-decoding style and the partial
 // (max, sum, acc) triples are merged afterwards. Online softmax in base 2 (q is pre-scaled by
