@@ -14,18 +14,19 @@ from server import config_file
 from server.__main__ import build_parser, main, model_specs
 from server.models import ConfigError
 
+# The KV sizes hold max_model_len tokens of an fp32 cache too (auto dtype on a CPU without bf16 dot products).
 GOOD = """\
 [[models]]
 name = "small"
 max_model_len = 256
-kv_cache_memory = "8MiB"
+kv_cache_memory = "16MiB"
 max_num_seqs = 4
 
 [[models]]
 name = "large"
 aliases = ["big"]
 max_model_len = 1024
-kv_cache_memory = "24MiB"
+kv_cache_memory = "48MiB"
 max_num_seqs = 4
 tier = "pro"
 
@@ -64,7 +65,7 @@ def test_good_file(tmp_path):
     f = config_file.load(write(tmp_path, GOOD))
     small, large = f.models
     assert (small.name, small.path, small.engine) == ("small", None, {
-        "max_model_len": 256, "kv_cache_memory": 8 << 20, "max_num_seqs": 4})
+        "max_model_len": 256, "kv_cache_memory": 16 << 20, "max_num_seqs": 4})
     assert large.aliases == ["big"] and large.tier == "pro"
     assert f.key_tiers == {"pro-key": "pro"}
     assert [r.name for r in f.routing.rules] == ["long-prompts", "code"]

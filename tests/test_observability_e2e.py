@@ -36,7 +36,7 @@ def log_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(log_path):
-    s = ServerProcess(KEY, "--kv-cache-memory", "24MiB", "--max-model-len", "1024", "--max-num-seqs", "8",
+    s = ServerProcess(KEY, "--kv-cache-memory", "48MiB", "--max-model-len", "1024", "--max-num-seqs", "8",
                       "--request-log", log_path, "--stats-interval", "1", "--log-level", "info")
     try:
         yield s.wait_ready()

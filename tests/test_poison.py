@@ -34,7 +34,8 @@ COMPLETIONS = "/v1/completions"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess(KEY, "--max-num-seqs", "8", "--max-model-len", "2048", "--kv-cache-memory", "64MiB",
+    # 128 MiB: 2,048 tokens of an fp32 cache, the auto dtype on a CPU without bf16 dot products (AVX2)
+    srv = ServerProcess(KEY, "--max-num-seqs", "8", "--max-model-len", "2048", "--kv-cache-memory", "128MiB",
                         "--max-n", "4", "--read-timeout", str(READ_TIMEOUT), "--keepalive-timeout",
                         str(KEEPALIVE), "--max-connections", str(MAX_CONNECTIONS))
     try:

@@ -32,7 +32,7 @@ def url():
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}})  # a new instance; the replicas import this checkout
     try:
         serve.start(proxy_location="Disabled")
-        app = build_app({"replicas": 2, "num_threads": 1, "port": 0, "kv_cache_memory": "64MiB",
+        app = build_app({"replicas": 2, "num_threads": 1, "port": 0, "kv_cache_memory": "128MiB",
                          "max_model_len": 2048, "stats_interval": 0})
         ingress = serve.run(app, name=APP_NAME, route_prefix=None)
         host, port = ingress.address.remote().result()
