@@ -28,8 +28,10 @@
 //     AVX512_BF16 and AVX512_VNNI: run_item_bf16 (vdpbf16ps, or vpdpbusd for int8, straight from the
 //     cache tiles; see its comment). This is the hot path of bf16 models.
 //   everything else (fp32/fp16, other head dims, no AVX512_BF16/VNNI): run_item, which dequantizes each K/V
-//     chunk once into fp32 scratch; AVX-512 intrinsics under __AVX512F__, otherwise portable loops in
-//     16-lane strips that GCC vectorizes for AVX2 (-march=x86-64-v3) and leaves scalar elsewhere.
+//     chunk once into fp32 scratch; AVX-512 intrinsics under __AVX512F__, AVX2 + FMA ones (8-float
+//     vectors, the same loops) under __AVX2__, otherwise portable loops in 16-lane strips. On an AVX2
+//     host (AMD Zen 3) the AVX2 loops took a 2,000-token fp32 prefill from 110 to 158 tok/s: the
+//     portable ones called libm's exp2f per score and left qk unvectorized.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -47,8 +49,10 @@
 #include "prefill_attention.h"
 #include "pyengine/parallel.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
 // GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -152,7 +156,10 @@ void convert_v_tile(const void* tile, const float* scales, int64_t off, int64_t 
   for (int64_t t = 0; t < n; ++t) {
     const float s = QUANT ? scales[t] : 1.0f;
     float* d = dst + t * Dp;
-    for (int64_t i = 0; i < D; ++i) d[i] = cache_elem<CD>(tile, kv_v_offset(off + t, i, D, L)) * s;
+    // the token's dims lie L elements apart from its first: a constant stride the compiler vectorizes
+    // (the offset computed per element was 70% of a decode item's time on an AVX2 host)
+    const char* src = static_cast<const char*>(tile) + kv_v_offset(off + t, 0, D, L) * elem_size(CD);
+    for (int64_t i = 0; i < D; ++i) d[i] = cache_elem<CD>(src, i * L) * s;
     std::fill(d + D, d + Dp, 0.0f);
   }
 }
@@ -257,6 +264,108 @@ void softmax_pv(float* sc, int64_t nv, const float* V, int64_t Dp, float& m, flo
     }
     for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + (c + i) * 16, _mm512_add_ps(a[i], b[i]));
   }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)  // AVX2: the same loops in 8-float vectors
+
+// Lanes [0, n) all ones (n clamped to 0..8): the valid scores of an 8-token group.
+inline __m256 lanes_below(int64_t n) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(n, 0, 8))), idx));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Sums of each of 8 vectors, as one vector (lane i = sum of v[i]).
+inline __m256 hsum8x8(const __m256* v) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // lanes: v0..3 lo | v0..3 hi
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// Writes scores for tokens [0, round_up(nv, 8)); lanes past nv are garbage (never read).
+template <int NC>
+void qk(const float* q, const float* K, int64_t Dp, int64_t nv, float* sc) {
+  for (int64_t t0 = 0; t0 < nv; t0 += 8) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    const float* kb = K + t0 * Dp;
+    for (int64_t c = 0; c < Dp; c += 8) {
+      const __m256 qc = _mm256_loadu_ps(q + c);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + i * Dp + c), acc[i]);
+    }
+    _mm256_storeu_ps(sc + t0, hsum8x8(acc));
+  }
+}
+
+// 2^x for x <= 0 (clamped at -127): 2^round(x) * poly(frac), Taylor degree 6 on [-0.5, 0.5]; 2^-127 is 0.
+inline __m256 exp2_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.54035304e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.33335581e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.61812911e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.55041087e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.40226507e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.93147181e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// acc[0, 8 * W) = acc * alpha + sum_t p_t V_t (W 8-float chunks from acc and V), two token streams.
+template <int W>
+inline void pv_chunks(const float* sc, int64_t nv, const float* vb, int64_t Dp, __m256 va, float* acc) {
+  __m256 a[W], b[W];
+  for (int i = 0; i < W; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * 8), va), b[i] = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 1 < nv; t += 2) {
+    const __m256 p0 = _mm256_broadcast_ss(sc + t), p1 = _mm256_broadcast_ss(sc + t + 1);
+    for (int i = 0; i < W; ++i) {
+      a[i] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vb + t * Dp + i * 8), a[i]);
+      b[i] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vb + (t + 1) * Dp + i * 8), b[i]);
+    }
+  }
+  if (t < nv) {
+    const __m256 p0 = _mm256_broadcast_ss(sc + t);
+    for (int i = 0; i < W; ++i) a[i] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vb + t * Dp + i * 8), a[i]);
+  }
+  for (int i = 0; i < W; ++i) _mm256_storeu_ps(acc + i * 8, _mm256_add_ps(a[i], b[i]));
+}
+
+template <int NC>
+void softmax_pv(float* sc, int64_t nv, const float* V, int64_t Dp, float& m, float& l, float* acc) {
+  __m256 vmax = _mm256_set1_ps(kNegInf);
+  for (int64_t t0 = 0; t0 < nv; t0 += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(sc + t0), lanes_below(nv - t0)));
+  const float m_new = std::max(m, hmax8(vmax));
+  const float alpha = std::exp2(m - m_new);
+  const __m256 vm = _mm256_set1_ps(m_new);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t t0 = 0; t0 < nv; t0 += 8) {
+    const __m256 p = _mm256_and_ps(exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + t0), vm)), lanes_below(nv - t0));
+    _mm256_storeu_ps(sc + t0, p);
+    vsum = _mm256_add_ps(vsum, p);
+  }
+  l = l * alpha + hsum8(vsum);
+  m = m_new;
+  // four 8-float chunks at a time (Dp is a multiple of 16: a last pair of chunks where Dp % 32 == 16)
+  const __m256 va = _mm256_set1_ps(alpha);
+  int64_t c = 0;
+  for (; c + 32 <= Dp; c += 32) pv_chunks<4>(sc, nv, V + c, Dp, va, acc + c);
+  if (c < Dp) pv_chunks<2>(sc, nv, V + c, Dp, va, acc + c);
 }
 
 #else  // portable: 16-lane strips the compiler can vectorize
