@@ -19,7 +19,8 @@ PROMPT, GEN = 128, 256
 def bench_pyengine(prompt: list[int], dtype: str, threads: int) -> dict:
     from pyengine import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, num_threads=threads, kv_cache_memory=256 << 20, max_num_seqs=8)
+    llm = LLM(dtype=dtype, num_threads=threads, kv_cache_memory=256 << 20, max_num_seqs=8,
+              max_model_len=PROMPT + GEN + 16)  # 8,192 tokens of an fp32 cache would not fit
     params = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
     llm.generate([prompt[:16]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
     with Timer() as t:
