@@ -21,7 +21,8 @@
 //   amx: for M >= 8 rows of x, 16 int8 rows x one tile per tdpbsud, a 32-value group at a time (amx_block);
 //        the rows after the last whole 16 and M < 8 (decode) run on the avx512_vnni path;
 //   avx512_vnni: vpdpbusd, the 16 rows of a tile in the lanes of one zmm, 4 activation bytes broadcast;
-//   avx2: vpmaddubsw + vpmaddwd, a tile's rows in two ymm (Q8_0 on signed values: no i16 overflow);
+//   avx2: vpmaddubsw + vpmaddwd, a tile's rows in two ymm (Q8_0 on signed values: no i16 overflow),
+//         4 int8 rows (2 of x) per unpacked weight line (2 rows: 1.2-1.6x slower at M = 16..64; 8 spill);
 //   scalar: a portable loop over the same layout.
 // From qlinear_strip_rows() rows of bf16 x (16), qlinear_strips.cpp runs instead: the weight dequantized to
 // bf16 a strip at a time for linear.cpp's kernel, bit-identical to weights="dequantize".
@@ -571,8 +572,11 @@ void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
 
 template <int T>
 void tile_group_avx2(const QArgs& a, int64_t t0, int nt) {
-  for (int64_t tile = t0; tile < t0 + nt; ++tile)
-    for (int64_t r0 = 0; r0 < a.M; r0 += 2) avx2_block<T, 2>(a, r0, tile);
+  for (int64_t tile = t0; tile < t0 + nt; ++tile) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= a.M; r0 += 4) avx2_block<T, 4>(a, r0, tile);
+    if (r0 < a.M) avx2_block<T, 2>(a, r0, tile);
+  }
 }
 
 #endif
