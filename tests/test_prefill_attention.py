@@ -15,7 +15,7 @@ from pyengine import _C
 from pyengine.ops.attention import from_cache_layout, paged_attention, to_cache_layout
 from tests.test_attention import make_batch, reference
 
-PATHS = ["amx", "avx512_bf16", "portable"]
+PATHS = ["amx", "avx512_bf16", "portable", "paged"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Prompts and prompt chunks of ragged lengths (partial last blocks, a chunk after a cached prefix, one
@@ -136,7 +136,7 @@ def test_bad_argument_changes_nothing():
 
 
 def test_unknown_path_name():
-    with pytest.raises(ValueError, match="amx, avx512_bf16 or portable"):
+    with pytest.raises(ValueError, match="amx, avx512_bf16, portable or paged"):
         _C.set_prefill_attention_path("sse")
 
 

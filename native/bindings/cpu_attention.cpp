@@ -23,7 +23,8 @@
 //
 //   set_prefill_attention_path(name) -> None; prefill_attention_path() -> str   (CPU only)
 //     The prefill kernel's path for prompts (>= 16 query tokens of a bf16 step; native/cpu/
-//     prefill_attention.cpp): "amx", "avx512_bf16" or "portable". set caps it (tests run each path;
+//     prefill_attention.cpp): "amx", "avx512_bf16", "portable" or "paged" (none: prompts run on the
+//     decode kernel, the best an AVX2 build without AVX512-BF16 has). set caps it (tests run each path;
 //     default "amx": the best the build and machine have); get names the one that runs.
 //   set_decode_attention_path(name) -> None; decode_attention_path() -> str   (CPU only)
 //     The decode kernel's path (the other sequences of a step; native/cpu/attention.cpp):
@@ -134,7 +135,7 @@ void register_attention_ops(py::module_& m) {
       py::arg("query_token_stride") = 0, py::arg("num_heads") = 0, py::call_guard<py::gil_scoped_release>(),
       "Write K/V rows into the paged cache at slot_mapping.");
   m.def("set_prefill_attention_path", &set_prefill_attention_path, py::arg("name"),
-        "Cap the prefill attention kernel's path: amx (default: the best available), avx512_bf16, portable.");
+        "Cap the prefill attention kernel's path: amx (default: the best available), avx512_bf16, portable, paged.");
   m.def("prefill_attention_path", &prefill_attention_path, "The prefill attention kernel's path in use.");
   m.def("set_decode_attention_path", &set_decode_attention_path, py::arg("name"),
         "Cap the decode attention kernel's path: avx512_bf16 (default: the best available) or fp32.");

@@ -23,7 +23,8 @@ void attention_step_cpu(void* out, const void* q, const void* k_cache, const voi
                         int64_t head_dim, int64_t q_stride, int64_t num_blocks, int64_t block_size, int64_t num_seqs,
                         int64_t max_blocks_per_seq, int64_t max_seq_len, float scale, DType q_dtype,
                         DType cache_dtype, int64_t window = 0, float softcap = 0.0f);
-// The prefill kernel's path: "amx", "avx512_bf16" or "portable" (prefill_attention.cpp). set caps it
+// The prefill kernel's path: "amx", "avx512_bf16", "portable" or "paged" (prompts on the decode kernel;
+// prefill_attention.cpp). set caps it
 // (tests run each path; the default, "amx", means the best there is); get says which one runs.
 void set_prefill_attention_path(const std::string& name);
 std::string prefill_attention_path();
