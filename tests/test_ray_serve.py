@@ -160,11 +160,12 @@ def test_killed_replica_loses_only_its_started_requests_and_serve_restarts_it(ur
     async def scenario():
         started: set[int] = set()
         generated = per_replica(metrics(url), "pyengine:generation_tokens_total")
-        # distinct short prompts: no shared block, so the router spreads them by load. 256 tokens each: the
+        # distinct short prompts: no shared block, so the router spreads them by load. 1,024 tokens each: the
         # token counts reach /metrics by the ingress's poll (every second, later from a busy replica), so a
-        # replica must stay busy for several polls to be seen generating
+        # replica must stay busy for several polls to be seen generating, and still be busy when it is
+        # killed (with 256, a slow host's victim had finished its streams by then: nothing failed)
         first = [asyncio.create_task(_stream(url, model, f"{i} little {['cats', 'dogs', 'owls', 'foxes'][i % 4]} "
-                                             f"went out to", 256, started, i)) for i in range(8)]
+                                             f"went out to", 1024, started, i)) for i in range(8)]
         deadline = time.monotonic() + 60
         victim = None
         while victim is None and time.monotonic() < deadline:  # a replica generating for requests in flight
