@@ -48,6 +48,7 @@
 #include "pyengine/kv_quant.h"
 #include "prefill_attention.h"
 #include "pyengine/parallel.h"
+#include "pyengine/vec_exp.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -215,21 +216,6 @@ void qk(const float* q, const float* K, int64_t Dp, int64_t nv, float* sc) {
   }
 }
 
-// 2^x for x <= 0 (clamped at -127): 2^round(x) * poly(frac), Taylor degree 6 on [-0.5, 0.5].
-inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.54035304e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.33335581e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 template <int NC>
 void softmax_pv(float* sc, int64_t nv, const float* V, int64_t Dp, float& m, float& l, float* acc) {
   float alpha;
@@ -237,7 +223,7 @@ void softmax_pv(float* sc, int64_t nv, const float* V, int64_t Dp, float& m, flo
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t t0 = 0; t0 < nv; t0 += 16) {
-    const __m512 p = _mm512_maskz_mov_ps(tail_mask(nv - t0), exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
+    const __m512 p = _mm512_maskz_mov_ps(tail_mask(nv - t0), exp2_512(_mm512_sub_ps(_mm512_loadu_ps(sc + t0), vm)));
     _mm512_storeu_ps(sc + t0, p);
     vsum = _mm512_add_ps(vsum, p);
   }
@@ -309,22 +295,6 @@ void qk(const float* q, const float* K, int64_t Dp, int64_t nv, float* sc) {
   }
 }
 
-// 2^x for x <= 0 (clamped at -127): 2^round(x) * poly(frac), Taylor degree 6 on [-0.5, 0.5]; 2^-127 is 0.
-inline __m256 exp2_ps(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.54035304e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.33335581e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.61812911e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.55041087e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.40226507e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.93147181e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 // acc[0, 8 * W) = acc * alpha + sum_t p_t V_t (W 8-float chunks from acc and V), two token streams.
 template <int W>
 inline void pv_chunks(const float* sc, int64_t nv, const float* vb, int64_t Dp, __m256 va, float* acc) {
@@ -355,7 +325,7 @@ void softmax_pv(float* sc, int64_t nv, const float* V, int64_t Dp, float& m, flo
   const __m256 vm = _mm256_set1_ps(m_new);
   __m256 vsum = _mm256_setzero_ps();
   for (int64_t t0 = 0; t0 < nv; t0 += 8) {
-    const __m256 p = _mm256_and_ps(exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + t0), vm)), lanes_below(nv - t0));
+    const __m256 p = _mm256_and_ps(exp2_256(_mm256_sub_ps(_mm256_loadu_ps(sc + t0), vm)), lanes_below(nv - t0));
     _mm256_storeu_ps(sc + t0, p);
     vsum = _mm256_add_ps(vsum, p);
   }
@@ -787,7 +757,7 @@ inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs
   const __m512 vm = _mm512_set1_ps(m_new);
   __m512 vsum = _mm512_setzero_ps(), wmax = _mm512_setzero_ps(), w[kTiles];
   for (int g = 0; g < kTiles && 16 * g < n; ++g) {
-    const __m512 p = _mm512_maskz_mov_ps(keep[g], exp2_ps(_mm512_sub_ps(x[g], vm)));
+    const __m512 p = _mm512_maskz_mov_ps(keep[g], exp2_512(_mm512_sub_ps(x[g], vm)));
     __m256i* dst = reinterpret_cast<__m256i*>(pw + 32 * g);
     if constexpr (CD == DType::kInt8) {  // the fp32 weights, rounded once their max is known
       w[g] = _mm512_mul_ps(p, tile_scales<SPLIT>(c.vs0, c.vs1, g, c.n));
