@@ -49,6 +49,7 @@
 #include "prefill_attention.h"
 #include "pyengine/parallel.h"
 #include "pyengine/vec_exp.h"
+#include "pyengine/vec_reduce.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -260,18 +261,6 @@ inline __m256 lanes_below(int64_t n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(n, 0, 8))), idx));
 }
 
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // Sums of each of 8 vectors, as one vector (lane i = sum of v[i]).
 inline __m256 hsum8x8(const __m256* v) {
   const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
@@ -320,7 +309,7 @@ void softmax_pv(float* sc, int64_t nv, const float* V, int64_t Dp, float& m, flo
   __m256 vmax = _mm256_set1_ps(kNegInf);
   for (int64_t t0 = 0; t0 < nv; t0 += 8)
     vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(sc + t0), lanes_below(nv - t0)));
-  const float m_new = std::max(m, hmax8(vmax));
+  const float m_new = std::max(m, hmax256(vmax));
   const float alpha = std::exp2(m - m_new);
   const __m256 vm = _mm256_set1_ps(m_new);
   __m256 vsum = _mm256_setzero_ps();
@@ -329,7 +318,7 @@ void softmax_pv(float* sc, int64_t nv, const float* V, int64_t Dp, float& m, flo
     _mm256_storeu_ps(sc + t0, p);
     vsum = _mm256_add_ps(vsum, p);
   }
-  l = l * alpha + hsum8(vsum);
+  l = l * alpha + hsum256(vsum);
   m = m_new;
   // four 8-float chunks at a time (Dp is a multiple of 16: a last pair of chunks where Dp % 32 == 16)
   const __m256 va = _mm256_set1_ps(alpha);

@@ -29,6 +29,7 @@
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
 #include "pyengine/vec_exp.h"
+#include "pyengine/vec_reduce.h"
 
 // GCC 12 flags its own AVX-512 intrinsics (_mm512_undefined_*) as maybe-uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -112,12 +113,7 @@ inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
 inline vfloat vdiv(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
 inline vfloat vfms(vfloat a, vfloat b, vfloat c) { return _mm256_fmsub_ps(a, b, c); }
-inline float vsum(vfloat v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline float vsum(vfloat v) { return hsum256(v); }
 inline vfloat vexp(vfloat x) { return exp256(x); }
 #else
 constexpr int64_t kLanes = 1;

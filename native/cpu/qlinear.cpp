@@ -42,6 +42,7 @@
 #include "pyengine/dtype.h"
 #include "pyengine/ggml_blocks.h"
 #include "pyengine/parallel.h"
+#include "pyengine/vec_reduce.h"
 #include "qtiles.h"
 
 namespace pyengine::cpu {
@@ -712,11 +713,8 @@ void quantize_row_avx2(const void* x, bool f32, const QuantRow& r) {
     for (int level = 0; level < 2; ++level) {
       __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
                                _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
       float id;
-      const float d = level_scale(_mm_cvtss_f32(m4), &id);
+      const float d = level_scale(hmax256(m), &id);
       __m256i q[4];
       for (int i = 0; i < 4; ++i) {
         q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
