@@ -308,17 +308,17 @@ def check_decode(specs, num_heads, kv_heads, head_dim, block_size, cache, thread
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.fixture(params=["avx512_bf16", "fp32"])
+@pytest.fixture(params=["avx512_fp16", "avx512_bf16", "fp32"])
 def decode_path(request):
     """Each decode kernel path this build has for bf16 q (set_decode_attention_path caps the choice):
-    CPUs without AVX512-BF16 run the fp32 one."""
+    CPUs without AVX512-FP16 compute fp8 caches in bf16, those without AVX512-BF16 run the fp32 path."""
     _C.set_decode_attention_path(request.param)
     try:
         if _C.decode_attention_path() != request.param:
             pytest.skip(f"no {request.param} decode path here (the best is {_C.decode_attention_path()})")
         yield request.param
     finally:
-        _C.set_decode_attention_path("avx512_bf16")
+        _C.set_decode_attention_path("avx512_fp16")
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -393,3 +393,19 @@ def test_decode_scores_rising_through_the_context(cache, decode_path):
     ref = reference(q, kc, vc, bt, sl, qsl, D**-0.5, ks, vs)
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("q_gain,v_gain", [(1e-7, 1.0), (1e4, 1.0), (1.0, 1e-6), (1.0, 1e4), (1e-7, 1e-6)])
+def test_fp8_decode_at_extreme_magnitudes(q_gain, v_gain, decode_path):
+    """q and V scales far from 1: the fp16 path (AVX512-FP16) scales q and the weights by powers of
+    two into fp16's range, so its short fp16 sums neither overflow (q x 1e4 is past 65504 with its
+    first products) nor sink into subnormals (q x 1e-7, V scales x 1e-6)."""
+    q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(DECODE, 6, 2, 64, 16, torch.bfloat16,
+                                                  cache_dtype=torch.float8_e4m3fn, seed=7)
+    q = (q.float() * q_gain).to(torch.bfloat16)
+    vs = vs * v_gain
+    scale = 64**-0.5 / q_gain  # the same scores as at gain 1, but q's products far from 1
+    out = paged_attention(q, kc, vc, bt, sl, qsl, scale, k_scales=ks, v_scales=vs)
+    ref = reference(q, kc, vc, bt, sl, qsl, scale, ks, vs)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float() / v_gain, ref / v_gain, atol=2e-2, rtol=2e-2)

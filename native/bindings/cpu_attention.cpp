@@ -28,7 +28,8 @@
 //     default "amx": the best the build and machine have); get names the one that runs.
 //   set_decode_attention_path(name) -> None; decode_attention_path() -> str   (CPU only)
 //     The decode kernel's path (the other sequences of a step; native/cpu/attention.cpp):
-//     "avx512_bf16" or "fp32", capped the same way (default "avx512_bf16").
+//     "avx512_fp16" (fp8 caches in fp16 FMAs; otherwise as avx512_bf16), "avx512_bf16" or "fp32",
+//     capped the same way (default "avx512_fp16": the best the build has).
 //
 //   read_bandwidth(ptr, nbytes, stream) -> int       (CPU only: benchmark probe)
 //     Reads nbytes (a multiple of 64) once with the thread pool; returns a checksum.
@@ -138,7 +139,7 @@ void register_attention_ops(py::module_& m) {
         "Cap the prefill attention kernel's path: amx (default: the best available), avx512_bf16, portable, paged.");
   m.def("prefill_attention_path", &prefill_attention_path, "The prefill attention kernel's path in use.");
   m.def("set_decode_attention_path", &set_decode_attention_path, py::arg("name"),
-        "Cap the decode attention kernel's path: avx512_bf16 (default: the best available) or fp32.");
+        "Cap the decode attention kernel's path: avx512_fp16 (default: the best available), avx512_bf16 or fp32.");
   m.def("decode_attention_path", &decode_attention_path, "The decode attention kernel's path for bf16 q.");
   m.def("read_bandwidth", &read_bandwidth, py::arg("ptr"), py::arg("nbytes"), py::arg("stream") = 0,
         py::call_guard<py::gil_scoped_release>(),

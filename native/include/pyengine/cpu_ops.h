@@ -29,9 +29,10 @@ void attention_step_cpu(void* out, const void* q, const void* k_cache, const voi
 void set_prefill_attention_path(const std::string& name);
 std::string prefill_attention_path();
 // The decode kernel's path (attention.cpp; the sequences below the prefill kernel's cut):
-// "avx512_bf16" (bf16 q: vdpbf16ps / vpdpwssd on the cache tiles) or "fp32" (each chunk dequantized to
-// fp32; every build). set caps it (tests run each path; the default, "avx512_bf16", means the best there
-// is); get says which one runs for bf16 q.
+// "avx512_fp16" (as avx512_bf16, but fp8 caches in fp16 FMAs; builds for AVX512-FP16), "avx512_bf16"
+// (bf16 q: vdpbf16ps / vpdpbusd on the cache tiles) or "fp32" (each chunk dequantized to fp32; every
+// build). set caps it (tests run each path; the default, "avx512_fp16", means the best there is); get
+// says which one runs for bf16 q.
 void set_decode_attention_path(const std::string& name);
 std::string decode_attention_path();
 
