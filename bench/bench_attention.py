@@ -12,6 +12,8 @@ batch 1 x 8k by default, batch 1/8/32/64 x context 512/2k/8k/32k with BENCH_ATTE
 for pyengine and torch.
 Per point, in the same run:
   bf16, int8, fp8  pyengine paged_attention over a shuffled paged cache (one decode token per sequence)
+  fp8@bf16         the fp8 cache on the avx512_bf16 decode path (codes widened to bf16, vdpbf16ps),
+                   where the build's best, avx512_fp16, computes it in fp16 FMAs (skipped elsewhere)
   read2, read1     pyengine read_bandwidth over a buffer of as many bytes as the bf16 (read2) or the
                    int8/fp8 (read1: codes and scales) kernel reads
   sdpa             torch scaled_dot_product_attention (enable_gqa) on already-gathered contiguous bf16 K/V
@@ -46,7 +48,8 @@ if os.environ.get("BENCH_ATTENTION_FULL") == "1":
 else:
     POINTS = [(1, 8192), (8, 2048), (8, 8192), (32, 2048), (32, 8192)]
 CACHES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
-READ_OF = {"bf16": "read2", "int8": "read1", "fp8": "read1"}
+CAPPED = {"fp8@bf16": ("fp8", "avx512_bf16")}  # kind: (cache, the decode path it is capped to)
+READ_OF = {"bf16": "read2", "int8": "read1", "fp8": "read1", "fp8@bf16": "read1"}
 RESULTS: dict[tuple[int, int, str], float] = {}
 PROMPTS = (512, 2048, 8192)
 PREFILL_KINDS = ("amx", "avx512_bf16", "sdpa", "gemm", "gemm_torch")
@@ -68,19 +71,20 @@ def two_threads_and_table(request):
     yield
     torch.set_num_threads(threads[0])
     _C.set_num_threads(threads[1])
+    kinds = [k for k in (*CACHES, *CAPPED) if any(key[2] == k for key in RESULTS)]
     head = f"{'batch':>5} {'ctx':>5} {'read2 GB/s':>10} {'read1 GB/s':>10}"
-    for c in CACHES:
-        head += f" | {c + ' us':>8} {'GB/s':>5} {'%read':>5}"
+    for c in kinds:
+        head += f" | {c + ' us':>11} {'GB/s':>5} {'%read':>5}"
     lines = ["", f"decode attention (9/3 heads, D 64, block {BS}, bf16 q, 2 threads): min us, GB/s of K/V read, "
              "% of a plain read of the same bytes", head + f" | {'sdpa us':>8} {'bf16 x':>6}"]
     for b, c in POINTS:
-        t = {k: RESULTS.get((b, c, k)) for k in (*CACHES, "read2", "read1", "sdpa")}
+        t = {k: RESULTS.get((b, c, k)) for k in (*kinds, "read2", "read1", "sdpa")}
         if None in t.values():
             continue
         line = f"{b:>5} {c:>5} {kv_bytes(b, c, 'read2') / t['read2'] / 1e9:>10.1f} " \
                f"{kv_bytes(b, c, 'read1') / t['read1'] / 1e9:>10.1f}"
-        for k in CACHES:
-            line += f" | {t[k] * 1e6:>8.0f} {kv_bytes(b, c, k) / t[k] / 1e9:>5.1f} {100 * t[READ_OF[k]] / t[k]:>4.0f}%"
+        for k in kinds:
+            line += f" | {t[k] * 1e6:>11.0f} {kv_bytes(b, c, k) / t[k] / 1e9:>5.1f} {100 * t[READ_OF[k]] / t[k]:>4.0f}%"
         lines.append(line + f" | {t['sdpa'] * 1e6:>8.0f} {t['sdpa'] / t['bf16']:>5.1f}x")
     lines += ["", "prefill (bf16, 9/3 heads, D 64, 2 threads): GFLOP/s at min time; GEMMs at M = L on gate_up "
               "(3072 x 576); end-to-end tok/s",
@@ -142,10 +146,17 @@ def sdpa_call(batch: int, ctx: int):
 
 # kind varies fastest, so the measurements of a point run back to back (the machine's memory
 # bandwidth drifts over minutes on a shared host)
-@pytest.mark.parametrize("kind", ["bf16", "read2", "int8", "fp8", "read1", "sdpa"])
+@pytest.mark.parametrize("kind", ["bf16", "read2", "int8", "fp8", "fp8@bf16", "read1", "sdpa"])
 @pytest.mark.parametrize("batch,ctx", POINTS)
 def test_decode_attention(benchmark, kind, batch, ctx):
-    if kind in CACHES:
+    path = _C.decode_attention_path()
+    if kind in CAPPED:
+        cache, capped = CAPPED[kind]
+        if path != "avx512_fp16":
+            pytest.skip(f"the decode path here is {path}: fp8 already runs on {capped} or below")
+        _C.set_decode_attention_path(capped)
+        fn = paged_call(batch, ctx, cache)
+    elif kind in CACHES:
         fn = paged_call(batch, ctx, kind)
     elif kind == "sdpa":
         fn = sdpa_call(batch, ctx)
@@ -155,7 +166,10 @@ def test_decode_attention(benchmark, kind, batch, ctx):
     # otherwise whatever part of the operands it keeps between rounds flatters some kinds more than
     # others (a sequential re-read of 50 MB kept 30-80% hits, varying run to run).
     rounds = max(5, min(100, int(2e8 / kv_bytes(batch, ctx, kind))))
-    benchmark.pedantic(fn, setup=flush_caches, rounds=rounds, warmup_rounds=1)
+    try:
+        benchmark.pedantic(fn, setup=flush_caches, rounds=rounds, warmup_rounds=1)
+    finally:
+        _C.set_decode_attention_path(path)
     record(benchmark, batch, ctx, kind)
 
 
