@@ -2,7 +2,7 @@
 (greedy, EOS ignored), bf16 model, KV cache bf16 / int8 / fp8, their steps interleaved in one run.
 
     python bench/bench_kv_decode.py [--threads 2] [--seqs 16] [--prompt 4000] [--steps 64]
-                                    [--block-sizes 16,128]
+                                    [--block-sizes 16,128] [--fp8-paths]
 
 One engine per (block size, cache) on the same weights; each runs its prefills untimed, then the
 engines take turns, one decode step each (seqs tokens: every sequence decodes), each step timed on
@@ -10,7 +10,9 @@ its own. The machine's bandwidth drifts by tens of percent over minutes; steps t
 the same drift, so the ratios hold where whole runs one after another did not. At this size a step
 reads about five times more K/V (1.5 GB in bf16) than weights, so the cache's bytes set the pace
 when attention streams at memory speed. The table shows tok/s at each engine's median step time
-(and its fastest), with the ratio to bf16.
+(and its fastest), with the ratio to bf16. --fp8-paths adds an fp8 engine whose steps run the decode
+kernel capped to avx512_bf16 (fp8 codes widened to bf16), beside the default fp8 one (fp16 FMAs on
+CPUs with AVX512-FP16).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import pyengine  # noqa: F401  (before torch: it sets the OpenMP spin policy)
 import torch
 
 KV_DTYPES = ("auto", "int8", "fp8")
+CAPPED = {"fp8@bf16": ("fp8", "avx512_bf16")}  # engine: (its cache, the decode path its steps are capped to)
 
 
 def prefilled_engine(parts, kv: str, prompts: list[list[int]], steps: int, threads: int, block_size: int):
@@ -55,7 +58,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4000)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--block-sizes", default="16", help="comma-separated KV block sizes (tokens), one row each per cache")
+    ap.add_argument("--fp8-paths", action="store_true", help="also fp8 on the avx512_bf16 decode path (fp8@bf16)")
     args = ap.parse_args()
+    from pyengine import _C
     from pyengine.model.loader import load_model, resolve_model_path
     from pyengine.tokenizer import Tokenizer
 
@@ -65,17 +70,21 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt)] for _ in range(args.seqs)]
     sizes = [int(b) for b in args.block_sizes.split(",")]
-    runs = [(bs, kv) for bs in sizes for kv in KV_DTYPES]
+    kinds = KV_DTYPES + (tuple(CAPPED) if args.fp8_paths else ())
+    runs = [(bs, kv) for bs in sizes for kv in kinds]
     engines = {}
     for bs, kv in runs:
         print(f"prefilling: block {bs:>3} kv {kv:>4}", flush=True)
-        engines[bs, kv] = prefilled_engine(parts, kv, prompts, args.steps, args.threads, bs)
+        engines[bs, kv] = prefilled_engine(parts, CAPPED.get(kv, (kv,))[0], prompts, args.steps, args.threads, bs)
     times: dict[tuple[int, str], list[float]] = {run: [] for run in runs}
+    default_path = _C.decode_attention_path()
     for _ in range(args.steps):
-        for run in runs:
+        for bs, kv in runs:
+            _C.set_decode_attention_path(CAPPED[kv][1] if kv in CAPPED else default_path)
             t0 = time.perf_counter()
-            engines[run].step()
-            times[run].append(time.perf_counter() - t0)
+            engines[bs, kv].step()
+            times[bs, kv].append(time.perf_counter() - t0)
+    _C.set_decode_attention_path(default_path)
     median = {run: args.seqs / statistics.median(ts) for run, ts in times.items()}
     print(f"\n{args.seqs} x {args.prompt}-token prompts, {args.steps} decode steps each, taken in turn, "
           f"{args.threads} threads, bf16 model")
