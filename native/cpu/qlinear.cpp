@@ -24,8 +24,9 @@
 //   avx2: vpmaddubsw + vpmaddwd, a tile's rows in two ymm (Q8_0 on signed values: no i16 overflow),
 //         4 int8 rows (2 of x) per unpacked weight line (2 rows: 1.2-1.6x slower at M = 16..64; 8 spill);
 //   scalar: a portable loop over the same layout.
-// From qlinear_strip_rows() rows of bf16 x (16), qlinear_strips.cpp runs instead: the weight dequantized to
-// bf16 a strip at a time for linear.cpp's kernel, bit-identical to weights="dequantize".
+// From qlinear_strip_rows() rows of bf16 x (16 on AMX hosts, else never), qlinear_strips.cpp runs
+// instead: the weight dequantized to bf16 a strip at a time for linear.cpp's kernel, bit-identical to
+// weights="dequantize".
 // Parallel shape as linear.cpp: tiles split into one contiguous range per thread; within a range,
 // groups of NT tiles x chunks of MR rows; big M in row panels so the quantized activations stay in
 // L2 while the weights stream.

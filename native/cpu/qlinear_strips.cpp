@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "linear.h"
+#include "pyengine/cpu_ops.h"
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
 #include "qtiles.h"
@@ -27,7 +28,12 @@ namespace {
 using ggml::kBlock;
 using ggml::kTileRows;
 
-constexpr int64_t kDefaultStripRows = 16;
+// From this many rows, where linear_bf16 runs on AMX tiles. Its other kernel, vdpbf16ps, does half the
+// products per instruction of the int8 kernels' vpdpbusd, and there the strips lose at every M: one model
+// step of the default model, 1 thread, Xeon with AVX512-BF16/VNNI and no AMX (bench/bench_quant_steps.py),
+// int8 kernels 1.35-1.63x the strips' speed at M = 16..2,000, Q4_1 and Q8_0 alike. So without AMX the
+// default is 0 (never).
+constexpr int64_t kAmxStripRows = 16;
 constexpr int64_t kStripBytes = 256 * 1024;  // bf16 per strip: a share of L2 beside x's rows and the output
 // How far ahead of the group being dequantized its weight bytes are prefetched (into L1). A model's
 // weights come from L3 or memory at every step, and the hardware prefetchers alone left the loop
@@ -36,7 +42,7 @@ constexpr int64_t kStripBytes = 256 * 1024;  // bf16 per strip: a share of L2 be
 // strip while the tile products run: no change).
 constexpr int64_t kPrefetchBytes = 2048;
 
-std::atomic<int64_t> g_strip_rows{kDefaultStripRows};
+std::atomic<int64_t> g_strip_rows{linear_path(kBlock) == "amx" ? kAmxStripRows : 0};
 
 #if defined(PYENGINE_QLINEAR_VNNI) && defined(__AVX512BF16__)
 #define PYENGINE_QLINEAR_STRIPS 1

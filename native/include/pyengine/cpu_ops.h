@@ -68,7 +68,8 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
 void qembedding(uintptr_t ids, int64_t T, uintptr_t packed, int type, int64_t N, int64_t K, uintptr_t out,
                 int out_dtype);
 // From this many rows of bf16 x (0: never), qlinear dequantizes the weight a strip at a time for
-// linear_bf16's kernel (qlinear_strips.cpp) instead of running its int8 kernels.
+// linear_bf16's kernel (qlinear_strips.cpp) instead of running its int8 kernels. Default: 16 where
+// linear_bf16 runs on AMX, else 0.
 void set_qlinear_strip_rows(int64_t rows);
 int64_t qlinear_strip_rows();
 void set_qlinear_isa(const std::string& name);  // "scalar", "avx2", "avx512_vnni" (where built)
