@@ -44,6 +44,17 @@ def stream_prompts(rng) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(16)] for _ in range(STREAMS)]
 
 
+def decode_rate(llm, rng) -> float:
+    """Batch-1 decode tok/s: GEN greedy tokens after a PROMPT-token prompt (after a short warm-up)."""
+    from pyengine import SamplingParams
+
+    prompt = [rng.randrange(100, 40000) for _ in range(PROMPT)]
+    llm.generate([prompt[:16]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
+    out = llm.generate([prompt], SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    m = out.metrics
+    return (len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time)
+
+
 def one(path: str, weights: str, threads: int) -> dict:
     """Runs in the subprocess: load, measure, return figures."""
     import random
@@ -58,11 +69,7 @@ def one(path: str, weights: str, threads: int) -> dict:
     llm = load(path, weights, threads)
     rss1 = proc.memory_info().rss
     rng = random.Random(0)
-    prompt = [rng.randrange(100, 40000) for _ in range(PROMPT)]
-    llm.generate([prompt[:16]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warm-up
-    out = llm.generate([prompt], SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
-    m = out.metrics
-    decode = (len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time)
+    decode = decode_rate(llm, rng)
     prompts = stream_prompts(rng)
     import time
 
