@@ -38,6 +38,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_common import CAPPED_DECODE as CAPPED
 from pyengine import _C
 from pyengine.ops.attention import paged_attention, to_cache_layout
 
@@ -48,7 +49,6 @@ if os.environ.get("BENCH_ATTENTION_FULL") == "1":
 else:
     POINTS = [(1, 8192), (8, 2048), (8, 8192), (32, 2048), (32, 8192)]
 CACHES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
-CAPPED = {"fp8@bf16": ("fp8", "avx512_bf16")}  # kind: (cache, the decode path it is capped to)
 READ_OF = {"bf16": "read2", "int8": "read1", "fp8": "read1", "fp8@bf16": "read1"}
 RESULTS: dict[tuple[int, int, str], float] = {}
 PROMPTS = (512, 2048, 8192)

@@ -21,12 +21,11 @@ import random
 import statistics
 import time
 
-import engine_common  # noqa: F401  (puts the checkout first on sys.path)
+from engine_common import CAPPED_DECODE as CAPPED  # (also puts the checkout first on sys.path)
 import pyengine  # noqa: F401  (before torch: it sets the OpenMP spin policy)
 import torch
 
 KV_DTYPES = ("auto", "int8", "fp8")
-CAPPED = {"fp8@bf16": ("fp8", "avx512_bf16")}  # engine: (its cache, the decode path its steps are capped to)
 
 
 def prefilled_engine(parts, kv: str, prompts: list[list[int]], steps: int, threads: int, block_size: int):

