@@ -486,11 +486,14 @@ constexpr float kQ16 = 16255.0f, kU8Max = 255.0f;
 // Chunks between the one computed and the one prefetched: 2 measured no faster for int8/fp8 and
 // 1.2-1.5x slower for bf16 (2 threads, batch 8 x 2048, cold).
 constexpr int kAhead = 1;
-// The cache level those prefetches fill. L2 (T1) on AMX builds (-march of an Intel Sapphire Rapids or
-// later host), where it measured faster than L1: 1.9 -> 1.45 ms at batch 32 x 2048. L1 (T0)
-// elsewhere: on Zen 5 T0 measured 5-25% faster for all three caches (1 thread, CPU time from a cold
-// cache, 2nd fastest of 12), e.g. batch 16 x 4000 bf16 2179 -> 1900 us, int8 1190 -> 1063, fp8 1112 -> 1024.
-#if defined(__AMX_TILE__)
+// The cache level those prefetches fill. L2 (T1) on Intel server cores, told at compile time by AMX or
+// AVX512-FP16 in the -march (Sapphire Rapids and later; AMD's Zen 4/5 have neither), where L1's few
+// fill buffers cap the misses in flight: on an AMX host 1.9 -> 1.45 ms at batch 32 x 2048; on a host
+// with AVX512-FP16 but no AMX (2 threads, cold, the builds alternating, 4 rounds) 5-15% for all three
+// caches, e.g. batch 16 x 4096 bf16 3510 -> 3049 us, int8 1880 -> 1689. L1 (T0) elsewhere: on Zen 5
+// T0 measured 5-25% faster for all three caches (1 thread, CPU time from a cold cache, 2nd fastest of
+// 12), e.g. batch 16 x 4000 bf16 2179 -> 1900 us, int8 1190 -> 1063, fp8 1112 -> 1024.
+#if defined(__AMX_TILE__) || defined(__AVX512FP16__)
 constexpr _mm_hint kPrefetchLevel = _MM_HINT_T1;
 #else
 constexpr _mm_hint kPrefetchLevel = _MM_HINT_T0;
