@@ -29,10 +29,10 @@ def fp32_tol(ref):
     return dict(atol=1e-4 * ref.abs().max().item() + 1e-5, rtol=1e-4) if BF16_DOT else bf16_tol(ref)
 
 
-@pytest.fixture(params=["amx", "avx512_bf16"])
+@pytest.fixture(params=["amx", "avx512_fp32", "avx512_bf16"])
 def path(request):
-    """Each kernel path of linear_bf16: AMX tiles (where the build and CPU have them, K % 32 == 0) and
-    the vdpbf16ps kernel."""
+    """Each kernel path of linear_bf16: AMX tiles (where the build and CPU have them, K % 32 == 0), the
+    bf16 weights widened to fp32 FMAs, and the vdpbf16ps kernel."""
     if not BF16_DOT:
         pytest.skip("no native bf16 linear in this build")
     _C.set_linear_path(request.param)
@@ -116,6 +116,36 @@ def test_amx_path_is_chosen_by_the_weight_shape_alone():
     for r in (0, 17, 69):  # alone, and in a batch whose last 16-row block is partial
         assert torch.equal(lin(x[r : r + 1]), whole[r : r + 1])
         assert torch.equal(lin(x[: r + 5])[r], whole[r])
+
+
+@pytest.mark.parametrize("n,k", [(3072, 576), (100, 33), (33, 577)])
+@pytest.mark.parametrize("rows", [1, 3, 5, 9, 16, 40])
+def test_fp32_kernel_gives_the_bits_of_vdpbf16ps(n, k, rows):
+    """The widened kernel adds each k pair's products odd k first, as vdpbf16ps does, and bf16 x bf16
+    products are exact in fp32: the two kernels agree to the bit (operands without subnormals), so the
+    path a host takes does not change a token."""
+    if not BF16_DOT:
+        pytest.skip("no native bf16 linear in this build")
+    w, b, x = make(n, k, rows, seed=rows * 13 + n, with_bias=True)
+    lin = PackedLinear(w, b, out_dtype=torch.float32)
+    try:
+        outs = []
+        for p in ("avx512_fp32", "avx512_bf16"):
+            _C.set_linear_path(p)
+            assert _C.linear_path(k) == p
+            outs.append(lin(x))
+    finally:
+        _C.set_linear_path("amx")
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_best_path_without_amx():
+    """Where AMX does not run, the default is the fp32 kernel on builds for AVX512-FP16 CPUs (Intel
+    Sapphire Rapids and later, where vdpbf16ps runs at a quarter of the FMA rate), else vdpbf16ps."""
+    if not BF16_DOT or _C.linear_path(100) == "portable":
+        pytest.skip("no native bf16 linear in this build")
+    fp16_build = _C.decode_attention_path() == "avx512_fp16"  # the best decode path this build has
+    assert _C.linear_path(100) == ("avx512_fp32" if fp16_build else "avx512_bf16")
 
 
 def test_zero_rows():

@@ -21,10 +21,12 @@ void register_linear_ops(py::module_& m) {
       "out[M, N] = x[M, K] @ W^T + bias; x bf16, W packed [ceil(N/16), ceil(K/2), 16, 2] bf16 (64-byte "
       "aligned), bias fp32 [N] or 0, out bf16 or fp32.");
   m.def("set_linear_path", &pyengine::cpu::set_linear_path, py::arg("name"),
-        "amx (default: AMX tiles where the build and CPU have them, for K % 32 == 0) or "
-        "avx512_bf16 (the vdpbf16ps kernel for every M; tests compare the two).");
+        "amx (default: AMX tiles where the build and CPU have them, for K % 32 == 0, else the better "
+        "AVX-512 kernel for this build), avx512_fp32 (bf16 weights widened to fp32 FMAs) or avx512_bf16 "
+        "(vdpbf16ps), each for every M (tests compare them).");
   m.def("linear_path", &pyengine::cpu::linear_path, py::arg("K"),
-        "The kernel linear_bf16 runs for a weight of K columns, at every M: amx, avx512_bf16 or portable.");
+        "The kernel linear_bf16 runs for a weight of K columns, at every M: amx, avx512_fp32, avx512_bf16 or "
+        "portable.");
 }
 
 }  // namespace

@@ -1,9 +1,9 @@
 // Linear layer on bf16 weights: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp32 accumulation.
 //
-// The vdpbf16ps kernel is built for decode, where M (tokens in the step) is 1..64 and the time is the
+// The AVX-512 kernels are built for decode, where M (tokens in the step) is 1..64 and the time is the
 // weight stream: every weight byte is read from memory exactly once per call and reused for all M
 // rows. Prefill (M in the thousands) runs in panels of rows (on a CPU without AMX, 0-12% slower than
-// torch's GEMM at M = 2048 on the SmolLM2 shapes), so the model keeps no other copy. Where AMX is
+// torch's bf16 GEMM at M = 2048 on the SmolLM2 shapes), so the model keeps no other copy. Where AMX is
 // usable, the tile path below runs instead.
 //
 // Layouts (element strides, all contiguous):
@@ -23,10 +23,20 @@
 // re-read the group's tiles from L2, not from memory.
 // x is first repacked by the caller into k pairs, xp[r0 * KP + kp * MR + m] = (x[r, 2kp], x[r, 2kp+1])
 // as one 32-bit word (r = r0 + m, chunks of MR <= 16 rows from r0; the pair past an odd K is zero),
-// so the kernel broadcasts consecutive words from one pointer.
+// so the kernel broadcasts consecutive words from one pointer; for avx512_fp32 each pair as two fp32
+// words instead (xp[2 (r0 * KP + kp * MR + m) + i] = x[r, 2kp + i]).
 // Each of the NT streams is prefetched ahead into L2 (tile_block): 8% faster batch-1 decode steps
 // than the hardware prefetchers alone (10.1 -> 9.3 ms; into L1 was slower).
-// SIMD: AVX512-BF16 (vdpbf16ps) when the build targets it, else a plain loop (correct, slower).
+// SIMD: AVX512-BF16 when the build targets it, else a plain loop (correct, slower). Two kernels over
+// the same layouts (set_linear_path picks one for tests):
+//   avx512_bf16  vdpbf16ps: per 64-byte line, one instruction per row.
+//   avx512_fp32  each line widened to fp32 (its even and odd k: a shift and an and), then two fp32 FMAs
+//                per row, x already in fp32 (pack_x): odd k first, as vdpbf16ps adds them, and the
+//                bf16 x bf16 products are exact in fp32, so both give the same bits (bar subnormals,
+//                which vdpbf16ps flushes to zero). The default on Intel cores whose -march has
+//                AVX512-FP16 (Sapphire Rapids and later): there vdpbf16ps measured a quarter of the
+//                FMA rate (one core: 1.3 G vdpbf16ps/s, 5.3 G vfmadd231ps/s), so at many rows this
+//                path is twice as fast, and at one row it is a weight stream either way.
 //
 // AMX (builds and CPUs with AMX-BF16, K a multiple of 32; every M): the same packed weight is the B
 // operand of the tile product as it lies (a tile's 16 k pairs x 16 outputs x 2 are 16 consecutive
@@ -36,7 +46,7 @@
 // all rows, 32 at a time, over it. Measured on the SmolLM2 shapes, 2 threads, same run: 3-12x the
 // vdpbf16ps kernel from M = 16 up (M = 64, gate_up: 25 -> ~280 GFLOP/s), the same at M = 1 (a weight
 // stream either way). It is chosen by K alone, for every M, because the two paths round differently
-// and a row's result must not depend on its batch. set_linear_path("avx512_bf16") turns it off (tests).
+// and a row's result must not depend on its batch. set_linear_path("avx512_*") turns it off (tests).
 // Bf16Rows (linear.h) is this tile loop for callers that make the packed tiles themselves
 // (qlinear_strips.cpp, from quantized weights); linear_bf16 runs on it too.
 #include <algorithm>
@@ -56,6 +66,9 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+// GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 namespace pyengine::cpu {
@@ -70,16 +83,25 @@ constexpr int64_t kRangesPerThread = 4;            // tile ranges per thread (se
 constexpr int64_t kPanelMinRows = 256;             // above this many rows, x goes in L2-sized panels
 constexpr int64_t kPanelBytes = 256 * 1024;        // ... of about this many bytes (packed x)
 
-std::atomic<bool> g_amx_allowed{true};  // set_linear_path
+// The kernel paths; set_linear_path forces one (tests), kBest picks amx where it runs, else the
+// better of the two AVX-512 kernels for this -march.
+enum class Path { kBest, kAmx, kFp32, kBf16 };
+std::atomic<Path> g_forced{Path::kBest};
+#if defined(__AVX512FP16__)
+constexpr Path kBestAvx512 = Path::kFp32;
+#else
+constexpr Path kBestAvx512 = Path::kBf16;
+#endif
 
 struct Args {
-  const uint32_t* xp;
+  const uint32_t* xp;  // packed x: one word per k pair and row, two for avx512_fp32
   const uint16_t* w;
   const float* bias;
   void* out;
   int64_t M, N, K, KP;
   bool out_f32;
   int64_t ldo;  // out's row stride (elements)
+  bool wide;    // the avx512_fp32 kernel
 };
 
 // NT * MR accumulators <= 16 zmm, MR = rows of a block (see tile_group).
@@ -138,7 +160,7 @@ struct TilePairStore {
 
 // Rows [r0, r0 + MR) x tiles [t0, t0 + NT); xp at row r0's first k pair, the next pair ld words on
 // (the rows of its 16-row chunk).
-template <int MR, int NT>
+template <int MR, int NT, bool WIDE>
 void tile_block(const Args& a, const uint32_t* xp, int64_t ld, int64_t r0, int64_t t0) {
   // Weight lines prefetched ahead per stream, into L2 (past a tile's end: harmless). A line feeds MR
   // dot products, so with more rows the same distance is less time: 16 lines left 8..16-row blocks
@@ -150,14 +172,26 @@ void tile_block(const Args& a, const uint32_t* xp, int64_t ld, int64_t r0, int64
   const int64_t tile_stride = a.KP * kTileLine;
   const uint16_t* w = a.w + t0 * tile_stride;
   for (int64_t kp = 0; kp < a.KP; ++kp, xp += ld) {
-    __m512bh wv[NT];
+    __m512i wv[NT];
     for (int t = 0; t < NT; ++t) {
       _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_stride + (kp + prefetch_lines) * kTileLine), _MM_HINT_T1);
-      wv[t] = (__m512bh)_mm512_load_si512(w + t * tile_stride + kp * kTileLine);
+      wv[t] = _mm512_load_si512(w + t * tile_stride + kp * kTileLine);
     }
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xp[m]));
-      for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xb, wv[t]);
+    if constexpr (WIDE) {
+      for (int t = 0; t < NT; ++t) {  // the line's k = 2kp and 2kp + 1 of its 16 outputs, in fp32
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(wv[t], 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(wv[t], _mm512_set1_epi32(-65536)));
+        for (int m = 0; m < MR; ++m) {
+          const __m512 x0 = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(xp[2 * m])));
+          const __m512 x1 = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(xp[2 * m + 1])));
+          acc[m][t] = _mm512_fmadd_ps(x0, even, _mm512_fmadd_ps(x1, odd, acc[m][t]));
+        }
+      }
+    } else {
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(xp[m]));
+        for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xb, (__m512bh)wv[t]);
+      }
     }
   }
   for (int t = 0; t < NT; ++t) {
@@ -168,19 +202,21 @@ void tile_block(const Args& a, const uint32_t* xp, int64_t ld, int64_t r0, int64
 
 using BlockFn = void (*)(const Args&, const uint32_t*, int64_t, int64_t, int64_t);
 
-template <int MR>
+template <int MR, bool WIDE>
 constexpr BlockFn block_fn(int nt) {
-  return nt == 4 ? &tile_block<MR, 4> : nt == 2 ? &tile_block<MR, 2> : &tile_block<MR, 1>;
+  return nt == 4 ? &tile_block<MR, 4, WIDE> : nt == 2 ? &tile_block<MR, 2, WIDE> : &tile_block<MR, 1, WIDE>;
 }
 
-template <int... MRs>
+template <bool WIDE, int... MRs>
 BlockFn pick(int64_t rows, int nt, std::integer_sequence<int, MRs...>) {
-  static constexpr BlockFn table[][3] = {{block_fn<MRs + 1>(1), block_fn<MRs + 1>(2), block_fn<MRs + 1>(4)}...};
+  static constexpr BlockFn table[][3] = {
+      {block_fn<MRs + 1, WIDE>(1), block_fn<MRs + 1, WIDE>(2), block_fn<MRs + 1, WIDE>(4)}...};
   return table[rows - 1][nt == 4 ? 2 : nt - 1];
 }
 
-inline BlockFn block_for(int64_t rows, int nt) {
-  return pick(rows, nt, std::make_integer_sequence<int, kMaxRows>{});
+inline BlockFn block_for(int64_t rows, int nt, bool wide) {
+  return wide ? pick<true>(rows, nt, std::make_integer_sequence<int, kMaxRows>{})
+              : pick<false>(rows, nt, std::make_integer_sequence<int, kMaxRows>{});
 }
 
 // Tiles [t0, t0 + nt) for all rows, in 16-row chunks: one block, or, for 2 tiles over more than 8 rows,
@@ -190,12 +226,13 @@ inline BlockFn block_for(int64_t rows, int nt) {
 // cover the product latency, were 5% slower.) Each sum is the same chain of products in k order either
 // way: the same bits.
 void tile_group(const Args& a, int64_t t0, int nt) {
+  const int64_t words = a.wide ? 2 : 1;  // of packed x per k pair and row
   for (int64_t r0 = 0; r0 < a.M; r0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, a.M - r0);
-    const uint32_t* xp = a.xp + r0 * a.KP;
+    const uint32_t* xp = a.xp + r0 * a.KP * words;
     const int64_t half = nt == 1 || rows <= kBlockRows ? rows : (rows + 1) / 2;
-    block_for(half, nt)(a, xp, rows, r0, t0);
-    if (half < rows) block_for(rows - half, nt)(a, xp + half, rows, r0 + half, t0);
+    block_for(half, nt, a.wide)(a, xp, rows * words, r0, t0);
+    if (half < rows) block_for(rows - half, nt, a.wide)(a, xp + half * words, rows * words, r0 + half, t0);
   }
 }
 
@@ -321,23 +358,38 @@ void amx_range(const AmxArgs& a, int64_t begin, int64_t end) {
 
 // By the weight's shape alone, never by M: the two paths round differently, and a row's result must not
 // depend on how many rows came with it.
-bool use_amx(int64_t K) { return g_amx_allowed.load(std::memory_order_relaxed) && K % 32 == 0 && amx_usable(); }
+bool use_amx(int64_t K) {
+  const Path forced = g_forced.load(std::memory_order_relaxed);
+  return (forced == Path::kBest || forced == Path::kAmx) && K % 32 == 0 && amx_usable();
+}
 
 #endif
 
-// x [M, K] -> xp (layout above).
-void pack_x(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp) {
+// x [M, K] -> xp (layout above): a k pair as one word of two bf16, or (wide) as two fp32 words.
+void pack_x(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp, bool wide) {
   const int64_t KP = (K + 1) / 2;
   for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, M - r0);
-    uint32_t* chunk = xp + r0 * KP;
+    uint32_t* chunk = xp + r0 * KP * (wide ? 2 : 1);
     for (int64_t m = 0; m < rows; ++m) {
       const uint16_t* row = x + (r0 + m) * K;
-      for (int64_t kp = 0; kp < K / 2; ++kp)
-        chunk[kp * rows + m] = static_cast<uint32_t>(row[2 * kp]) | static_cast<uint32_t>(row[2 * kp + 1]) << 16;
-      if (K & 1) chunk[(KP - 1) * rows + m] = row[K - 1];
+      for (int64_t kp = 0; kp < KP; ++kp) {
+        const uint32_t x0 = row[2 * kp], x1 = 2 * kp + 1 < K ? row[2 * kp + 1] : 0;
+        if (wide) {
+          chunk[2 * (kp * rows + m)] = x0 << 16;
+          chunk[2 * (kp * rows + m) + 1] = x1 << 16;
+        } else {
+          chunk[kp * rows + m] = x0 | x1 << 16;
+        }
+      }
     }
   }
+}
+
+// The AVX-512 kernel that runs where AMX does not.
+bool use_wide() {
+  const Path forced = g_forced.load(std::memory_order_relaxed);
+  return forced == Path::kFp32 || (forced != Path::kBf16 && kBestAvx512 == Path::kFp32);
 }
 
 // Tiles [begin, end): groups of NT, then the remainder in groups of 2 and 1.
@@ -395,13 +447,16 @@ Bf16Rows::Bf16Rows(const uint16_t* x, int64_t M, int64_t K) : x_(x), M_(M), K_(K
 #endif
   static thread_local std::vector<uint32_t> xp;
   const int64_t KP = (K + 1) / 2;
-  xp.resize(static_cast<size_t>(M * KP));
+#if defined(__AVX512BF16__)
+  wide_ = use_wide();
+#endif
+  xp.resize(static_cast<size_t>(M * KP * (wide_ ? 2 : 1)));
   uint32_t* const xbuf = xp.data();  // this thread's buffer (a worker's thread_local xp is another)
   // One 16-row chunk per item: a 64-row prompt step's chunks pack in parallel too (on the calling
   // thread alone they took ~7% of its GEMM time while the helpers waited).
   ThreadPool::instance().parallel_for((M + kMaxRows - 1) / kMaxRows, [&](int64_t c) {
     const int64_t r0 = c * kMaxRows;
-    pack_x(x + r0 * K, std::min(kMaxRows, M - r0), K, xbuf + r0 * KP);
+    pack_x(x + r0 * K, std::min(kMaxRows, M - r0), K, xbuf + r0 * KP * (wide_ ? 2 : 1), wide_);
   });
   xp_ = xbuf;
 }
@@ -416,17 +471,20 @@ void Bf16Rows::run(const uint16_t* w, const float* bias, void* out, int64_t N, i
 #endif
   // Panels of x rows (about kPanelBytes, whole 16-row chunks) stay in L2 while every tile of the
   // weight streams past them; one pass over all rows would re-read x from L3 for every tile.
-  const int64_t panel = M_ > kPanelMinRows ? std::max<int64_t>(1, kPanelBytes / (KP * 4 * kMaxRows)) * kMaxRows : M_;
+  const int64_t words = wide_ ? 2 : 1;  // of packed x per k pair and row
+  const int64_t panel =
+      M_ > kPanelMinRows ? std::max<int64_t>(1, kPanelBytes / (KP * 4 * words * kMaxRows)) * kMaxRows : M_;
   for (int64_t p0 = 0; p0 < M_; p0 += panel)
-    tile_range({xp_ + p0 * KP, w, bias, static_cast<char*>(out) + p0 * ldo * (out_f32 ? 4 : 2), std::min(panel, M_ - p0),
-                N, K_, KP, out_f32, ldo},
+    tile_range({xp_ + p0 * KP * words, w, bias, static_cast<char*>(out) + p0 * ldo * (out_f32 ? 4 : 2),
+                std::min(panel, M_ - p0), N, K_, KP, out_f32, ldo, wide_},
                0, tiles);
 }
 
 void set_linear_path(const std::string& name) {
-  if (name == "amx") g_amx_allowed.store(true);
-  else if (name == "avx512_bf16") g_amx_allowed.store(false);
-  else throw std::invalid_argument("linear path must be amx or avx512_bf16, got " + name);
+  if (name == "amx") g_forced.store(Path::kBest);
+  else if (name == "avx512_fp32") g_forced.store(Path::kFp32);
+  else if (name == "avx512_bf16") g_forced.store(Path::kBf16);
+  else throw std::invalid_argument("linear path must be amx, avx512_fp32 or avx512_bf16, got " + name);
 }
 
 std::string linear_path(int64_t K) {
@@ -436,7 +494,7 @@ std::string linear_path(int64_t K) {
   (void)K;
 #endif
 #if defined(__AVX512BF16__)
-  return "avx512_bf16";
+  return use_wide() ? "avx512_fp32" : "avx512_bf16";
 #else
   return "portable";
 #endif

@@ -20,7 +20,7 @@ inline TileRange tile_pair_range(int64_t tiles, int64_t i, int64_t n) {
 }
 
 // x [M, K] bf16 made ready once for the kernel linear_bf16 runs at this K (AMX: the last partial 16 rows
-// copied zero-padded; vdpbf16ps: packed in k pairs, linear.cpp's header), in buffers of the constructing
+// copied zero-padded; AVX-512: packed in k pairs, linear.cpp's header), in buffers of the constructing
 // thread; then run() computes any block of output columns, from any thread. One at a time per
 // constructing thread: the next one reuses the buffers.
 class Bf16Rows {
@@ -34,9 +34,10 @@ class Bf16Rows {
  private:
   const uint16_t* x_;
   const uint16_t* tail_ = nullptr;  // AMX: rows [M / 16 * 16, M) zero-padded to 16, where M % 16 != 0
-  const uint32_t* xp_ = nullptr;    // vdpbf16ps and portable paths: x packed in k pairs
+  const uint32_t* xp_ = nullptr;    // AVX-512 and portable paths: x packed in k pairs
   int64_t M_, K_;
   bool amx_ = false;
+  bool wide_ = false;  // the avx512_fp32 kernel (x packed as fp32)
 };
 
 }  // namespace pyengine::cpu

@@ -57,7 +57,7 @@ void hadamard_heads(uintptr_t x, int64_t tokens, int64_t heads, int64_t head_dim
 void silu_and_mul(uintptr_t x, uintptr_t out, int64_t rows, int64_t inter, int dtype);
 void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K,
                  int out_dtype);
-void set_linear_path(const std::string& name);  // "amx" (the best available) or "avx512_bf16" (tests)
+void set_linear_path(const std::string& name);  // "amx" (the best available), "avx512_fp32" or "avx512_bf16" (tests)
 std::string linear_path(int64_t K);  // the path linear_bf16 takes for a weight of K columns (any M)
 // Quantized weights (qlinear.cpp; types and layout in ggml_blocks.h).
 int64_t qpacked_bytes(int type, int64_t N, int64_t K);
