@@ -103,6 +103,7 @@ def test_request_log_usage_and_request_id(server, log_path):
 
 
 def test_metrics_all_labelled_with_model(server):
+    chat(server, "metrics-1", stream=True)  # its own request: the counters below must not rest on other tests'
     text = server.get("/metrics").text
     model = server.get("/v1/models").json()["data"][0]["id"]
     samples = [line for line in text.splitlines() if line and not line.startswith("#")]
