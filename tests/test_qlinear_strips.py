@@ -12,7 +12,7 @@ from pyengine.model.loader import load_model
 from pyengine.ops.linear import PackedLinear
 from pyengine.ops.qlinear import QUANT_TYPES, QuantLinear
 from test_qlinear_op import quantized_weight
-from test_linear_op import path  # noqa: F401  (each linear_bf16 path the strips feed: AMX, vdpbf16ps)
+from test_linear_op import path  # noqa: F401  (each linear_bf16 path the strips feed: AMX, AVX-512)
 
 STRIPS = _C.isa() == "avx512_bf16"  # qlinear_strips needs linear_bf16's SIMD kernels
 pytestmark = pytest.mark.skipif(not STRIPS, reason="no AVX512-BF16 linear in this build: int8 kernels only")
@@ -67,7 +67,7 @@ def test_row_ranges_of_different_types(path, strip_rows):
 
 
 def test_prefill_sized_batch(path, strip_rows):
-    """Many rows at the AMX hosts' threshold: x in panels (vdpbf16ps), many 32-row blocks (AMX), and a weight
+    """Many rows at the AMX hosts' threshold: x in panels (AVX-512), many 32-row blocks (AMX), and a weight
     of many strips."""
     strip_rows(16)
     blocks, _ = quantized_weight("Q4_1", 2000, 576, seed=4)

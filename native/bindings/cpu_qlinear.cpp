@@ -39,8 +39,8 @@ void register_qlinear_ops(py::module_& m) {
   m.def("qlinear_isas", &c::qlinear_isas, "The SIMD paths of this build, comma-separated, best last.");
   m.def("set_qlinear_strip_rows", &c::set_qlinear_strip_rows, py::arg("rows"),
         "From this many rows of bf16 x (0: never), qlinear runs linear_bf16's kernel on the weight dequantized\n"
-        "a strip at a time (where linear_path is amx or avx512_bf16), else its int8 kernels. Default: 16 where\n"
-        "linear_path is amx, else 0 (the int8 kernels are faster than vdpbf16ps at every M).");
+        "a strip at a time (where linear_path is not portable), else its int8 kernels. Default: 16 where\n"
+        "linear_path is amx, else 0 (the int8 kernels measured faster than the strips on vdpbf16ps at every M).");
   m.def("qlinear_strip_rows", &c::qlinear_strip_rows, "The row count set by set_qlinear_strip_rows.");
 }
 

@@ -35,8 +35,9 @@
 //                bf16 x bf16 products are exact in fp32, so both give the same bits (bar subnormals,
 //                which vdpbf16ps flushes to zero). The default on Intel cores whose -march has
 //                AVX512-FP16 (Sapphire Rapids and later): there vdpbf16ps measured a quarter of the
-//                FMA rate (one core: 1.3 G vdpbf16ps/s, 5.3 G vfmadd231ps/s), so at many rows this
-//                path is twice as fast, and at one row it is a weight stream either way.
+//                FMA rate (one core: 1.3 G vdpbf16ps/s, 5.3 G vfmadd231ps/s); 2 threads, both kernels
+//                in one run, this one was 1.2-1.9x at M = 16..2,048 on the SmolLM2 shapes, the same at
+//                M = 1 (a weight stream either way).
 //
 // AMX (builds and CPUs with AMX-BF16, K a multiple of 32; every M): the same packed weight is the B
 // operand of the tile product as it lies (a tile's 16 k pairs x 16 outputs x 2 are 16 consecutive
@@ -83,9 +84,9 @@ constexpr int64_t kRangesPerThread = 4;            // tile ranges per thread (se
 constexpr int64_t kPanelMinRows = 256;             // above this many rows, x goes in L2-sized panels
 constexpr int64_t kPanelBytes = 256 * 1024;        // ... of about this many bytes (packed x)
 
-// The kernel paths; set_linear_path forces one (tests), kBest picks amx where it runs, else the
-// better of the two AVX-512 kernels for this -march.
-enum class Path { kBest, kAmx, kFp32, kBf16 };
+// The kernel paths; set_linear_path forces an AVX-512 one (tests), kBest picks amx where it runs, else
+// the better of the two AVX-512 kernels for this -march.
+enum class Path { kBest, kFp32, kBf16 };
 std::atomic<Path> g_forced{Path::kBest};
 #if defined(__AVX512FP16__)
 constexpr Path kBestAvx512 = Path::kFp32;
@@ -103,6 +104,9 @@ struct Args {
   int64_t ldo;  // out's row stride (elements)
   bool wide;    // the avx512_fp32 kernel
 };
+
+// Words of packed x per k pair and row: one (two bf16), or two (fp32) for the avx512_fp32 kernel.
+constexpr int64_t x_words(bool wide) { return wide ? 2 : 1; }
 
 // NT * MR accumulators <= 16 zmm, MR = rows of a block (see tile_group).
 inline int tiles_per_group(int64_t rows) { return rows <= 4 ? 4 : rows <= kBlockRows || rows == kMaxRows ? 2 : 1; }
@@ -226,7 +230,7 @@ inline BlockFn block_for(int64_t rows, int nt, bool wide) {
 // cover the product latency, were 5% slower.) Each sum is the same chain of products in k order either
 // way: the same bits.
 void tile_group(const Args& a, int64_t t0, int nt) {
-  const int64_t words = a.wide ? 2 : 1;  // of packed x per k pair and row
+  const int64_t words = x_words(a.wide);
   for (int64_t r0 = 0; r0 < a.M; r0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, a.M - r0);
     const uint32_t* xp = a.xp + r0 * a.KP * words;
@@ -359,8 +363,7 @@ void amx_range(const AmxArgs& a, int64_t begin, int64_t end) {
 // By the weight's shape alone, never by M: the two paths round differently, and a row's result must not
 // depend on how many rows came with it.
 bool use_amx(int64_t K) {
-  const Path forced = g_forced.load(std::memory_order_relaxed);
-  return (forced == Path::kBest || forced == Path::kAmx) && K % 32 == 0 && amx_usable();
+  return g_forced.load(std::memory_order_relaxed) == Path::kBest && K % 32 == 0 && amx_usable();
 }
 
 #endif
@@ -370,7 +373,7 @@ void pack_x(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp, bool wide) {
   const int64_t KP = (K + 1) / 2;
   for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, M - r0);
-    uint32_t* chunk = xp + r0 * KP * (wide ? 2 : 1);
+    uint32_t* chunk = xp + r0 * KP * x_words(wide);
     for (int64_t m = 0; m < rows; ++m) {
       const uint16_t* row = x + (r0 + m) * K;
       for (int64_t kp = 0; kp < KP; ++kp) {
@@ -450,13 +453,13 @@ Bf16Rows::Bf16Rows(const uint16_t* x, int64_t M, int64_t K) : x_(x), M_(M), K_(K
 #if defined(__AVX512BF16__)
   wide_ = use_wide();
 #endif
-  xp.resize(static_cast<size_t>(M * KP * (wide_ ? 2 : 1)));
+  xp.resize(static_cast<size_t>(M * KP * x_words(wide_)));
   uint32_t* const xbuf = xp.data();  // this thread's buffer (a worker's thread_local xp is another)
   // One 16-row chunk per item: a 64-row prompt step's chunks pack in parallel too (on the calling
   // thread alone they took ~7% of its GEMM time while the helpers waited).
   ThreadPool::instance().parallel_for((M + kMaxRows - 1) / kMaxRows, [&](int64_t c) {
     const int64_t r0 = c * kMaxRows;
-    pack_x(x + r0 * K, std::min(kMaxRows, M - r0), K, xbuf + r0 * KP * (wide_ ? 2 : 1), wide_);
+    pack_x(x + r0 * K, std::min(kMaxRows, M - r0), K, xbuf + r0 * KP * x_words(wide_), wide_);
   });
   xp_ = xbuf;
 }
@@ -471,7 +474,7 @@ void Bf16Rows::run(const uint16_t* w, const float* bias, void* out, int64_t N, i
 #endif
   // Panels of x rows (about kPanelBytes, whole 16-row chunks) stay in L2 while every tile of the
   // weight streams past them; one pass over all rows would re-read x from L3 for every tile.
-  const int64_t words = wide_ ? 2 : 1;  // of packed x per k pair and row
+  const int64_t words = x_words(wide_);
   const int64_t panel =
       M_ > kPanelMinRows ? std::max<int64_t>(1, kPanelBytes / (KP * 4 * words * kMaxRows)) * kMaxRows : M_;
   for (int64_t p0 = 0; p0 < M_; p0 += panel)

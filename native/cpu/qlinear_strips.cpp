@@ -1,6 +1,6 @@
 // Quantized linear layers at many rows (M >= strip rows, bf16 activations): the weight is dequantized a
 // strip at a time into bf16, in exactly the packed layout linear.cpp's kernel reads (16-output tiles of
-// k pairs), and that kernel (AMX tiles, else vdpbf16ps) runs its tile loop over all M rows of the strip.
+// k pairs), and that kernel (AMX tiles, else AVX-512) runs its tile loop over all M rows of the strip.
 //
 // Why: the int8 kernels (qlinear.cpp) scale every 32-value group's int32 sums through the vector units,
 // which bounds them at many rows (M = 64: 0.4-0.5x the bf16 AMX GEMM on the same shapes). Here the
@@ -28,11 +28,12 @@ namespace {
 using ggml::kBlock;
 using ggml::kTileRows;
 
-// From this many rows, where linear_bf16 runs on AMX tiles. Its other kernel, vdpbf16ps, does half the
+// From this many rows, where linear_bf16 runs on AMX tiles. Its vdpbf16ps kernel does half the
 // products per instruction of the int8 kernels' vpdpbusd, and there the strips lose at every M: one model
 // step of the default model, 1 thread, Xeon with AVX512-BF16/VNNI and no AMX (bench/bench_quant_steps.py),
 // int8 kernels 1.35-1.63x the strips' speed at M = 16..2,000, Q4_1 and Q8_0 alike. So without AMX the
-// default is 0 (never).
+// default is 0 (never). (Measured before linear.cpp's avx512_fp32 kernel, the strips' kernel on
+// AVX512-FP16 builds; not measured against it.)
 constexpr int64_t kAmxStripRows = 16;
 constexpr int64_t kStripBytes = 256 * 1024;  // bf16 per strip: a share of L2 beside x's rows and the output
 // How far ahead of the group being dequantized its weight bytes are prefetched (into L1). A model's
