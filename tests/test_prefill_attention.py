@@ -15,7 +15,7 @@ from pyengine import _C
 from pyengine.ops.attention import from_cache_layout, paged_attention, to_cache_layout
 from tests.test_attention import make_batch, reference
 
-PATHS = ["amx", "avx512_bf16", "portable", "paged"]
+PATHS = ["amx", "avx512_fp32", "avx512_bf16", "portable", "paged"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Prompts and prompt chunks of ragged lengths (partial last blocks, a chunk after a cached prefix, one
@@ -124,6 +124,42 @@ def test_strided_q_in_a_mixed_step(path):
     torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.3), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("head_dim,block_size,window,softcap", [(64, 16, 0, 0.0), (128, 8, 0, 0.0), (64, 24, 40, 2.0)])
+def test_fp32_kernels_give_the_bits_of_vdpbf16ps(cache_dtype, head_dim, block_size, window, softcap):
+    """avx512_fp32 widens the bf16 K/V, q and probabilities to fp32 and adds each pair's odd product
+    first, as vdpbf16ps does; bf16 products are exact in fp32, so the two paths agree to the bit and
+    the path a host takes changes no token."""
+    if _C.isa() != "avx512_bf16":
+        pytest.skip("no AVX512-BF16 in this build")
+    q, kc, vc, bt, sl, qsl, scales = make_batch(PROMPTS, 9, 3, head_dim, block_size, torch.bfloat16,
+                                                cache_dtype=cache_dtype, seed=11)
+    ks, vs = scales or (None, None)
+    outs = []
+    try:
+        for p in ("avx512_fp32", "avx512_bf16"):
+            _C.set_prefill_attention_path(p)
+            assert _C.prefill_attention_path() == p
+            outs.append(paged_attention(q * 2, kc, vc, bt, sl, qsl, 0.125, k_scales=ks, v_scales=vs, window=window,
+                                        softcap=softcap))
+    finally:
+        _C.set_prefill_attention_path("amx")
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_best_path_without_amx():
+    """Where AMX does not run, builds for AVX512-FP16 CPUs (Intel Sapphire Rapids and later, where
+    vdpbf16ps issues at a quarter of the FMA rate) take the fp32 kernels, other AVX512-BF16 builds
+    vdpbf16ps."""
+    if _C.isa() != "avx512_bf16":
+        pytest.skip("no AVX512-BF16 in this build")
+    best = _C.prefill_attention_path()
+    if best == "amx":
+        pytest.skip("AMX runs here")
+    fp16_build = _C.decode_attention_path() == "avx512_fp16"  # the best decode path this build has
+    assert best == ("avx512_fp32" if fp16_build else "avx512_bf16")
+
+
 def test_bad_argument_changes_nothing():
     """The step is validated before either kernel runs: a bad block id in a decode leaves the prompt's
     output rows untouched."""
@@ -136,7 +172,7 @@ def test_bad_argument_changes_nothing():
 
 
 def test_unknown_path_name():
-    with pytest.raises(ValueError, match="amx, avx512_bf16, portable or paged"):
+    with pytest.raises(ValueError, match="amx, avx512_fp32, avx512_bf16, portable or paged"):
         _C.set_prefill_attention_path("sse")
 
 

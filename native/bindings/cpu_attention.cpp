@@ -136,7 +136,7 @@ void register_attention_ops(py::module_& m) {
       py::arg("query_token_stride") = 0, py::arg("num_heads") = 0, py::call_guard<py::gil_scoped_release>(),
       "Write K/V rows into the paged cache at slot_mapping.");
   m.def("set_prefill_attention_path", &set_prefill_attention_path, py::arg("name"),
-        "Cap the prefill attention kernel's path: amx (default: the best available), avx512_bf16, portable, paged.");
+        "Cap the prefill attention kernel's path: amx (default: the best available), avx512_fp32, avx512_bf16, portable, paged.");
   m.def("prefill_attention_path", &prefill_attention_path, "The prefill attention kernel's path in use.");
   m.def("set_decode_attention_path", &set_decode_attention_path, py::arg("name"),
         "Cap the decode attention kernel's path: avx512_fp16 (default: the best available), avx512_bf16 or fp32.");
