@@ -6,6 +6,7 @@ the three alternated, min over repeats: CPU time holds up on a loaded machine wh
 one more dequantized weight per step than here.
 
     python bench/bench_quant_steps.py [--file PATH.gguf] [--m 16,32,64,512,2000] [--repeats 3] [--threads 1]
+                                      [--strip-rows N]   (auto's strips from N rows; default: the build's choice)
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def main() -> None:
     ap.add_argument("--m", default="16,32,64,512,2000", help="comma-separated rows per step")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--strip-rows", type=int, default=None,
+                    help="auto's strips from this many rows (default: qlinear_strip_rows(), the build's choice)")
     args = ap.parse_args()
     path = args.file or os.path.join(*default_gguf())
     _C.set_num_threads(args.threads)
@@ -40,7 +43,8 @@ def main() -> None:
     _, bf16 = load_model(path, torch.bfloat16, "cpu", weights="dequantize")
     sizes = [int(m) for m in args.m.split(",")]
     ids = torch.randint(100, 40000, (max(sizes),), generator=torch.Generator().manual_seed(0)).tolist()
-    strip_rows = _C.qlinear_strip_rows()
+    default_rows = _C.qlinear_strip_rows()
+    strip_rows = default_rows if args.strip_rows is None else args.strip_rows
     configs = (("dequantize", bf16, strip_rows), ("auto", auto, strip_rows), ("auto, int8 only", auto, 0))
     best: dict[tuple[str, int], float] = {}
     for _ in range(args.repeats):
@@ -51,9 +55,9 @@ def main() -> None:
                 t0 = time.process_time()
                 runner.step(ids[:m])
                 best[name, m] = min(best.get((name, m), float("inf")), (time.process_time() - t0) * 1e3)
-    _C.set_qlinear_strip_rows(strip_rows)
+    _C.set_qlinear_strip_rows(default_rows)
     print(f"{os.path.basename(path)}: CPU ms per step, {args.threads} thread(s), min of {args.repeats}; "
-          "speed = dequantize ms / ms")
+          f"auto's strips from {strip_rows or 'no'} rows; bf16 kernel {_C.linear_path(576)}; speed = dequantize ms / ms")
     print(f"{'M':>5s} {'dequantize':>11s} {'auto':>9s} {'int8 only':>10s} {'auto speed':>11s} {'int8 speed':>11s}")
     for m in sizes:
         d, a, i = best["dequantize", m], best["auto", m], best["auto, int8 only", m]

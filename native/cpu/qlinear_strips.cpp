@@ -32,8 +32,10 @@ using ggml::kTileRows;
 // products per instruction of the int8 kernels' vpdpbusd, and there the strips lose at every M: one model
 // step of the default model, 1 thread, Xeon with AVX512-BF16/VNNI and no AMX (bench/bench_quant_steps.py),
 // int8 kernels 1.35-1.63x the strips' speed at M = 16..2,000, Q4_1 and Q8_0 alike. So without AMX the
-// default is 0 (never). (Measured before linear.cpp's avx512_fp32 kernel, the strips' kernel on
-// AVX512-FP16 builds; not measured against it.)
+// default is 0 (never). On AVX512-FP16 builds the strips' kernel is linear.cpp's avx512_fp32 (bf16
+// widened to fp32 FMAs), and they still lose: same host, 1 thread, M = 16 / 64 / 512 / 2,000
+// (bench_quant_steps.py --strip-rows 16), int8 kernels over the strips 1.55 / 1.38 / 1.68 / 1.31x on
+// Q4_1 and 1.38 / 1.29 / 1.37 / 1.30x on Q8_0.
 constexpr int64_t kAmxStripRows = 16;
 constexpr int64_t kStripBytes = 256 * 1024;  // bf16 per strip: a share of L2 beside x's rows and the output
 // How far ahead of the group being dequantized its weight bytes are prefetched (into L1). A model's
