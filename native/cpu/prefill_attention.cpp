@@ -642,7 +642,8 @@ void pv_fp32(const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const 
     for (int g = 0; g < 4 && 8 * g < npairs; ++g) {  // the chunk's 16-token groups
       const uint16_t* vp = kv.v[g] + 2 * d0;          // token pair i of the group: dims d0 .. d0 + 31 at vp + 2 D i
       const float* pg = pf + 16 * g;
-      for (int i = 0; i < std::min(8, npairs - 8 * g); ++i) fma_pairs<NR>(x, vp + 2 * D * i, vp + 2 * D * i + 32, pg + 2 * i, kChunk);
+      for (int i = 0; i < std::min(8, npairs - 8 * g); ++i)
+        fma_pairs<NR>(x, vp + 2 * D * i, vp + 2 * D * i + 32, pg + 2 * i, kChunk);
     }
     for (int r = 0; r < NR; ++r)
       for (int h = 0; h < 2; ++h) _mm512_storeu_ps(o + r * D + d0 + 16 * h, x[r][h]);
