@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "pyengine/bf16_widen.h"
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
 #include "pyengine/vec_exp.h"
@@ -52,10 +53,7 @@ constexpr int64_t kLanes = 16;
 using vfloat = __m512;
 inline vfloat vset(float x) { return _mm512_set1_ps(x); }
 inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vfloat vload(const bf16* p) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
+inline vfloat vload(const bf16* p) { return load_bf16x16(&p->bits); }
 inline vfloat vload(const fp16* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }

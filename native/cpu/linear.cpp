@@ -60,6 +60,7 @@
 #include <vector>
 
 #include "pyengine/amx.h"
+#include "pyengine/bf16_widen.h"
 #include "pyengine/cpu_ops.h"
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
@@ -85,14 +86,9 @@ constexpr int64_t kPanelMinRows = 256;             // above this many rows, x go
 constexpr int64_t kPanelBytes = 256 * 1024;        // ... of about this many bytes (packed x)
 
 // The kernel paths; set_linear_path forces an AVX-512 one (tests), kBest picks amx where it runs, else
-// the better of the two AVX-512 kernels for this -march.
+// the better of the two AVX-512 kernels for this -march (kPreferFp32Fma, bf16_widen.h).
 enum class Path { kBest, kFp32, kBf16 };
 std::atomic<Path> g_forced{Path::kBest};
-#if defined(__AVX512FP16__)
-constexpr Path kBestAvx512 = Path::kFp32;
-#else
-constexpr Path kBestAvx512 = Path::kBf16;
-#endif
 
 struct Args {
   const uint32_t* xp;  // packed x: one word per k pair and row, two for avx512_fp32
@@ -183,8 +179,7 @@ void tile_block(const Args& a, const uint32_t* xp, int64_t ld, int64_t r0, int64
     }
     if constexpr (WIDE) {
       for (int t = 0; t < NT; ++t) {  // the line's k = 2kp and 2kp + 1 of its 16 outputs, in fp32
-        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(wv[t], 16));
-        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(wv[t], _mm512_set1_epi32(-65536)));
+        const __m512 even = bf16_even(wv[t]), odd = bf16_odd(wv[t]);
         for (int m = 0; m < MR; ++m) {
           const __m512 x0 = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(xp[2 * m])));
           const __m512 x1 = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(xp[2 * m + 1])));
@@ -408,8 +403,7 @@ void pack_x(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp, bool wide) {
         for (int64_t kp = 0; kp < full; kp += 8) {
           __m512i r[8];
           for (int i = 0; i < 8; ++i) {
-            const auto* src = reinterpret_cast<const __m256i*>(x + (r0 + m0 + i) * K + 2 * kp);
-            r[i] = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src)), 16);
+            r[i] = _mm512_castps_si512(load_bf16x16(x + (r0 + m0 + i) * K + 2 * kp));
           }
           transpose8x8_epi64(r);
           for (int j = 0; j < 8; ++j) _mm512_storeu_si512(chunk + 2 * ((kp + j) * rows + m0), r[j]);
@@ -434,7 +428,7 @@ void pack_x(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp, bool wide) {
 // The AVX-512 kernel that runs where AMX does not.
 bool use_wide() {
   const Path forced = g_forced.load(std::memory_order_relaxed);
-  return forced == Path::kFp32 || (forced != Path::kBf16 && kBestAvx512 == Path::kFp32);
+  return forced == Path::kFp32 || (forced != Path::kBf16 && kPreferFp32Fma);
 }
 
 // Tiles [begin, end): groups of NT, then the remainder in groups of 2 and 1.

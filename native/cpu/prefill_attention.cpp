@@ -51,6 +51,7 @@
 
 #include "prefill_attention.h"
 #include "pyengine/amx.h"
+#include "pyengine/bf16_widen.h"
 #include "pyengine/cpu_ops.h"
 #include "pyengine/kv_layout.h"
 #include "pyengine/kv_quant.h"
@@ -82,13 +83,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 // no kernel of this file; prompts run on paged_attention's (attention.cpp).
 enum class Path { kAmx, kAvx512Fp32, kAvx512Bf16, kPortable, kPaged };
 std::atomic<Path> g_cap{Path::kAmx};
-// Without AMX, builds for AVX512-FP16 CPUs (Intel Sapphire Rapids and later, where vdpbf16ps issues at a
-// quarter of the fp32 FMA rate) default to the fp32 micro-kernels; others (AMD Zen 4/5) to vdpbf16ps.
-#if defined(__AVX512FP16__)
-constexpr bool kFp32Default = true;
-#else
-constexpr bool kFp32Default = false;
-#endif
 
 // One (sequence, kv head)'s packed K/V: positions [lo, lo + n), n a multiple of kChunk; k, v, ks, vs
 // stay null where the pair reads the cache in place (reads_cache).
@@ -573,32 +567,27 @@ void pv_avx(const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const f
   }
 }
 
-template <int NR>
-struct AvxKernels {
-  static void qk(int, const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) { qk_avx<NR>(q, D, kv, s); }
+// A SIMD path's micro-kernels for NR rows (QK, PV) with the vectorized softmax, as row_group takes them.
+template <auto QK, auto PV>
+struct SimdKernels {
+  static void qk(int, const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) { QK(q, D, kv, s); }
   static constexpr auto softmax = softmax_row_avx;
   static void pv(int, const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const float* alpha, float* o) {
-    pv_avx<NR>(p, kv, D, npairs, alpha, o);
+    PV(p, kv, D, npairs, alpha, o);
   }
 };
 
+template <int NR>
+using AvxKernels = SimdKernels<qk_avx<NR>, pv_avx<NR>>;
+
 // The avx512_fp32 micro-kernels: the same K/V lines, each widened in registers to the fp32 values of
-// its even and odd bf16 halves (a shift and an and), then two fp32 FMAs per row where vdpbf16ps takes
-// one; q and p rows are widened once per call. The odd half goes first, as vdpbf16ps adds them, and
-// bf16 x bf16 products are exact in fp32, so both paths give the same bits (subnormals aside:
-// vdpbf16ps flushes them). Where vdpbf16ps issues at a quarter of the FMA rate (Intel cores without
-// AMX exposed), this is the faster of the two.
-inline __m512 even_half(__m512i line) { return _mm512_castsi512_ps(_mm512_slli_epi32(line, 16)); }
-inline __m512 odd_half(__m512i line) {
-  return _mm512_castsi512_ps(_mm512_and_si512(line, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
+// its even and odd bf16 halves (bf16_widen.h), then two fp32 FMAs per row where vdpbf16ps takes one,
+// odd half first: the bits of the vdpbf16ps path. q and p rows are widened once per call. Where
+// vdpbf16ps issues at a quarter of the FMA rate (Intel cores without AMX exposed), this is the faster.
 
 // n bf16 (a multiple of 16) at src -> fp32 at dst.
 inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
-  }
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load_bf16x16(src + i));
 }
 
 // acc[r][h] += bf16 pair line h . (b[r ld], b[r ld + 1]) for NR rows and two lines, odd halves first.
@@ -606,7 +595,7 @@ template <int NR>
 inline void fma_pairs(__m512 (&acc)[NR][2], const uint16_t* line0, const uint16_t* line1, const float* b, int64_t ld) {
   const __m512i lines[2] = {_mm512_loadu_si512(line0), _mm512_loadu_si512(line1)};
   for (int h = 0; h < 2; ++h) {
-    const __m512 even = even_half(lines[h]), odd = odd_half(lines[h]);
+    const __m512 even = bf16_even(lines[h]), odd = bf16_odd(lines[h]);
     for (int r = 0; r < NR; ++r) {
       acc[r][h] = _mm512_fmadd_ps(odd, _mm512_set1_ps(b[r * ld + 1]), acc[r][h]);
       acc[r][h] = _mm512_fmadd_ps(even, _mm512_set1_ps(b[r * ld]), acc[r][h]);
@@ -651,13 +640,7 @@ void pv_fp32(const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const 
 }
 
 template <int NR>
-struct Fp32Kernels {
-  static void qk(int, const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) { qk_fp32<NR>(q, D, kv, s); }
-  static constexpr auto softmax = softmax_row_avx;
-  static void pv(int, const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const float* alpha, float* o) {
-    pv_fp32<NR>(p, kv, D, npairs, alpha, o);
-  }
-};
+using Fp32Kernels = SimdKernels<qk_fp32<NR>, pv_fp32<NR>>;
 
 #endif
 
@@ -1043,7 +1026,7 @@ Path best_path() {
   if (cap == Path::kAmx && amx_usable()) return Path::kAmx;
 #endif
 #if defined(__AVX512BF16__)
-  if (cap == Path::kAvx512Fp32 || (cap == Path::kAmx && kFp32Default)) return Path::kAvx512Fp32;
+  if (cap == Path::kAvx512Fp32 || (cap == Path::kAmx && kPreferFp32Fma)) return Path::kAvx512Fp32;
   if (cap != Path::kPortable) return Path::kAvx512Bf16;
 #elif defined(__AVX2__) && defined(__FMA__)
   if (cap != Path::kPortable) return Path::kPaged;
