@@ -1,5 +1,6 @@
 """Decode with a quantized KV cache: 16 sequences x 4,000-token prompts, then 64 decode steps
-(greedy, EOS ignored), bf16 model, KV cache bf16 / int8 / fp8, their steps interleaved in one run.
+(greedy, EOS ignored), default model (its Q4_1 weights on the int8 kernels, bf16 activations), KV cache
+bf16 / int8 / fp8, their steps interleaved in one run.
 
     python bench/bench_kv_decode.py [--threads 2] [--seqs 16] [--prompt 4000] [--steps 64]
                                     [--block-sizes 16,128] [--fp8-paths]
@@ -8,8 +9,8 @@ One engine per (block size, cache) on the same weights; each runs its prefills u
 engines take turns, one decode step each (seqs tokens: every sequence decodes), each step timed on
 its own. The machine's bandwidth drifts by tens of percent over minutes; steps taken in turn see
 the same drift, so the ratios hold where whole runs one after another did not. At this size a step
-reads about five times more K/V (1.5 GB in bf16) than weights, so the cache's bytes set the pace
-when attention streams at memory speed. The table shows tok/s at each engine's median step time
+reads about fifteen times more K/V (1.5 GB in bf16) than weights (the 94 MB file), so the cache's
+bytes set the pace when attention streams at memory speed. The table shows tok/s at each engine's median step time
 (and its fastest), with the ratio to bf16. --fp8-paths adds an fp8 engine whose steps run the decode
 kernel capped to avx512_bf16 (fp8 codes widened to bf16), beside the default fp8 one (fp16 FMAs on
 CPUs with AVX512-FP16).
@@ -86,7 +87,7 @@ def main() -> None:
     _C.set_decode_attention_path(default_path)
     median = {run: args.seqs / statistics.median(ts) for run, ts in times.items()}
     print(f"\n{args.seqs} x {args.prompt}-token prompts, {args.steps} decode steps each, taken in turn, "
-          f"{args.threads} threads, bf16 model")
+          f"{args.threads} threads, default model (Q4_1 weights, bf16 activations)")
     first = f"x bf16@{sizes[0]}"
     print(f"{'block':>5} {'KV cache':>8} {'tok/s (median)':>15} {'(fastest)':>10} {'x bf16':>7} {first:>10}")
     for bs, kv in runs:
