@@ -10,10 +10,10 @@ engines take turns, one decode step each (seqs tokens: every sequence decodes), 
 its own. The machine's bandwidth drifts by tens of percent over minutes; steps taken in turn see
 the same drift, so the ratios hold where whole runs one after another did not. At this size a step
 reads about fifteen times more K/V (1.5 GB in bf16) than weights (the 94 MB file), so the cache's
-bytes set the pace when attention streams at memory speed. The table shows tok/s at each engine's median step time
-(and its fastest), with the ratio to bf16. --fp8-paths adds an fp8 engine whose steps run the decode
-kernel capped to avx512_bf16 (fp8 codes widened to bf16), beside the default fp8 one (fp16 FMAs on
-CPUs with AVX512-FP16).
+bytes set the pace when attention streams at memory speed. The table shows tok/s at each engine's
+median step time (and its fastest), with the ratio to bf16. --fp8-paths adds an fp8 engine whose
+steps run the decode kernel capped to avx512_bf16 (fp8 codes widened to bf16), beside the default
+fp8 one (fp16 FMAs on CPUs with AVX512-FP16).
 """
 from __future__ import annotations
 
