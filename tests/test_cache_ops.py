@@ -123,11 +123,12 @@ def test_strided_key_value_views():
     assert torch.equal(cache_rows(k, slots, bs), key) and torch.equal(cache_rows(v, slots, bs), value)
 
 
+@pytest.mark.parametrize("D", [128, 20])  # 20: a row of one 16-lane vector and a part one
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_write_scales_and_error_bound(cache_dtype, dtype):
+def test_quantized_write_scales_and_error_bound(cache_dtype, dtype, D):
     torch.manual_seed(0)
-    T, kvh, D, bs, nb = 40, 2, 128, 16, 4
+    T, kvh, bs, nb = 40, 2, 16, 4
     key = (torch.randn(T, kvh, D) * torch.logspace(-3, 3, T)[:, None, None]).to(dtype)  # wide dynamic range
     key[5] = 0  # all-zero rows: scale 0, values 0
     value = torch.randn(T, kvh, D).to(dtype)
@@ -168,20 +169,45 @@ def test_fp8_scale_is_the_candidate_of_least_error():
     assert float(err.sum() / plain_err.sum()) < 0.8  # measured 0.73
 
 
+def test_quantized_codes_round_ties_to_even():
+    """Values exactly between two codes go to the even one, as torch rounds: int8 half-integers, and for
+    e4m3 the midpoint of every pair of neighbouring codes, subnormal ones included. Each e4m3 row holds
+    every code's value at scale 1 (absmax 448), so that scale reconstructs it best, and three midpoints."""
+    ints = torch.arange(-127, 127) + 0.5
+    x8 = torch.cat([torch.tensor([127.0, 0.0]), ints]).view(1, 1, 256)
+    codes = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 2^-9 .. 448
+    mids = (torch.cat([torch.zeros(1), codes[:-1]]) + codes) / 2
+    rows = []
+    for k in range(0, len(mids), 3):
+        ties = mids[k : k + 3] * torch.tensor([1.0, -1.0, 1.0])[: len(mids[k : k + 3])]
+        rows.append(torch.cat([torch.zeros(1), codes, -codes, ties, torch.zeros(3 - len(ties))]))
+    xf = torch.stack(rows)[:, None]
+    for x, cache_dtype in ((x8, torch.int8), (xf, torch.float8_e4m3fn)):
+        T = x.shape[0]
+        kc, vc, ks, vs = make_cache(T, 1, 4, 256, cache_dtype, quant=True)
+        slots = torch.arange(T) * 4
+        reshape_and_cache(x, x, kc, vc, slots, k_scales=ks, v_scales=vs)
+        k, v = from_cache_layout(kc, vc)
+        for c, s in ((k, ks), (v, vs)):
+            scale = s[slots // 4, :, 0]
+            assert (scale == 1).all()
+            assert_kv_quantized(x, cache_rows(c, slots, 4), scale, cache_dtype)
+
+
 def k_rows(k, ks, T):
     """[T, KVH, D] dequantized K of slots 0..T-1 and the raw codes, of a logical [NB, KVH, BS, D] cache."""
     codes = k.permute(0, 2, 1, 3).reshape(T, k.shape[1], -1)
     return codes.float() * ks.permute(0, 2, 1).reshape(T, -1)[..., None], codes
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("device,D", [("cpu", 64), ("cpu", 20), pytest.param("cuda", 64, marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_k_is_rounded_for_the_steps_queries(dtype, device):
+def test_fp8_k_is_rounded_for_the_steps_queries(dtype, device, D):
     """Given the step's q, each fp8 K value takes the nearest code or the other one next to it, chosen so
     that J = sum_g (u_g . e)^2 + |e|^2 / D (u_g the token's q of head g, unit length; e the rounding
     error) never rises, and the error along the token's own q heads mostly goes; the scales, V and the
     int8 cache do not change. Queries that share a direction with q (as a model's do) gain too."""
-    T, kvh, G, D, bs = 128, 3, 3, 64, 16
+    T, kvh, G, bs = 128, 3, 3, 16
     g = torch.Generator().manual_seed(0)
     key = torch.randn(T, kvh, D, generator=g).to(dtype)
     value = torch.randn(T, kvh, D, generator=g).to(dtype)

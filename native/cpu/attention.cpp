@@ -186,22 +186,6 @@ inline float online_max(const float* sc, int64_t nv, float m, float& alpha) {
   return m_new;
 }
 
-// Sums of each of 16 vectors, as one vector (lane i = sum of v[i]): a transpose-and-add tree.
-inline __m512 hsum16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // Writes scores for tokens [0, round_up(nv, 16)); lanes past nv are garbage (never read).
 template <int NC>
 void qk(const float* q, const float* K, int64_t Dp, int64_t nv, float* sc) {

@@ -21,15 +21,20 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pyengine/dtype.h"
 #include "pyengine/kv_layout.h"
 #include "pyengine/kv_quant.h"
 #include "pyengine/parallel.h"
+#include "pyengine/vec_reduce.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+// GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 namespace pyengine {
@@ -49,13 +54,18 @@ size_t elem_size(DType t) {
 void row_to_float(const void* src, DType t, int64_t n, float* dst) {
   if (t == DType::kFloat32) {
     std::memcpy(dst, src, n * sizeof(float));
-  } else if (t == DType::kBFloat16) {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
-  } else {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_float(s[i]);
+    return;
   }
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+    _mm512_storeu_ps(dst + i, t == DType::kBFloat16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                                    : _mm512_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = t == DType::kBFloat16 ? bf16_to_float(s[i]) : fp16_to_float(s[i]);
 }
 
 #if defined(__AVX512F__)
@@ -76,36 +86,102 @@ inline __m512 fp8_round_magnitude(__m512 a) {
 inline __m512 sign_of(__m512 y) { return _mm512_and_ps(y, _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN))); }
 #endif
 
-// About sum over the row of fp8_sq_error(x[i], scale): AVX-512 takes |x| times 1 / scale (not x / scale,
-// which rounds differently only at ties) and rounds values below e4m3's normals as normals (their
-// errors are under 2^-10 of the scale): the choice between two scales of almost equal error may differ.
-float fp8_row_error(const float* x, int64_t n, float scale) {
 #if defined(__AVX512F__)
-  const __m512 s = _mm512_set1_ps(scale), inv = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
-  const __m512i half = _mm512_set1_epi32(0x7ffff), one = _mm512_set1_epi32(1), keep = _mm512_set1_epi32(~0xfffff);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 ax = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + i));
-    const __m512i b = _mm512_castps_si512(_mm512_mul_ps(ax, inv));
-    const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, half), _mm512_and_si512(_mm512_srli_epi32(b, 20), one)), keep);
-    const __m512 e = _mm512_fmsub_ps(_mm512_min_ps(_mm512_castsi512_ps(r), _mm512_set1_ps(kFp8E4M3Max)), s, ax);
-    acc = _mm512_fmadd_ps(e, e, acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-#else
-  float err = 0.0f;
-  for (int64_t i = 0; i < n; ++i) err += fp8_sq_error(x[i], scale);
-  return err;
-#endif
+// Lanes [0, n - i) of the 16 from element i.
+inline __mmask16 lanes_from(int64_t i, int64_t n) {
+  return n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
 }
 
-// An e4m3 row's scale: the candidate of least squared error (kv_quant.h).
+// The row's largest magnitude, NaNs skipped as std::max(absmax, |x|) skips them (vmaxps returns its
+// second operand where the first is NaN).
+float row_absmax(const float* x, int64_t n) {
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(lanes_from(i, n), x + i)), m);
+  return _mm512_reduce_max_ps(m);
+}
+
+// x / scale (0 where scale is not > 0), as kv_scaled.
+inline __m512 scaled(__m512 x, float scale) {
+  return scale > 0.0f ? _mm512_div_ps(x, _mm512_set1_ps(scale)) : _mm512_setzero_ps();
+}
+
+// float_to_int8 of 16 values: nearest even, saturating to +-127, NaN -> -127 (the conversion gives
+// INT32_MIN for it; values of a row over its own scale never leave [-127.5, 127.5] otherwise).
+inline __m512i int8_codes(__m512 y) {
+  const __m512i c = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_min_epi32(_mm512_max_epi32(c, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+}
+
+// float_to_fp8e4m3 of 16 values, bit for bit: NaN -> 0x7f, at least 448 (inf too) -> 0x7e, below 2^-6
+// subnormal steps of 2^-9, else the mantissa rounded to 3 bits (ties to even); the sign in bit 7.
+inline __m512i fp8_codes(__m512 y) {
+  const __m512i bits = _mm512_castps_si512(y), a = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+  const __m512 af = _mm512_castsi512_ps(a);
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7ffff)),
+                                     _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1)));
+  __m512i code = _mm512_or_si512(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(r, 23), _mm512_set1_epi32(120)), 3),
+                                 _mm512_and_si512(_mm512_srli_epi32(r, 20), _mm512_set1_epi32(7)));
+  code = _mm512_min_epi32(code, _mm512_set1_epi32(0x7e));
+  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(af, _mm512_set1_ps(512.0f)),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(af, _mm512_set1_ps(0.015625f), _CMP_LT_OQ), sub);
+  code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(af, _mm512_set1_ps(kFp8E4M3Max), _CMP_GE_OQ),
+                               _mm512_set1_epi32(0x7e));
+  code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7f800000)), _mm512_set1_epi32(0x7f));
+  return _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80)));
+}
+
+// An e4m3 row's scale: the first of the kFp8ScaleSteps candidates (kv_quant.h) of least squared error,
+// all 16 errors summed at once (lane j of the tree's result: candidate j's). The errors are estimates:
+// |x| times 1 / scale (not x / scale, which rounds differently only at ties), values below e4m3's
+// normals rounded as normals (their errors are under 2^-10 of the scale), so the choice between two
+// scales of almost equal error may differ from fp8_sq_error's.
 float fp8_row_scale(const float* x, int64_t n, float absmax) {
-  float best = fp8_scale_candidate(absmax, 0), best_err = fp8_row_error(x, n, best);
-  for (int j = 1; j < kFp8ScaleSteps; ++j) {
-    const float scale = fp8_scale_candidate(absmax, j), err = fp8_row_error(x, n, scale);
-    if (err < best_err) best = scale, best_err = err;
+  static_assert(kFp8ScaleSteps == 16, "one candidate per lane");
+  alignas(64) float scale[16], inv[16];
+  for (int j = 0; j < 16; ++j) {
+    scale[j] = fp8_scale_candidate(absmax, j);
+    inv[j] = scale[j] > 0.0f ? 1.0f / scale[j] : 0.0f;
+  }
+  const __m512i half = _mm512_set1_epi32(0x7ffff), one = _mm512_set1_epi32(1), keep = _mm512_set1_epi32(~0xfffff);
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 ax = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes_from(i, n), x + i));
+    for (int j = 0; j < 16; ++j) {
+      const __m512i b = _mm512_castps_si512(_mm512_mul_ps(ax, _mm512_set1_ps(inv[j])));
+      const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, half), _mm512_and_si512(_mm512_srli_epi32(b, 20), one)), keep);
+      const __m512 e = _mm512_fmsub_ps(_mm512_min_ps(_mm512_castsi512_ps(r), _mm512_set1_ps(kFp8E4M3Max)),
+                                       _mm512_set1_ps(scale[j]), ax);
+      acc[j] = _mm512_fmadd_ps(e, e, acc[j]);
+    }
+  }
+  const __m512 err = hsum16(acc);
+  const __mmask16 least = _mm512_cmp_ps_mask(err, _mm512_set1_ps(_mm512_reduce_min_ps(err)), _CMP_EQ_OQ);
+  return scale[least ? __builtin_ctz(least) : 0];  // none: NaN errors (NaN in x), as the scalar loop keeps j = 0
+}
+
+// Quantizes one row of n values into dst, returning its scale (kv_quant.h's codecs, 16 values a step).
+float quantize_row(const float* x, int64_t n, DType cache, void* dst) {
+  const float absmax = row_absmax(x, n);
+  const bool fp8 = cache == DType::kFloat8E4M3;
+  const float scale = fp8 ? fp8_row_scale(x, n, absmax) : kv_scale(absmax, kInt8Max);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes_from(i, n);
+    const __m512 y = scaled(_mm512_maskz_loadu_ps(m, x + i), scale);
+    _mm512_mask_cvtepi32_storeu_epi8(static_cast<char*>(dst) + i, m, fp8 ? fp8_codes(y) : int8_codes(y));
+  }
+  return scale;
+}
+#else
+// An e4m3 row's scale: the first of the kFp8ScaleSteps candidates (kv_quant.h) of least squared error.
+float fp8_row_scale(const float* x, int64_t n, float absmax) {
+  float best = 0.0f, best_err = 0.0f;
+  for (int j = 0; j < kFp8ScaleSteps; ++j) {
+    const float scale = fp8_scale_candidate(absmax, j);
+    float err = 0.0f;
+    for (int64_t i = 0; i < n; ++i) err += fp8_sq_error(x[i], scale);
+    if (j == 0 || err < best_err) best = scale, best_err = err;
   }
   return best;
 }
@@ -125,6 +201,7 @@ float quantize_row(const float* x, int64_t n, DType cache, void* dst) {
   for (int64_t i = 0; i < n; ++i) d[i] = float_to_int8(kv_scaled(x[i], scale));
   return scale;
 }
+#endif
 
 // K rows of an fp8 cache are rounded for the queries that will read them. A query's score error is q.e
 // (e: the row's rounding error, dequantized - x); queries share a large common direction, along which
@@ -148,32 +225,43 @@ float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// Index of v's least value (the first of equals), n > 0.
-int64_t argmin(const float* v, int64_t n) {
+// The least of c[i] = a[i] + sum_g p[g] b[g][i] over i < D (b [G][D]): its index (the first of equals)
+// and value. One pass, c never stored.
+std::pair<int64_t, float> least_change(const float* a, const float* b, const float* p, int64_t G, int64_t D) {
 #if defined(__AVX512F__)
-  if (n % 16 == 0) {
-    __m512 m = _mm512_loadu_ps(v);
-    for (int64_t i = 16; i < n; i += 16) m = _mm512_min_ps(m, _mm512_loadu_ps(v + i));
-    const __m512 least = _mm512_set1_ps(_mm512_reduce_min_ps(m));
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), least, _CMP_EQ_OQ);
-      if (eq) return i + __builtin_ctz(eq);
+  if (D % 16 == 0) {
+    __m512 least = _mm512_set1_ps(INFINITY);
+    __m512i at = _mm512_setzero_si512();
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t i = 0; i < D; i += 16) {
+      __m512 c = _mm512_loadu_ps(a + i);
+      for (int64_t g = 0; g < G; ++g) c = _mm512_fmadd_ps(_mm512_set1_ps(p[g]), _mm512_loadu_ps(b + g * D + i), c);
+      const __mmask16 lower = _mm512_cmp_ps_mask(c, least, _CMP_LT_OQ);  // strict: a lane keeps its first
+      least = _mm512_mask_mov_ps(least, lower, c);
+      at = _mm512_mask_mov_epi32(at, lower, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i))));
     }
+    const float m = _mm512_reduce_min_ps(least);
+    const __mmask16 eq = _mm512_cmp_ps_mask(least, _mm512_set1_ps(m), _CMP_EQ_OQ);
+    return {eq ? _mm512_reduce_min_epi32(_mm512_mask_mov_epi32(_mm512_set1_epi32(INT32_MAX), eq, at)) : 0, m};
   }
 #endif
   int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (v[i] < v[best]) best = i;
-  return best;
+  float m = INFINITY;
+  for (int64_t i = 0; i < D; ++i) {
+    float c = a[i];
+    for (int64_t g = 0; g < G; ++g) c += p[g] * b[g * D + i];
+    if (c < m || i == 0) best = i, m = c;
+  }
+  return {best, m};
 }
 
 // u [G][D] unit rows; scratch >= (3 + G) * D floats + G.
 void round_k_for_queries(const float* x, int64_t D, float scale, const float* u, int64_t G, uint8_t* codes,
                          float* scratch) {
   if (!(scale > 0.0f)) return;
-  float *d = scratch, *a = d + D, *dj = a + D, *b = dj + D, *p = b + G * D;  // b [G][D]
+  float *d = scratch, *a = d + D, *e = a + D, *b = e + D, *p = b + G * D;  // b [G][D]
   const float lambda = 1.0f / static_cast<float>(D);
-  // d: the move to the other neighbour (0: none); dj: the error e, for now; a: J's change less its p terms
+  // d: the move to the other neighbour (0: none); e: the rounding error; a: J's change less its p terms
   int64_t i0 = 0;
 #if defined(__AVX512F__)
   const __m512 s = _mm512_set1_ps(scale), lam = _mm512_set1_ps(lambda), tiny = _mm512_set1_ps(0.015625f),
@@ -196,7 +284,7 @@ void round_k_for_queries(const float* x, int64_t D, float scale, const float* u,
     const __m512 ev = _mm512_sub_ps(_mm512_mul_ps(_mm512_xor_ps(an, sign), s), xv);
     const __m512 av = _mm512_mul_ps(lam, _mm512_mul_ps(dv, _mm512_fmadd_ps(_mm512_set1_ps(2.0f), ev, dv)));
     _mm512_storeu_ps(d + i0, dv);
-    _mm512_storeu_ps(dj + i0, ev);
+    _mm512_storeu_ps(e + i0, ev);
     _mm512_storeu_ps(a + i0, _mm512_mask_blend_ps(up | down, _mm512_set1_ps(INFINITY), av));
   }
 #endif
@@ -205,26 +293,23 @@ void round_k_for_queries(const float* x, int64_t D, float scale, const float* u,
     const float v = fp8e4m3_to_float(c), av = std::fabs(v), ay = std::fabs(kv_scaled(x[i], scale));
     const int other = av < ay && m < 0x7e ? (c & 0x80) | (m + 1) : av > ay ? (c & 0x80) | (m - 1) : -1;
     d[i] = other < 0 ? 0.0f : (fp8e4m3_to_float(static_cast<uint8_t>(other)) - v) * scale;
-    dj[i] = v * scale - x[i];  // e, for now
-    a[i] = other < 0 ? INFINITY : d[i] * d[i] * lambda + 2.0f * lambda * dj[i] * d[i];
+    e[i] = v * scale - x[i];
+    a[i] = other < 0 ? INFINITY : d[i] * d[i] * lambda + 2.0f * lambda * e[i] * d[i];
   }
   for (int64_t g = 0; g < G; ++g) {
     const float* ug = u + g * D;
-    p[g] = dot(ug, dj, D);
+    p[g] = dot(ug, e, D);
     for (int64_t i = 0; i < D; ++i) {
       a[i] += d[i] * d[i] * ug[i] * ug[i];
       b[g * D + i] = 2.0f * d[i] * ug[i];
     }
   }
   for (int flip = 0; flip < kMaxFlips; ++flip) {
-    for (int64_t i = 0; i < D; ++i) dj[i] = a[i];
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t i = 0; i < D; ++i) dj[i] += p[g] * b[g * D + i];
-    const int64_t best = argmin(dj, D);
-    if (!(dj[best] < 0.0f)) break;
-    const uint8_t c = codes[best], m = c & 0x7f;
-    const bool up = std::fabs(fp8e4m3_to_float(c)) < std::fabs(kv_scaled(x[best], scale));
-    codes[best] = static_cast<uint8_t>((c & 0x80) | (up ? m + 1 : m - 1));
+    const auto [best, change] = least_change(a, b, p, G, D);
+    if (!(change < 0.0f)) break;
+    // d points to the other neighbour: away from zero (m + 1) when its sign is the code's
+    const uint8_t c = codes[best];
+    codes[best] = static_cast<uint8_t>((d[best] > 0.0f) != ((c & 0x80) != 0) ? c + 1 : c - 1);
     for (int64_t g = 0; g < G; ++g) p[g] += u[g * D + best] * d[best];
     a[best] = INFINITY;  // moved once
   }
