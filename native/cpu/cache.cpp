@@ -112,21 +112,17 @@ inline __m512i int8_codes(__m512 y) {
   return _mm512_min_epi32(_mm512_max_epi32(c, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
 }
 
-// float_to_fp8e4m3 of 16 values, bit for bit: NaN -> 0x7f, at least 448 (inf too) -> 0x7e, below 2^-6
-// subnormal steps of 2^-9, else the mantissa rounded to 3 bits (ties to even); the sign in bit 7.
+// float_to_fp8e4m3 of 16 values, bit for bit: the code of |y|'s e4m3 rounding (fp8_round_magnitude; at
+// most 448, inf included), NaN -> 0x7f, the sign in bit 7.
 inline __m512i fp8_codes(__m512 y) {
   const __m512i bits = _mm512_castps_si512(y), a = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-  const __m512 af = _mm512_castsi512_ps(a);
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7ffff)),
-                                     _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1)));
-  __m512i code = _mm512_or_si512(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(r, 23), _mm512_set1_epi32(120)), 3),
-                                 _mm512_and_si512(_mm512_srli_epi32(r, 20), _mm512_set1_epi32(7)));
-  code = _mm512_min_epi32(code, _mm512_set1_epi32(0x7e));
-  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(af, _mm512_set1_ps(512.0f)),
-                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(af, _mm512_set1_ps(0.015625f), _CMP_LT_OQ), sub);
-  code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(af, _mm512_set1_ps(kFp8E4M3Max), _CMP_GE_OQ),
-                               _mm512_set1_epi32(0x7e));
+  const __m512 an = fp8_round_magnitude(_mm512_castsi512_ps(a));
+  const __m512i nb = _mm512_castps_si512(an);
+  // normals: exponent rebiased 127 -> 7 above the 3 mantissa bits; below 2^-6 the count of 2^-9 steps
+  __m512i code = _mm512_or_si512(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(nb, 23), _mm512_set1_epi32(120)), 3),
+                                 _mm512_and_si512(_mm512_srli_epi32(nb, 20), _mm512_set1_epi32(7)));
+  code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(an, _mm512_set1_ps(0.015625f), _CMP_LT_OQ),
+                               _mm512_cvtps_epi32(_mm512_mul_ps(an, _mm512_set1_ps(512.0f))));  // exact
   code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7f800000)), _mm512_set1_epi32(0x7f));
   return _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80)));
 }
