@@ -57,6 +57,7 @@ using ggml::layout;
 constexpr int64_t kMaxRows = 8;                   // int8 rows (4 rows of x, each with its residual) per pass
 constexpr int64_t kMinParallelBytes = 32 * 1024;  // below this weight size the caller runs alone
 constexpr int64_t kPanelMinRows = 64;
+constexpr int64_t kMinParallelQuant = 8192;  // activation values below which the caller quantizes them alone
 constexpr int64_t kPanelBytes = 256 * 1024;       // quantized x per panel
 constexpr int64_t kAmxRows = 16;                  // int8 rows per AMX pass (panels are whole multiples)
 
@@ -1011,7 +1012,9 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
   const int isa = g_isa.load();
   const bool x_f32 = x_dtype == f32, out_f32 = out_dtype == f32;
   auto& pool = ThreadPool::instance();
-  const int64_t parts = M > kPanelMinRows ? pool.num_threads() : 1;
+  // Split by rows from a decode step's 16 x 576 up (~5 us on one thread, the helper otherwise idle): the
+  // calling thread quantizes before every projection while the helpers wait for the tiles.
+  const int64_t parts = M * K < kMinParallelQuant ? 1 : std::min<int64_t>(M, pool.num_threads());
   pool.parallel_for(parts, [&](int64_t c) {
     for (int64_t r = M * c / parts; r < M * (c + 1) / parts; ++r)
       quantize_row(reinterpret_cast<const char*>(x) + r * K * (x_f32 ? 4 : 2), x_f32, isa,
