@@ -29,7 +29,8 @@
 // weights="dequantize".
 // Parallel shape as linear.cpp: tiles split into one contiguous range per thread; within a range,
 // groups of NT tiles x chunks of MR rows; big M in row panels so the quantized activations stay in
-// L2 while the weights stream.
+// L2 while the weights stream. The activations are quantized first, split by rows across the threads
+// from kMinParallelQuant values up (a decode step of 16 rows), else on the calling thread.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
