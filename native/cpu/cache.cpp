@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "pyengine/bf16_widen.h"
 #include "pyengine/dtype.h"
 #include "pyengine/kv_layout.h"
 #include "pyengine/kv_quant.h"
@@ -59,11 +60,10 @@ void row_to_float(const void* src, DType t, int64_t n, float* dst) {
   const uint16_t* s = static_cast<const uint16_t*>(src);
   int64_t i = 0;
 #if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
-    _mm512_storeu_ps(dst + i, t == DType::kBFloat16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-                                                    : _mm512_cvtph_ps(h));
-  }
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, t == DType::kBFloat16
+                                  ? load_bf16x16(s + i)
+                                  : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
 #endif
   for (; i < n; ++i) dst[i] = t == DType::kBFloat16 ? bf16_to_float(s[i]) : fp16_to_float(s[i]);
 }

@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "pyengine/bf16_widen.h"
 #include "pyengine/cpu_ops.h"
 #include "pyengine/dtype.h"
 #include "pyengine/ggml_blocks.h"
@@ -702,9 +703,7 @@ void quantize_row_avx512(const void* x, bool f32, const QuantRow& r) {
       for (int h = 0; h < 2; ++h) {
         const int64_t at = (b0 + j) * kBlock + 16 * h;
         v[j][h] = f32 ? _mm512_loadu_ps(static_cast<const float*>(x) + at)
-                      : _mm512_castsi512_ps(_mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + at))), 16));
+                      : load_bf16x16(static_cast<const uint16_t*>(x) + at);
       }
     for (int level = 0; level < 2; ++level) {
       __m512 m[16], sums[2][16];  // sums[h][j]: block j's q in half h, as floats
@@ -736,11 +735,10 @@ void quantize_row_avx512(const void* x, bool f32, const QuantRow& r) {
       _mm512_mask_storeu_ps(r.sx + i, live, _mm512_mul_ps(d, _mm512_add_ps(n0, n1)));
       const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
       const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
-      _mm512_mask_storeu_ps(r.sh + 2 * i, static_cast<__mmask16>(nb >= 8 ? 0xffff : (1u << 2 * nb) - 1),
-                            _mm512_permutex2var_ps(sum0, lo, sum1));
-      if (nb > 8)
-        _mm512_mask_storeu_ps(r.sh + 2 * i + 16, static_cast<__mmask16>((1u << 2 * (nb - 8)) - 1),
-                              _mm512_permutex2var_ps(sum0, hi, sum1));
+      const uint32_t pairs = nb == 16 ? ~0u : (1u << 2 * nb) - 1;  // sh lanes in use: two per block
+      _mm512_mask_storeu_ps(r.sh + 2 * i, static_cast<__mmask16>(pairs), _mm512_permutex2var_ps(sum0, lo, sum1));
+      _mm512_mask_storeu_ps(r.sh + 2 * i + 16, static_cast<__mmask16>(pairs >> 16),
+                            _mm512_permutex2var_ps(sum0, hi, sum1));
     }
   }
 }
