@@ -25,8 +25,9 @@ back to back: this host's memory bandwidth drifts by +-30% over minutes.
 
 Prefill (one prompt of 512 / 2048 / 8192 tokens, bf16, same heads, 2 threads), GFLOP/s of the causal
 attention (4 H D L (L + 1) / 2 flops) per path of the prefill kernel (native/cpu/prefill_attention.cpp:
-amx, avx512_fp32, avx512_bf16), torch SDPA (is_causal, contiguous K/V), and beside them the GEMMs at M = L rows on
-the gate_up shape (N 3072, K 576): pyengine's PackedLinear and torch's F.linear (oneDNN) in bf16.
+amx, avx512_fp16, avx512_fp32, avx512_bf16), torch SDPA (is_causal, contiguous K/V), and beside them
+the GEMMs at M = L rows on the gate_up shape (N 3072, K 576): pyengine's PackedLinear and torch's
+F.linear (oneDNN) in bf16.
 End to end: LLM.generate of one (L - 1)-token prompt and max_tokens=1 (L positions: 8192 is the model's
 context), default model and settings (prefix caching off), prompt tokens/s of the fastest of two runs.
 """
@@ -52,7 +53,7 @@ CACHES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn
 READ_OF = {"bf16": "read2", "int8": "read1", "fp8": "read1", "fp8@bf16": "read1"}
 RESULTS: dict[tuple[int, int, str], float] = {}
 PROMPTS = (512, 2048, 8192)
-PREFILL_KINDS = ("amx", "avx512_fp32", "avx512_bf16", "sdpa", "gemm", "gemm_torch")
+PREFILL_KINDS = ("amx", "avx512_fp16", "avx512_fp32", "avx512_bf16", "sdpa", "gemm", "gemm_torch")
 PREFILL: dict[tuple[int, str], float] = {}  # (prompt length, kind): GFLOP/s, or tok/s for "e2e"
 GATE_UP = (3072, 576)
 
@@ -208,7 +209,7 @@ def prefill_call(n: int, kind: str):
 
     q, kc, vc, bt, sl, qsl, k, v = prompt_step(n)
     attn_flops = 4 * H * D * n * (n + 1) / 2
-    if kind in ("amx", "avx512_fp32", "avx512_bf16"):
+    if kind in ("amx", "avx512_fp16", "avx512_fp32", "avx512_bf16"):
         _C.set_prefill_attention_path(kind)
         if _C.prefill_attention_path() != kind:
             pytest.skip(f"no {kind} path on this build/CPU")

@@ -15,7 +15,7 @@ from pyengine import _C
 from pyengine.ops.attention import from_cache_layout, paged_attention, to_cache_layout
 from tests.test_attention import make_batch, reference
 
-PATHS = ["amx", "avx512_fp32", "avx512_bf16", "portable", "paged"]
+PATHS = ["amx", "avx512_fp16", "avx512_fp32", "avx512_bf16", "portable", "paged"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Prompts and prompt chunks of ragged lengths (partial last blocks, a chunk after a cached prefix, one
@@ -114,6 +114,28 @@ def test_running_max_rising_through_the_prompt(path):
     torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.125), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("v_scale", [1e6, 1.0, 1e-6])
+def test_values_beyond_fp16s_range(path, v_scale):
+    """V far beyond fp16's range either way (65504 at the top, 6e-8 its smallest subnormal), and a
+    chunk's probabilities summing to 2^7.5 x 64: every key past the first chunk scores 7.5 log2 units
+    above the first chunk's, less than the running max's slack (kMaxSlack), so the max stays and each
+    probability is 2^7.5. The avx512_fp16 path scales V and the probabilities into fp16 by powers of
+    two, so its sums neither overflow to inf nor sink to zero."""
+    specs = [(600, 600), (300, 40)]
+    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 6, 2, 64, 16, torch.bfloat16, seed=9)
+    k, v = from_cache_layout(kc, vc)
+    rise = 7.5 / (64 * 0.125 * math.log2(math.e))  # log2 units of score -> key value (q = 1, scale 0.125)
+    for s, (L, _) in enumerate(specs):
+        pos = torch.arange(L)
+        k[bt[s, pos // 16].long(), :, pos % 16] = torch.where(pos < 64, 1.0, 1.0 + rise)[:, None, None].to(k.dtype)
+    kc, vc = to_cache_layout(k, (v.float() * v_scale).bfloat16(), "cpu")
+    q = torch.ones_like(q)
+    out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
+    ref = reference(q, kc, vc, bt, sl, qsl, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float() / v_scale, ref / v_scale, atol=2e-2, rtol=2e-2)
+
+
 def test_strided_q_in_a_mixed_step(path):
     """q as a view of a fused QKV output, prompts beside decodes (whose rows the step gathers)."""
     q, kc, vc, bt, sl, qsl, _ = make_batch([(40, 1), (90, 33), (9, 1)], 4, 2, 64, 8, torch.bfloat16, seed=5)
@@ -149,15 +171,15 @@ def test_fp32_kernels_give_the_bits_of_vdpbf16ps(cache_dtype, head_dim, block_si
 
 def test_best_path_without_amx():
     """Where AMX does not run, builds for AVX512-FP16 CPUs (Intel Sapphire Rapids and later, where
-    vdpbf16ps issues at a quarter of the FMA rate) take the fp32 kernels, other AVX512-BF16 builds
-    vdpbf16ps."""
+    vdpbf16ps issues at a quarter of the FMA rate) take the fp32 QK and the fp16 PV, other AVX512-BF16
+    builds vdpbf16ps."""
     if _C.isa() != "avx512_bf16":
         pytest.skip("no AVX512-BF16 in this build")
     best = _C.prefill_attention_path()
     if best == "amx":
         pytest.skip("AMX runs here")
     fp16_build = _C.decode_attention_path() == "avx512_fp16"  # the best decode path this build has
-    assert best == ("avx512_fp32" if fp16_build else "avx512_bf16")
+    assert best == ("avx512_fp16" if fp16_build else "avx512_bf16")
 
 
 def test_bad_argument_changes_nothing():
@@ -172,7 +194,7 @@ def test_bad_argument_changes_nothing():
 
 
 def test_unknown_path_name():
-    with pytest.raises(ValueError, match="amx, avx512_fp32, avx512_bf16, portable or paged"):
+    with pytest.raises(ValueError, match="amx, avx512_fp16, avx512_fp32, avx512_bf16, portable or paged"):
         _C.set_prefill_attention_path("sse")
 
 

@@ -28,12 +28,17 @@
 //   amx          AMX tiles where the build (-march with AMX-TILE/BF16) and Linux (arch_prctl) allow:
 //                the same chunk loop with groups of 16 rows, QK and PV as tile products overlapped
 //                with the softmax on AVX-512 (AmxPipeline); ~3x the vdpbf16ps path on the same core.
+//   avx512_fp16  the default without AMX on builds for AVX512-FP16 CPUs (Intel Sapphire Rapids and
+//                later): QK as avx512_fp32, PV in fp16 FMAs (32 products each, at the fp32 FMA's issue
+//                rate) over V staged once per item and chunk as fp16 (HalfKernels, pv_half). One
+//                prompt's attention, 2 threads, both paths alternating in one process: 8k 235-241
+//                against 197-211 GFLOP/s, 2k 196-209 against 175-202. The default model's logprobs
+//                against the fp32 engine move no further than avx512_fp32's (test_kv_accuracy).
 //   avx512_fp32  the same chunk loop, each K/V line widened in registers to fp32 (its even and odd
-//                halves) for two fp32 FMAs per row (Fp32Kernels): the bits of avx512_bf16. The default
-//                without AMX on builds for AVX512-FP16 CPUs (Intel Sapphire Rapids and later), whose
-//                vdpbf16ps issues at a quarter of the fp32 FMA rate (one core: 1.3 G/s against 5.2).
-//                2 threads, a 4k prompt in chunks of 64, both paths alternating in one process:
-//                ~1.3x avx512_bf16.
+//                halves) for two fp32 FMAs per row (Fp32Kernels): the bits of avx512_bf16. On
+//                AVX512-FP16 CPUs vdpbf16ps issues at a quarter of the fp32 FMA rate (one core: 1.3
+//                G/s against 5.2); 2 threads, a 4k prompt in chunks of 64, both paths alternating in
+//                one process: ~1.3x avx512_bf16.
 //   avx512_bf16  the vdpbf16ps micro-kernels above.
 //   portable     plain loops over the same packed layout, same arithmetic in fp32 (every build).
 #include <algorithm>
@@ -53,6 +58,7 @@
 #include "pyengine/amx.h"
 #include "pyengine/bf16_widen.h"
 #include "pyengine/cpu_ops.h"
+#include "pyengine/half_pairs.h"
 #include "pyengine/kv_layout.h"
 #include "pyengine/kv_quant.h"
 #include "pyengine/parallel.h"
@@ -81,7 +87,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // The kernels a build has, best first; set_prefill_attention_path caps which one runs (tests). kPaged:
 // no kernel of this file; prompts run on paged_attention's (attention.cpp).
-enum class Path { kAmx, kAvx512Fp32, kAvx512Bf16, kPortable, kPaged };
+enum class Path { kAmx, kAvx512Half, kAvx512Fp32, kAvx512Bf16, kPortable, kPaged };
 std::atomic<Path> g_cap{Path::kAmx};
 
 // One (sequence, kv head)'s packed K/V: positions [lo, lo + n), n a multiple of kChunk; k, v, ks, vs
@@ -102,9 +108,10 @@ struct Item {
 
 // Per-thread scratch of an item: its q rows (bf16), accumulators, running max/sum, each row's causal end,
 // scores and bf16 probabilities of a row group (two of each for the AMX pipeline), a K/V group
-// packed from the cache (the one holding a sequence's last position) and the AMX path's V blocks.
+// packed from the cache (the one holding a sequence's last position), the AMX path's V blocks and the
+// avx512_fp16 path's fp16 V chunk.
 struct Scratch {
-  std::vector<uint16_t> q, p, edge, vblocks;
+  std::vector<uint16_t> q, p, edge, vblocks, vhalf;
   std::vector<float> o, m, l, s;
   std::vector<int64_t> end;
   // padded: the item's q rows rounded up to whole row groups of its path (the zero rows are computed too)
@@ -115,6 +122,7 @@ struct Scratch {
     p.resize(2 * kAmxRows * kChunk);
     edge.resize(32 * D);
     vblocks.resize(3 * kChunk * D);
+    vhalf.resize(kChunk * D);
   }
 };
 
@@ -257,6 +265,7 @@ struct ChunkKV {
   const uint16_t* k[4];  // group g: dims pair j of its token u at k[g][j * kld[g] + 2 u] (and + 1)
   int64_t kld[4];        // 32 in a packed run, 2 BS in a cache block ([D/2][BS][2])
   const uint16_t* v[4];  // group g: its token pair i (< 8) at dim d at v[g][2 D i + 2 d] (and + 1)
+  float v_unit = 1.0f;   // avx512_fp16: v holds fp16 pairs (stage_v_half), each worth v_unit times its value
 };
 
 // A zero K/V group (positions past a sequence's end), the widest head_dim.
@@ -642,6 +651,87 @@ void pv_fp32(const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const 
 template <int NR>
 using Fp32Kernels = SimdKernels<qk_fp32<NR>, pv_fp32<NR>>;
 
+#if defined(__AVX512FP16__)
+// The avx512_fp16 PV: fp16 FMAs, 32 products per instruction where the fp32 kernel's FMAs do 16. The
+// chunk's V is staged once per item and chunk, as fp16 pairs in the packed layout (stage_v_half), and
+// each row's probabilities once per call. Both are scaled by powers of two (exact): V so that its
+// largest |v| is below 2^8, a row's probabilities so that their sum is below 2^7. A lane then sums 32
+// products whose magnitudes add up to less than 2^15, within fp16's range (65504), and the products of
+// the largest values stay far from its subnormals. A row's chunk sums are fp16 (as llama.cpp's CPU
+// flash attention keeps its whole V accumulator): ~2^-11 of each partial sum per addition, against the
+// 2^-9 of each bf16 probability; they are added to the fp32 accumulator once per chunk.
+// QK stays on the fp32 kernel: a score's error in fp16 would be ~2^-11 of |q||k|, too much for exp.
+
+// The chunk's 32 token pairs of V (bf16) -> fp16 pairs at dst, times 2^e bringing the largest |v| into
+// [2^7, 2^8); returns the staged chunk (kv with v at dst, v_unit = 2^-e).
+ChunkKV stage_v_half(const ChunkKV& kv, int64_t D, uint16_t* dst) {
+  const int64_t lines = 8 * D / 16;  // a 16-token group: 8 token pairs x D dims, 16 dims (32 values) a line
+  const __m512i abs_bits = _mm512_set1_epi16(0x7fff);
+  __m512i vmax = _mm512_setzero_si512();  // the bf16 bits of |v| (ordered as integers)
+  for (int g = 0; g < 4; ++g)
+    for (int64_t i = 0; i < lines; ++i)
+      vmax = _mm512_max_epu16(vmax, _mm512_and_si512(_mm512_loadu_si512(kv.v[g] + 32 * i), abs_bits));
+  const __m512i m16 = _mm512_max_epu16(vmax, _mm512_srli_epi32(vmax, 16));  // each lane's larger half, low
+  const Pow2 s = pow2_to(_mm512_reduce_max_ps(bf16_even(m16)), 7.0f);
+  ChunkKV out = kv;
+  for (int g = 0; g < 4; ++g) {
+    uint16_t* to = dst + g * 8 * 2 * D;
+    for (int64_t i = 0; i < lines; ++i) {
+      const __m512i x = _mm512_loadu_si512(kv.v[g] + 32 * i);
+      const __m256i even = _mm256_castph_si256(_mm512_cvtxps_ph(_mm512_mul_ps(bf16_even(x), s.up)));
+      const __m256i odd = _mm256_castph_si256(_mm512_cvtxps_ph(_mm512_mul_ps(bf16_odd(x), s.up)));
+      _mm512_storeu_si512(to + 32 * i, _mm512_or_si512(_mm512_cvtepu16_epi32(even),
+                                                       _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd), 16)));
+    }
+    out.v[g] = to;
+  }
+  out.v_unit = s.down;
+  return out;
+}
+
+// o_r = o_r * alpha_r + sum_t p_rt v_t over a staged chunk (stage_v_half), 64 dims (NR x 4 fp16-pair
+// accumulators) at a time. Not inlined: GCC inlined it into run_item, where the kernel as a whole ran
+// no faster than avx512_fp32 (2k prompt, 2 threads: 209-212 against 201-213 GFLOP/s). On its own it
+// takes 61% of pv_fp32's samples, 70% with the staging (perf, 2k prompt, 1 thread).
+template <int NR>
+__attribute__((noinline)) void pv_half(const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const float* alpha, float* o) {
+  alignas(64) uint16_t ph[NR * kChunk];
+  float unit[NR];  // what a row's fp16 sums are worth
+  for (int r = 0; r < NR; ++r) {
+    __m512 w[4], sum = _mm512_setzero_ps();
+    for (int g = 0; g < 4; ++g) sum = _mm512_add_ps(sum, w[g] = load_bf16x16(p + r * kChunk + 16 * g));
+    const Pow2 s = pow2_to(_mm512_reduce_add_ps(sum), 6.0f);
+    for (int g = 0; g < 4; ++g)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(ph + r * kChunk + 16 * g),
+                         _mm256_castph_si256(_mm512_cvtxps_ph(_mm512_mul_ps(w[g], s.up))));
+    unit[r] = s.down * kv.v_unit;
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512h x[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) x[r][i] = _mm512_setzero_ph();
+    for (int pp = 0; pp < npairs; ++pp) {
+      const uint16_t* vp = v_at(kv, pp, D) + 2 * d0;
+      __m512h vv[4];
+      for (int i = 0; i < 4; ++i) vv[i] = _mm512_castsi512_ph(_mm512_loadu_si512(vp + 32 * i));
+      for (int r = 0; r < NR; ++r) {
+        const __m512h pr = _mm512_castsi512_ph((__m512i)bcast_pair(ph + r * kChunk + 2 * pp));
+        for (int i = 0; i < 4; ++i) x[r][i] = _mm512_fmadd_ph(vv[i], pr, x[r][i]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) {
+        float* to = o + r * D + d0 + 16 * i;
+        _mm512_storeu_ps(to, _mm512_fmadd_ps(half_pairs_to_ps(x[r][i]), _mm512_set1_ps(unit[r]),
+                                             _mm512_mul_ps(_mm512_loadu_ps(to), _mm512_set1_ps(alpha[r]))));
+      }
+  }
+}
+
+template <int NR>
+using HalfKernels = SimdKernels<qk_fp32<NR>, pv_half<NR>>;
+#endif
+
 #endif
 
 #if defined(PYENGINE_AMX)
@@ -867,9 +957,12 @@ void row_group_of(int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, con
 }
 #endif
 
-// nr (<= kRows) rows of one chunk, on the fp32, vdpbf16ps or portable path.
+// nr (<= kRows) rows of one chunk, on the fp16, fp32, vdpbf16ps or portable path.
 void row_group(Path path, int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const ChunkKV& kv, const int* lo,
                const int* hi, float* m, float* l, float* o, Scratch& w) {
+#if defined(__AVX512FP16__)
+  if (path == Path::kAvx512Half) return row_group_of<HalfKernels>(nr, c, q, D, kv, lo, hi, m, l, o, w);
+#endif
 #if defined(__AVX512BF16__)
   if (path == Path::kAvx512Fp32) return row_group_of<Fp32Kernels>(nr, c, q, D, kv, lo, hi, m, l, o, w);
   if (path == Path::kAvx512Bf16) return row_group_of<AvxKernels>(nr, c, q, D, kv, lo, hi, m, l, o, w);
@@ -904,13 +997,16 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
   const bool quant = a.cdt != DType::kBFloat16;
   [[maybe_unused]] int64_t chunks = 0;
   for (int64_t c0 = kv_lo / kChunk * kChunk; c0 < pos_end; c0 += kChunk) {
-    const ChunkKV kv = chunk_kv(a, P, c0, w.edge.data());  // only the item's last chunk may use the edge buffer
+    ChunkKV kv = chunk_kv(a, P, c0, w.edge.data());  // only the item's last chunk may use the edge buffer
     if (!P.k) prefetch_chunk(a, P, c0 + kChunk);
     const int64_t t = c0 - P.lo;  // the chunk in the packed run
     const RowSoftmax sm{a.scale, a.softcap, quant ? P.ks + t : nullptr, quant ? P.vs + t : nullptr};
 #if defined(PYENGINE_AMX)
     const uint16_t* vb[2] = {};
     if (amx) v_blocks(kv, D, w.vblocks.data() + ++chunks % 3 * kChunk * D, vb);  // see AmxPipeline
+#endif
+#if defined(__AVX512FP16__)
+    if (path == Path::kAvx512Half) kv = stage_v_half(kv, D, w.vhalf.data());
 #endif
     for (int64_t r0 = 0; r0 < rows; r0 += group) {
       const int nr = static_cast<int>(std::min<int64_t>(group, rows - r0));
@@ -1025,8 +1121,11 @@ Path best_path() {
 #if defined(PYENGINE_AMX)
   if (cap == Path::kAmx && amx_usable()) return Path::kAmx;
 #endif
+#if defined(__AVX512FP16__)
+  if (cap == Path::kAmx || cap == Path::kAvx512Half) return Path::kAvx512Half;
+#endif
 #if defined(__AVX512BF16__)
-  if (cap == Path::kAvx512Fp32 || (cap == Path::kAmx && kPreferFp32Fma)) return Path::kAvx512Fp32;
+  if (cap == Path::kAvx512Fp32) return Path::kAvx512Fp32;
   if (cap != Path::kPortable) return Path::kAvx512Bf16;
 #elif defined(__AVX2__) && defined(__FMA__)
   if (cap != Path::kPortable) return Path::kPaged;
@@ -1065,16 +1164,19 @@ void prefill_attention_cpu(const AttentionStep& a, const int32_t* seqs, int64_t 
 
 void set_prefill_attention_path(const std::string& name) {
   if (name == "amx") g_cap.store(Path::kAmx);
+  else if (name == "avx512_fp16") g_cap.store(Path::kAvx512Half);
   else if (name == "avx512_fp32") g_cap.store(Path::kAvx512Fp32);
   else if (name == "avx512_bf16") g_cap.store(Path::kAvx512Bf16);
   else if (name == "portable") g_cap.store(Path::kPortable);
   else if (name == "paged") g_cap.store(Path::kPaged);
-  else throw std::invalid_argument("prefill attention path must be amx, avx512_fp32, avx512_bf16, portable or paged, got " + name);
+  else throw std::invalid_argument(
+      "prefill attention path must be amx, avx512_fp16, avx512_fp32, avx512_bf16, portable or paged, got " + name);
 }
 
 std::string prefill_attention_path() {
   switch (best_path()) {
     case Path::kAmx: return "amx";
+    case Path::kAvx512Half: return "avx512_fp16";
     case Path::kAvx512Fp32: return "avx512_fp32";
     case Path::kAvx512Bf16: return "avx512_bf16";
     case Path::kPaged: return "paged";
