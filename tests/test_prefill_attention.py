@@ -114,6 +114,23 @@ def test_running_max_rising_through_the_prompt(path):
     torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.125), atol=2e-2, rtol=2e-2)
 
 
+def test_keys_with_a_large_common_offset(path):
+    """Keys sharing an offset 20x their spread (as a k bias gives, Qwen's): q . offset moves every score
+    of a row alike, which its softmax cancels, but it swells the dot products ~30x. The avx512_fp16 path
+    subtracts a mean key before its fp16 QK sums, without which their rounding (~2^-11 of each partial
+    sum) moves the scores by ~0.1."""
+    specs = [(1024, 1024), (700, 40)]
+    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 6, 2, 64, 16, torch.bfloat16, seed=9)
+    k, v = from_cache_layout(kc, vc)
+    g = torch.Generator().manual_seed(10)
+    offset = 20 * torch.randn(2, 1, 64, generator=g).sign()  # per kv head, over every position
+    k = (offset + torch.randn(k.shape, generator=g)).to(k.dtype)
+    q = (q.float() + 0.5 * offset.repeat_interleave(3, 0)[None, :, 0] / 20).to(q.dtype)  # q partly along it
+    kc, vc = to_cache_layout(k, v, "cpu")
+    out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
+    torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.125), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("v_scale", [1e6, 1.0, 1e-6])
 def test_values_beyond_fp16s_range(path, v_scale):
     """V far beyond fp16's range either way (65504 at the top, 6e-8 its smallest subnormal), and a

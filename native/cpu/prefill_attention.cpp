@@ -23,17 +23,19 @@
 //                                                  vdpbf16ps(V pair vector, p pair)
 //     so each loaded K/V vector feeds kRows dot products and the chunk (8-16 KB) stays in L1 while
 //     all the item's rows pass over it. Probabilities are rounded to bf16 for PV (as flash attention
-//     on GPUs does); scores, sums and accumulators are fp32.
+//     on GPUs does); scores, sums and accumulators are fp32 (the avx512_fp16 path below differs).
 // Paths, best first (set_prefill_attention_path caps the choice, for tests):
 //   amx          AMX tiles where the build (-march with AMX-TILE/BF16) and Linux (arch_prctl) allow:
 //                the same chunk loop with groups of 16 rows, QK and PV as tile products overlapped
 //                with the softmax on AVX-512 (AmxPipeline); ~3x the vdpbf16ps path on the same core.
 //   avx512_fp16  the default without AMX on builds for AVX512-FP16 CPUs (Intel Sapphire Rapids and
-//                later): QK as avx512_fp32, PV in fp16 FMAs (32 products each, at the fp32 FMA's issue
-//                rate) over V staged once per item and chunk as fp16 (HalfKernels, pv_half). One
-//                prompt's attention, 2 threads, both paths alternating in one process: 8k 235-241
-//                against 197-211 GFLOP/s, 2k 196-209 against 175-202. The default model's logprobs
-//                against the fp32 engine move no further than avx512_fp32's (test_kv_accuracy).
+//                later): QK and PV in fp16 FMAs (32 products each, at the fp32 FMA's issue rate) over
+//                q staged once per item, K (less a mean key) and V once per item and chunk, as fp16
+//                (HalfKernels), probabilities in fp16; QK stays on avx512_fp32's kernel for quantized
+//                caches and soft-caps. One prompt's attention, 2 threads, both paths alternating in
+//                one process: 8k 287-290 against 219-223 GFLOP/s, 2k 265-271 against 208-213 (before
+//                the fp16 probabilities, 3-4% more since). Against the fp32 engine, the default
+//                model's logprobs move about as far as avx512_fp32's (test_kv_accuracy).
 //   avx512_fp32  the same chunk loop, each K/V line widened in registers to fp32 (its even and odd
 //                halves) for two fp32 FMAs per row (Fp32Kernels): the bits of avx512_bf16. On
 //                AVX512-FP16 CPUs vdpbf16ps issues at a quarter of the fp32 FMA rate (one core: 1.3
@@ -109,10 +111,10 @@ struct Item {
 // Per-thread scratch of an item: its q rows (bf16), accumulators, running max/sum, each row's causal end,
 // scores and bf16 probabilities of a row group (two of each for the AMX pipeline), a K/V group
 // packed from the cache (the one holding a sequence's last position), the AMX path's V blocks and the
-// avx512_fp16 path's fp16 V chunk.
+// avx512_fp16 path's fp16 K and V chunk.
 struct Scratch {
-  std::vector<uint16_t> q, p, edge, vblocks, vhalf;
-  std::vector<float> o, m, l, s;
+  std::vector<uint16_t> q, p, edge, vblocks, khalf, vhalf;
+  std::vector<float> o, m, l, s, kmu;
   std::vector<int64_t> end;
   // padded: the item's q rows rounded up to whole row groups of its path (the zero rows are computed too)
   void fit(int64_t padded, int64_t D) {
@@ -122,6 +124,8 @@ struct Scratch {
     p.resize(2 * kAmxRows * kChunk);
     edge.resize(32 * D);
     vblocks.resize(3 * kChunk * D);
+    khalf.resize(kChunk * D);
+    kmu.resize(D);
     vhalf.resize(kChunk * D);
   }
 };
@@ -265,7 +269,9 @@ struct ChunkKV {
   const uint16_t* k[4];  // group g: dims pair j of its token u at k[g][j * kld[g] + 2 u] (and + 1)
   int64_t kld[4];        // 32 in a packed run, 2 BS in a cache block ([D/2][BS][2])
   const uint16_t* v[4];  // group g: its token pair i (< 8) at dim d at v[g][2 D i + 2 d] (and + 1)
-  float v_unit = 1.0f;   // avx512_fp16: v holds fp16 pairs (stage_v_half), each worth v_unit times its value
+  bool k_half = false;   // avx512_fp16: k holds fp16 pairs (stage_half_chunk), each worth k_unit times
+  float k_unit = 1.0f;   // its value (less the item's mean key), v too (v_unit)
+  float v_unit = 1.0f;
 };
 
 // A zero K/V group (positions past a sequence's end), the widest head_dim.
@@ -334,7 +340,7 @@ struct RowSoftmax {
   const float* vs;
 };
 
-float softmax_row_portable(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
+float softmax_row_portable(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p, float&) {
   float x[kChunk];
   float mx = kNegInf;
   for (int t = lo; t < hi; ++t) {
@@ -389,18 +395,18 @@ void pv_portable(int nr, const uint16_t* p, const ChunkKV& kv, int64_t D, int np
 // The softmax of rows [0, nr) of a row group (probabilities p; alpha[r] for row r's accumulator);
 // rows that see nothing of the chunk get zero probabilities. Returns the end of the last visible
 // token over the rows (PV stops there). before_row(r) runs before row r (the AMX path issues its tile
-// work there).
+// work there). p_unit[r]: what row r's probabilities are worth, where Softmax scales them (fp16).
 template <auto Softmax, class BeforeRow>
 int softmax_rows(int nr, const RowSoftmax& c, const float* s, const int* lo, const int* hi, float* m,
-                 float* l, uint16_t* p, float* alpha, BeforeRow before_row) {
+                 float* l, uint16_t* p, float* alpha, float* p_unit, BeforeRow before_row) {
   int maxhi = 0;
   for (int r = 0; r < nr; ++r) {
     before_row(r);
     if (lo[r] < hi[r]) {
-      alpha[r] = Softmax(c, s + r * kChunk, lo[r], hi[r], m[r], l[r], p + r * kChunk);
+      alpha[r] = Softmax(c, s + r * kChunk, lo[r], hi[r], m[r], l[r], p + r * kChunk, p_unit[r]);
       maxhi = std::max(maxhi, hi[r]);
     } else {
-      alpha[r] = 1.0f;
+      alpha[r] = p_unit[r] = 1.0f;
       std::memset(p + r * kChunk, 0, kChunk * 2);
     }
   }
@@ -410,7 +416,8 @@ int softmax_rows(int nr, const RowSoftmax& c, const float* s, const int* lo, con
 struct PortableKernels {
   static void qk(int nr, const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) { qk_portable(nr, q, D, kv, s); }
   static constexpr auto softmax = softmax_row_portable;
-  static void pv(int nr, const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const float* alpha, float* o) {
+  static void pv(int nr, const uint16_t* p, const float*, const ChunkKV& kv, int64_t D, int npairs, const float* alpha,
+                 float* o) {
     pv_portable(nr, p, kv, D, npairs, alpha, o);
   }
 };
@@ -420,9 +427,9 @@ template <class Kernels>
 void row_group(int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const ChunkKV& kv, const int* lo,
                const int* hi, float* m, float* l, float* o, Scratch& w) {
   Kernels::qk(nr, q, D, kv, w.s.data());
-  float alpha[kRows];
-  const int maxhi = softmax_rows<Kernels::softmax>(nr, c, w.s.data(), lo, hi, m, l, w.p.data(), alpha, [](int) {});
-  Kernels::pv(nr, w.p.data(), kv, D, (maxhi + 1) / 2, alpha, o);
+  float alpha[kRows], p_unit[kRows];
+  const int maxhi = softmax_rows<Kernels::softmax>(nr, c, w.s.data(), lo, hi, m, l, w.p.data(), alpha, p_unit, [](int) {});
+  Kernels::pv(nr, w.p.data(), p_unit, kv, D, (maxhi + 1) / 2, alpha, o);
 }
 
 #if defined(__AVX512BF16__)
@@ -454,14 +461,34 @@ inline __m512 exp2_prob(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// A row's probabilities e (tokens 16 g .. 16 g + 15 in e[g]) into p: bf16, or (kHalf, for pv_half) fp16
+// times the 2^k bringing `total`, their sum, into [2^6, 2^7), with unit = 2^-k.
+template <bool kHalf>
+inline void store_probabilities(const __m512 (&e)[4], [[maybe_unused]] float total, uint16_t* p,
+                                [[maybe_unused]] float& unit) {
+  if constexpr (kHalf) {
+#if defined(__AVX512FP16__)
+    const Pow2 u = pow2_to(total, 6.0f);
+    for (int g = 0; g < 4; ++g)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * g),
+                          _mm256_castph_si256(_mm512_cvtxps_ph(_mm512_mul_ps(e[g], u.up))));
+    unit = u.down;
+#endif
+  } else {
+    for (int g = 0; g < 4; g += 2)  // tokens 16 g .. 16 g + 31, one vector
+      _mm512_storeu_si512(p + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(e[g + 1], e[g]));
+  }
+}
+
 // As softmax_row_portable, with m in log2 units (scores times log2 e, so exp is exp2). The running
 // max moves only when a score passes it by more than kMaxSlack: until then the row's probabilities
 // stay <= 2^kMaxSlack (harmless in fp32 and bf16), alpha is exactly 1 (the accumulator is not
 // rescaled) and the row needs no horizontal max. Plain scores (no softcap, no per-token K scales)
 // stay raw dot products until the exponent, where one fused multiply-subtract scales them and
 // subtracts the max; rows that see the whole chunk skip the masks.
+template <bool kHalf>
 __attribute__((noinline)) float softmax_row_general(const RowSoftmax& c, const float* s, int lo, int hi, float& m,
-                                                    float& l, uint16_t* p) {
+                                                    float& l, uint16_t* p, float& p_unit) {
   __m512 x[4];
   __mmask16 keep[4];
   const bool capped = c.softcap > 0.0f, plain = !capped && !c.ks, masked = lo > 0 || hi < kChunk;
@@ -496,9 +523,11 @@ __attribute__((noinline)) float softmax_row_general(const RowSoftmax& c, const f
     sum = _mm512_add_ps(sum, e[g]);
     if (c.vs) e[g] = _mm512_mul_ps(e[g], _mm512_loadu_ps(c.vs + 16 * g));
   }
-  for (int g = 0; g < 4; g += 2)  // tokens 16 g .. 16 g + 31, one vector
-    _mm512_storeu_si512(p + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(e[g + 1], e[g]));
-  l = l * alpha + _mm512_reduce_add_ps(sum);
+  const float row_sum = _mm512_reduce_add_ps(sum);
+  const float stored = kHalf && c.vs ? _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])))
+                                     : row_sum;
+  store_probabilities<kHalf>(e, stored, p, p_unit);
+  l = l * alpha + row_sum;
   m = m_new;
   return alpha;
 }
@@ -506,7 +535,9 @@ __attribute__((noinline)) float softmax_row_general(const RowSoftmax& c, const f
 // softmax_row_general's common row, inlined into the row loop: plain scores (no softcap, no per-token
 // scales) of a chunk the row sees whole, with no masks to build, no stack frame and no branch but the
 // rare max update. A row's scalar overhead cost as much as its vector work in the general function.
-__attribute__((always_inline)) inline float softmax_row_full(float unit, const float* s, float& m, float& l, uint16_t* p) {
+template <bool kHalf>
+__attribute__((always_inline)) inline float softmax_row_full(float unit, const float* s, float& m, float& l, uint16_t* p,
+                                                             float& p_unit) {
   const __m512 scale = _mm512_set1_ps(unit), limit = _mm512_set1_ps((m + kMaxSlack) / unit);
   __m512 x[4];
   __mmask16 over = 0;
@@ -526,16 +557,20 @@ __attribute__((always_inline)) inline float softmax_row_full(float unit, const f
     e[g] = exp2_prob(_mm512_fmsub_ps(x[g], scale, vm));
     sum = _mm512_add_ps(sum, e[g]);
   }
-  _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
-  _mm512_storeu_si512(p + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
-  l = l * alpha + _mm512_reduce_add_ps(sum);
+  const float row_sum = _mm512_reduce_add_ps(sum);
+  store_probabilities<kHalf>(e, row_sum, p, p_unit);
+  l = l * alpha + row_sum;
   m = m_new;
   return alpha;
 }
 
-__attribute__((always_inline)) inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m, float& l, uint16_t* p) {
-  if (c.softcap == 0.0f && !c.ks && !c.vs && lo == 0 && hi == kChunk) return softmax_row_full(c.scale * kLog2e, s, m, l, p);
-  return softmax_row_general(c, s, lo, hi, m, l, p);
+// kHalf: fp16 probabilities, scaled per row (store_probabilities), for pv_half.
+template <bool kHalf>
+__attribute__((always_inline)) inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m,
+                                                            float& l, uint16_t* p, float& unit) {
+  if (c.softcap == 0.0f && !c.ks && !c.vs && lo == 0 && hi == kChunk)
+    return softmax_row_full<kHalf>(c.scale * kLog2e, s, m, l, p, unit);
+  return softmax_row_general<kHalf>(c, s, lo, hi, m, l, p, unit);
 }
 
 template <int NR>
@@ -576,13 +611,16 @@ void pv_avx(const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const f
   }
 }
 
-// A SIMD path's micro-kernels for NR rows (QK, PV) with the vectorized softmax, as row_group takes them.
-template <auto QK, auto PV>
+// A SIMD path's micro-kernels for NR rows (QK, PV) with a vectorized softmax (bf16 probabilities, or
+// fp16 ones for PV in fp16), as row_group takes them.
+template <auto QK, auto PV, auto Softmax = softmax_row_avx<false>>
 struct SimdKernels {
   static void qk(int, const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) { QK(q, D, kv, s); }
-  static constexpr auto softmax = softmax_row_avx;
-  static void pv(int, const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const float* alpha, float* o) {
-    PV(p, kv, D, npairs, alpha, o);
+  static constexpr auto softmax = Softmax;
+  static void pv(int, const uint16_t* p, const float* p_unit, const ChunkKV& kv, int64_t D, int npairs,
+                 const float* alpha, float* o) {
+    if constexpr (Softmax == softmax_row_avx<true>) PV(p, p_unit, kv, D, npairs, alpha, o);
+    else PV(p, kv, D, npairs, alpha, o);
   }
 };
 
@@ -652,66 +690,171 @@ template <int NR>
 using Fp32Kernels = SimdKernels<qk_fp32<NR>, pv_fp32<NR>>;
 
 #if defined(__AVX512FP16__)
-// The avx512_fp16 PV: fp16 FMAs, 32 products per instruction where the fp32 kernel's FMAs do 16. The
-// chunk's V is staged once per item and chunk, as fp16 pairs in the packed layout (stage_v_half), and
-// each row's probabilities once per call. Both are scaled by powers of two (exact): V so that its
-// largest |v| is below 2^8, a row's probabilities so that their sum is below 2^7. A lane then sums 32
-// products whose magnitudes add up to less than 2^15, within fp16's range (65504), and the products of
-// the largest values stay far from its subnormals. A row's chunk sums are fp16 (as llama.cpp's CPU
-// flash attention keeps its whole V accumulator): ~2^-11 of each partial sum per addition, against the
-// 2^-9 of each bf16 probability; they are added to the fp32 accumulator once per chunk.
-// QK stays on the fp32 kernel: a score's error in fp16 would be ~2^-11 of |q||k|, too much for exp.
+// The avx512_fp16 micro-kernels: fp16 FMAs, 32 products per instruction where the fp32 kernels' FMAs
+// do 16, over K, V and q staged as fp16 pairs in the packed layouts: K and V once per item and chunk
+// (stage_half_chunk), q once per item (q_to_half); the softmax writes the probabilities in fp16
+// (store_probabilities), which keeps 3 more bits of each than bf16. Every operand is scaled by a
+// power of two (exact; bf16 values fit fp16's 11 bits unless they sink below its normal range, 2^-14,
+// ~2^-19 of the largest) so that no fp16 sum can overflow (65504):
+//   QK  the item's q and the chunk's K below 2^(tq+1) and 2^(tk+1) (half_tops): a lane sums at most
+//       D/2 products, below 2^15 together. The softmax takes the units out with the scale it applies.
+//   PV  V's largest |v| below 2^8, a row's probabilities' sum below 2^7: a lane sums 32 products
+//       whose magnitudes add up to less than 2^15.
+// A lane's fp16 sum rounds at each addition (~2^-11 of the partial sum), so the sums are kept short
+// and small: QK adds kQkSpan dims pairs per sum (then fp32), over keys less the mean key of the item's
+// last chunk (run_item: an offset common to the keys, as k biases give, would swell every partial
+// sum); a row's PV sums last one chunk before they join its fp32 accumulator (llama.cpp's CPU flash
+// attention keeps its whole V accumulator in fp16). The default model's logprobs against the fp32
+// engine (test_kv_accuracy): mean change 0.0142 against avx512_fp32's 0.0139, top-1 99.27% against
+// 99.22%. QK sums of 32 pairs ran ~9% faster but moved the logprobs 0.0147 and doubled the largest
+// error on the random keys of test_prefill_attention.
 
-// The chunk's 32 token pairs of V (bf16) -> fp16 pairs at dst, times 2^e bringing the largest |v| into
-// [2^7, 2^8); returns the staged chunk (kv with v at dst, v_unit = 2^-e).
-ChunkKV stage_v_half(const ChunkKV& kv, int64_t D, uint16_t* dst) {
-  const int64_t lines = 8 * D / 16;  // a 16-token group: 8 token pairs x D dims, 16 dims (32 values) a line
+constexpr int64_t kQkSpan = 16;  // dims pairs per fp16 QK sum
+
+// The binary exponents tq and tk that an item's q and a chunk's K are staged below (largest |x| in
+// [2^t, 2^(t+1))): D/2 products each below 2^(tq+tk+2) add up to less than 2^15 (a bound for any span).
+struct HalfTops {
+  float q, k;
+};
+HalfTops half_tops(int64_t D) {
+  int log2_terms = 0;
+  while ((int64_t{1} << log2_terms) < D / 2) ++log2_terms;
+  const int budget = 13 - log2_terms;
+  return {static_cast<float>(budget - budget / 2), static_cast<float>(budget / 2)};
+}
+
+// fp32 values of the even and odd halves of 16 pairs -> the 16 pairs in fp16.
+inline __m512i half_pairs(__m512 even, __m512 odd) {
+  const __m256i e = _mm256_castph_si256(_mm512_cvtxps_ph(even)), o = _mm256_castph_si256(_mm512_cvtxps_ph(odd));
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(e), _mm512_slli_epi32(_mm512_cvtepu16_epi32(o), 16));
+}
+
+// The largest |x| of n bf16 vectors, each at src + i ld (n >= 1).
+inline float max_abs_bf16(const uint16_t* src, int64_t ld, int64_t n) {
   const __m512i abs_bits = _mm512_set1_epi16(0x7fff);
-  __m512i vmax = _mm512_setzero_si512();  // the bf16 bits of |v| (ordered as integers)
-  for (int g = 0; g < 4; ++g)
-    for (int64_t i = 0; i < lines; ++i)
-      vmax = _mm512_max_epu16(vmax, _mm512_and_si512(_mm512_loadu_si512(kv.v[g] + 32 * i), abs_bits));
-  const __m512i m16 = _mm512_max_epu16(vmax, _mm512_srli_epi32(vmax, 16));  // each lane's larger half, low
-  const Pow2 s = pow2_to(_mm512_reduce_max_ps(bf16_even(m16)), 7.0f);
-  ChunkKV out = kv;
-  for (int g = 0; g < 4; ++g) {
-    uint16_t* to = dst + g * 8 * 2 * D;
-    for (int64_t i = 0; i < lines; ++i) {
-      const __m512i x = _mm512_loadu_si512(kv.v[g] + 32 * i);
-      const __m256i even = _mm256_castph_si256(_mm512_cvtxps_ph(_mm512_mul_ps(bf16_even(x), s.up)));
-      const __m256i odd = _mm256_castph_si256(_mm512_cvtxps_ph(_mm512_mul_ps(bf16_odd(x), s.up)));
-      _mm512_storeu_si512(to + 32 * i, _mm512_or_si512(_mm512_cvtepu16_epi32(even),
-                                                       _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd), 16)));
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t i = 0; i < n; ++i) acc = _mm512_max_epu16(acc, _mm512_and_si512(_mm512_loadu_si512(src + i * ld), abs_bits));
+  const __m512i m16 = _mm512_max_epu16(acc, _mm512_srli_epi32(acc, 16));  // each lane's larger half, low
+  return _mm512_reduce_max_ps(bf16_even(m16));
+}
+
+// 4 groups of n lines of 32 bf16 (16 pairs; line i of group g at src[g] + i ld[g]) -> fp16 pairs at
+// dst (line i of group g at dst + 32 (i line_step + g group_step)), less mu (line i's pairs less
+// (mu[2i], mu[2i+1]); none where null), times the 2^e bringing max |x| + mu_max (the largest |x - mu|
+// at most) into [2^top, 2^(top+1)); returns 2^-e.
+float stage_half(const uint16_t* const (&src)[4], const int64_t (&ld)[4], int64_t n, const float* mu, float mu_max,
+                 float top, uint16_t* dst, int64_t line_step, int64_t group_step) {
+  float largest = 0.0f;
+  for (int g = 0; g < 4; ++g) largest = std::max(largest, max_abs_bf16(src[g], ld[g], n));
+  const Pow2 s = pow2_to(largest + mu_max, top);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 mu_even = mu ? _mm512_set1_ps(mu[2 * i]) : _mm512_setzero_ps();
+    const __m512 mu_odd = mu ? _mm512_set1_ps(mu[2 * i + 1]) : _mm512_setzero_ps();
+    for (int g = 0; g < 4; ++g) {
+      const __m512i x = _mm512_loadu_si512(src[g] + i * ld[g]);
+      _mm512_storeu_si512(dst + 32 * (i * line_step + g * group_step), half_pairs(_mm512_mul_ps(_mm512_sub_ps(bf16_even(x), mu_even), s.up),
+                                                             _mm512_mul_ps(_mm512_sub_ps(bf16_odd(x), mu_odd), s.up)));
     }
-    out.v[g] = to;
   }
-  out.v_unit = s.down;
+  return s.down;
+}
+
+// The mean of a chunk's first n keys (zeros past them, as chunk_kv gives past a sequence's end), fp32
+// per dim at mu (D); returns its largest |mu_d|.
+float key_mean(const ChunkKV& kv, int64_t D, int64_t n, float* mu) {
+  for (int64_t j = 0; j < D / 2; ++j) {  // line j of a group: dims 2j, 2j + 1 of its 16 tokens
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    for (int g = 0; g < 4; ++g) {
+      const __m512i x = _mm512_loadu_si512(kv.k[g] + j * kv.kld[g]);
+      even = _mm512_add_ps(even, bf16_even(x)), odd = _mm512_add_ps(odd, bf16_odd(x));
+    }
+    mu[2 * j] = _mm512_reduce_add_ps(even) / static_cast<float>(n);
+    mu[2 * j + 1] = _mm512_reduce_add_ps(odd) / static_cast<float>(n);
+  }
+  float largest = 0.0f;
+  for (int64_t d = 0; d < D; ++d) largest = std::max(largest, std::fabs(mu[d]));
+  return largest;
+}
+
+// The chunk's V and, with stage_k, its K less mu (null: none) -> fp16 at vdst and kdst (a 16-token group:
+// D/2 lines of 32 values, K's a dims pair of its 16 tokens, V's 16 dims of a token pair), K below
+// 2^(k_top+1), V below 2^8. V's groups follow each other (token pair i of the chunk at vdst + 2 D i);
+// K's lines interleave (dims pair j of group g at kdst + 32 (4 j + g)), so qk_half walks one pointer.
+ChunkKV stage_half_chunk(const ChunkKV& kv, int64_t D, bool stage_k, const float* mu, float mu_max, float k_top,
+                         uint16_t* kdst, uint16_t* vdst) {
+  static constexpr int64_t kLine[4] = {32, 32, 32, 32};
+  const int64_t lines = D / 2;
+  ChunkKV out = kv;
+  out.v_unit = stage_half(kv.v, kLine, lines, nullptr, 0.0f, 7.0f, vdst, 1, lines);
+  for (int g = 0; g < 4; ++g) out.v[g] = vdst + 32 * lines * g;
+  if (stage_k) {
+    out.k_half = true;
+    out.k_unit = stage_half(kv.k, kv.kld, lines, mu, mu_max, k_top, kdst, 4, 1);
+    for (int g = 0; g < 4; ++g) out.k[g] = kdst + 32 * g, out.kld[g] = 128;
+  }
   return out;
 }
 
-// o_r = o_r * alpha_r + sum_t p_rt v_t over a staged chunk (stage_v_half), 64 dims (NR x 4 fp16-pair
-// accumulators) at a time. Not inlined: GCC inlined it into run_item, where the kernel as a whole ran
-// no faster than avx512_fp32 (2k prompt, 2 threads: 209-212 against 201-213 GFLOP/s). On its own it
-// takes 61% of pv_fp32's samples, 70% with the staging (perf, 2k prompt, 1 thread).
-template <int NR>
-__attribute__((noinline)) void pv_half(const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const float* alpha, float* o) {
-  alignas(64) uint16_t ph[NR * kChunk];
-  float unit[NR];  // what a row's fp16 sums are worth
-  for (int r = 0; r < NR; ++r) {
-    __m512 w[4], sum = _mm512_setzero_ps();
-    for (int g = 0; g < 4; ++g) sum = _mm512_add_ps(sum, w[g] = load_bf16x16(p + r * kChunk + 16 * g));
-    const Pow2 s = pow2_to(_mm512_reduce_add_ps(sum), 6.0f);
-    for (int g = 0; g < 4; ++g)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(ph + r * kChunk + 16 * g),
-                         _mm256_castph_si256(_mm512_cvtxps_ph(_mm512_mul_ps(w[g], s.up))));
-    unit[r] = s.down * kv.v_unit;
+// The item's q rows (bf16, D each, `rows` a multiple of kRows) -> fp16 in place, times the 2^e bringing
+// the largest |q| into [2^top, 2^(top+1)), each group of kRows rows interleaved by dims pair (pair j of
+// its row r at 2 (j kRows + r) from the group's start), so that qk_half's broadcasts walk one pointer;
+// returns 2^-e.
+float q_to_half(uint16_t* q, int64_t rows, int64_t D, float top) {
+  const Pow2 s = pow2_to(max_abs_bf16(q, 32, rows * D / 32), top);
+  uint32_t pairs[kRows * 128];  // a row group's fp16 pairs, row-major (D <= 256)
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    uint16_t* group = q + r0 * D;
+    for (int64_t i = 0; i < kRows * D; i += 32) {
+      const __m512i x = _mm512_loadu_si512(group + i);
+      _mm512_storeu_si512(pairs + i / 2, half_pairs(_mm512_mul_ps(bf16_even(x), s.up), _mm512_mul_ps(bf16_odd(x), s.up)));
+    }
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t j = 0; j < D / 2; ++j) std::memcpy(group + 2 * (j * kRows + r), pairs + r * D / 2 + j, 4);
   }
+  return s.down;
+}
+
+// s[r][t] = q_r . k_t (in units of the staged q and K, keys less the item's mean key) over a staged
+// chunk and row group (q_to_half's layout), all 4 groups at once (NR x 4 fp16-pair accumulators),
+// kQkSpan dims pairs per fp16 sum.
+template <int NR>
+void qk_half(const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) {
+  for (int64_t j0 = 0; j0 < D / 2; j0 += kQkSpan) {
+    __m512h acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ph();
+    for (int64_t j = j0; j < std::min<int64_t>(D / 2, j0 + kQkSpan); ++j) {
+      __m512h kg[4];
+      for (int g = 0; g < 4; ++g) kg[g] = _mm512_castsi512_ph(_mm512_loadu_si512(kv.k[0] + 32 * (4 * j + g)));
+      for (int r = 0; r < NR; ++r) {
+        const __m512h qr = _mm512_castsi512_ph((__m512i)bcast_pair(q + 2 * (j * kRows + r)));
+        for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_fmadd_ph(kg[g], qr, acc[r][g]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int g = 0; g < 4; ++g) {
+        float* to = s + r * kChunk + 16 * g;
+        const __m512 part = half_pairs_to_ps(acc[r][g]);
+        _mm512_storeu_ps(to, j0 == 0 ? part : _mm512_add_ps(_mm512_loadu_ps(to), part));
+      }
+  }
+}
+
+// o_r = o_r * alpha_r + sum_t p_rt v_t over a staged chunk (stage_half_chunk), with row r's fp16
+// probabilities worth p_unit[r] each, 64 dims (NR x 4 fp16-pair accumulators) at a time. Not inlined:
+// GCC inlined it into run_item, where the kernel as a whole ran no faster (2k prompt, 2 threads, QK
+// still in fp32: 209-212 against 201-213 GFLOP/s for avx512_fp32).
+template <int NR>
+__attribute__((noinline)) void pv_half(const uint16_t* ph, const float* p_unit, const ChunkKV& kv, int64_t D, int npairs,
+                                       const float* alpha, float* o) {
+  float unit[NR];  // what a row's fp16 sums are worth
+  for (int r = 0; r < NR; ++r) unit[r] = p_unit[r] * kv.v_unit;
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     __m512h x[NR][4];
     for (int r = 0; r < NR; ++r)
       for (int i = 0; i < 4; ++i) x[r][i] = _mm512_setzero_ph();
-    for (int pp = 0; pp < npairs; ++pp) {
-      const uint16_t* vp = v_at(kv, pp, D) + 2 * d0;
+    const uint16_t* vp = kv.v[0] + 2 * d0;  // staged: token pair pp at kv.v[0] + 2 D pp
+    for (int pp = 0; pp < npairs; ++pp, vp += 2 * D) {
       __m512h vv[4];
       for (int i = 0; i < 4; ++i) vv[i] = _mm512_castsi512_ph(_mm512_loadu_si512(vp + 32 * i));
       for (int r = 0; r < NR; ++r) {
@@ -729,7 +872,9 @@ __attribute__((noinline)) void pv_half(const uint16_t* p, const ChunkKV& kv, int
 }
 
 template <int NR>
-using HalfKernels = SimdKernels<qk_fp32<NR>, pv_half<NR>>;
+using HalfKernels = SimdKernels<qk_half<NR>, pv_half<NR>, softmax_row_avx<true>>;
+template <int NR>
+using HalfPvKernels = SimdKernels<qk_fp32<NR>, pv_half<NR>, softmax_row_avx<true>>;  // K left in bf16 (see run_item)
 #endif
 
 #endif
@@ -920,9 +1065,9 @@ class AmxPipeline {
     }
     const RowGroup& sg = scored_;
     uint16_t* p = w_.p.data() + k_ % 2 * kAmxRows * kChunk;
-    float alpha[kAmxRows];
-    const int maxhi = softmax_rows<softmax_row_avx>(kAmxRows, sg.c, scores(k_ - 1), sg.lo, sg.hi, sg.m, sg.l, p, alpha,
-                                                    before_row);
+    float alpha[kAmxRows], p_unit[kAmxRows];
+    const int maxhi = softmax_rows<softmax_row_avx<false>>(kAmxRows, sg.c, scores(k_ - 1), sg.lo, sg.hi, sg.m, sg.l, p,
+                                                           alpha, p_unit, before_row);
     while (next < work.size()) work.run(next++);
     for (int r = 0; r < kAmxRows; ++r) {  // after the PV above: it may add to the same rows
       if (alpha[r] == 1.0f) continue;
@@ -961,7 +1106,8 @@ void row_group_of(int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, con
 void row_group(Path path, int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const ChunkKV& kv, const int* lo,
                const int* hi, float* m, float* l, float* o, Scratch& w) {
 #if defined(__AVX512FP16__)
-  if (path == Path::kAvx512Half) return row_group_of<HalfKernels>(nr, c, q, D, kv, lo, hi, m, l, o, w);
+  if (path == Path::kAvx512Half && kv.k_half) return row_group_of<HalfKernels>(nr, c, q, D, kv, lo, hi, m, l, o, w);
+  if (path == Path::kAvx512Half) return row_group_of<HalfPvKernels>(nr, c, q, D, kv, lo, hi, m, l, o, w);
 #endif
 #if defined(__AVX512BF16__)
   if (path == Path::kAvx512Fp32) return row_group_of<Fp32Kernels>(nr, c, q, D, kv, lo, hi, m, l, o, w);
@@ -995,19 +1141,35 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
   const int64_t pos0 = first + tok0, pos_end = first + tok1;  // the item's positions [pos0, pos_end)
   const int64_t kv_lo = a.window > 0 ? std::max<int64_t>(0, pos0 + 1 - a.window) : 0;
   const bool quant = a.cdt != DType::kBFloat16;
+  float q_unit = 1.0f;  // what a staged q value is worth (avx512_fp16)
+#if defined(__AVX512FP16__)
+  const HalfTops tops = half_tops(D);
+  // QK in fp16 on keys less the mean key of the item's last chunk, so that a large offset common to
+  // the keys (k biases) does not swell the fp16 sums: each row's scores all move by q . k_mean, which
+  // its softmax cancels. Not where per-token K scales (quantized caches) or a soft-cap would not
+  // cancel it: QK stays on the fp32 kernel there.
+  const bool half_qk = path == Path::kAvx512Half && !quant && a.softcap == 0.0f;
+  float k_mean_max = 0.0f;
+  if (half_qk) {
+    q_unit = q_to_half(w.q.data(), padded, D, tops.q);
+    const int64_t c_last = (pos_end - 1) / kChunk * kChunk, len = a.seq_lens[P.seq];
+    k_mean_max = key_mean(chunk_kv(a, P, c_last, w.edge.data()), D, std::min<int64_t>(kChunk, len - c_last), w.kmu.data());
+  }
+#endif
   [[maybe_unused]] int64_t chunks = 0;
   for (int64_t c0 = kv_lo / kChunk * kChunk; c0 < pos_end; c0 += kChunk) {
     ChunkKV kv = chunk_kv(a, P, c0, w.edge.data());  // only the item's last chunk may use the edge buffer
     if (!P.k) prefetch_chunk(a, P, c0 + kChunk);
-    const int64_t t = c0 - P.lo;  // the chunk in the packed run
-    const RowSoftmax sm{a.scale, a.softcap, quant ? P.ks + t : nullptr, quant ? P.vs + t : nullptr};
 #if defined(PYENGINE_AMX)
     const uint16_t* vb[2] = {};
     if (amx) v_blocks(kv, D, w.vblocks.data() + ++chunks % 3 * kChunk * D, vb);  // see AmxPipeline
 #endif
 #if defined(__AVX512FP16__)
-    if (path == Path::kAvx512Half) kv = stage_v_half(kv, D, w.vhalf.data());
+    if (path == Path::kAvx512Half) kv = stage_half_chunk(kv, D, half_qk, w.kmu.data(), k_mean_max, tops.k, w.khalf.data(), w.vhalf.data());
 #endif
+    const int64_t t = c0 - P.lo;  // the chunk in the packed run
+    const float score_unit = q_unit * kv.k_unit;  // the scores' units: the softmax takes them out with its scale
+    const RowSoftmax sm{a.scale * score_unit, a.softcap, quant ? P.ks + t : nullptr, quant ? P.vs + t : nullptr};
     for (int64_t r0 = 0; r0 < rows; r0 += group) {
       const int nr = static_cast<int>(std::min<int64_t>(group, rows - r0));
       int lo[kAmxRows] = {}, hi[kAmxRows] = {};  // padding rows see nothing
