@@ -33,9 +33,9 @@
 //                q staged once per item, K (less a mean key) and V once per item and chunk, as fp16
 //                (HalfKernels), probabilities in fp16; QK stays on avx512_fp32's kernel for quantized
 //                caches and soft-caps. One prompt's attention, 2 threads, both paths alternating in
-//                one process: 8k 287-290 against 219-223 GFLOP/s, 2k 265-271 against 208-213 (before
-//                the fp16 probabilities, 3-4% more since). Against the fp32 engine, the default
-//                model's logprobs move about as far as avx512_fp32's (test_kv_accuracy).
+//                one process: 8k 302-307 against 212-222 GFLOP/s, 2k 289-294 against 197-218, 512
+//                225-241 against 171-195. Against the fp32 engine, the default model's logprobs move
+//                about as far as avx512_fp32's (test_kv_accuracy).
 //   avx512_fp32  the same chunk loop, each K/V line widened in registers to fp32 (its even and odd
 //                halves) for two fp32 FMAs per row (Fp32Kernels): the bits of avx512_bf16. On
 //                AVX512-FP16 CPUs vdpbf16ps issues at a quarter of the fp32 FMA rate (one core: 1.3
