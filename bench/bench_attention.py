@@ -16,9 +16,12 @@ Per point, in the same run:
                    where the build's best, avx512_fp16, computes it in fp16 FMAs (skipped elsewhere)
   read2, read1     pyengine read_bandwidth over a buffer of as many bytes as the bf16 (read2) or the
                    int8/fp8 (read1: codes and scales) kernel reads
+  scat2, scat1     pyengine read_tiles over the same bytes as tiles, one per block of K and of V (each
+                   kv block's share), in a shuffled block table's order, sequence by sequence, each
+                   block's K tile then its V tile: a plain read of the bytes where the kernel meets them
   sdpa             torch scaled_dot_product_attention (enable_gqa) on already-gathered contiguous bf16 K/V
 GB/s = bytes read / time; %read = the plain read's time over the kernel's (100%: as fast as a read of
-the same bytes). Every round starts from a cold last-level cache, as each layer's K/V does in a model
+the same bytes); %scat the same against the scattered read. Every round starts from a cold last-level cache, as each layer's K/V does in a model
 step. A table of the fastest round of each (min: the most robust figure on a shared machine; the means
 are in pytest-benchmark's own table) is printed at the end of the module. The kinds of a point run
 back to back: this host's memory bandwidth drifts by +-30% over minutes.
@@ -51,6 +54,7 @@ else:
     POINTS = [(1, 8192), (8, 2048), (8, 8192), (32, 2048), (32, 8192)]
 CACHES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 READ_OF = {"bf16": "read2", "int8": "read1", "fp8": "read1", "fp8@bf16": "read1"}
+SCAT_OF = {"bf16": "scat2", "int8": "scat1", "fp8": "scat1", "fp8@bf16": "scat1"}
 RESULTS: dict[tuple[int, int, str], float] = {}
 PROMPTS = (512, 2048, 8192)
 PREFILL_KINDS = ("amx", "avx512_fp16", "avx512_fp32", "avx512_bf16", "sdpa", "gemm", "gemm_torch")
@@ -61,7 +65,7 @@ GATE_UP = (3072, 576)
 def kv_bytes(batch: int, ctx: int, kind: str) -> int:
     """Bytes of K and V the kernel reads: bf16 elements, or 1-byte codes plus an fp32 scale per row."""
     rows = 2 * batch * ctx * KVH
-    return rows * D * 2 if kind in ("bf16", "read2", "sdpa") else rows * (D + 4)
+    return rows * D * 2 if kind in ("bf16", "read2", "scat2", "sdpa") else rows * (D + 4)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,19 +77,20 @@ def two_threads_and_table(request):
     torch.set_num_threads(threads[0])
     _C.set_num_threads(threads[1])
     kinds = [k for k in (*CACHES, *CAPPED) if any(key[2] == k for key in RESULTS)]
-    head = f"{'batch':>5} {'ctx':>5} {'read2 GB/s':>10} {'read1 GB/s':>10}"
+    reads = ("read2", "scat2", "read1", "scat1")
+    head = f"{'batch':>5} {'ctx':>5} " + " ".join(f"{r + ' GB/s':>10}" for r in reads)
     for c in kinds:
-        head += f" | {c + ' us':>11} {'GB/s':>5} {'%read':>5}"
+        head += f" | {c + ' us':>11} {'GB/s':>5} {'%read':>5} {'%scat':>5}"
     lines = ["", f"decode attention (9/3 heads, D 64, block {BS}, bf16 q, 2 threads): min us, GB/s of K/V read, "
-             "% of a plain read of the same bytes", head + f" | {'sdpa us':>8} {'bf16 x':>6}"]
+             "% of a plain read of the same bytes, in order and as scattered tiles", head + f" | {'sdpa us':>8} {'bf16 x':>6}"]
     for b, c in POINTS:
-        t = {k: RESULTS.get((b, c, k)) for k in (*kinds, "read2", "read1", "sdpa")}
+        t = {k: RESULTS.get((b, c, k)) for k in (*kinds, *reads, "sdpa")}
         if None in t.values():
             continue
-        line = f"{b:>5} {c:>5} {kv_bytes(b, c, 'read2') / t['read2'] / 1e9:>10.1f} " \
-               f"{kv_bytes(b, c, 'read1') / t['read1'] / 1e9:>10.1f}"
+        line = f"{b:>5} {c:>5} " + " ".join(f"{kv_bytes(b, c, r) / t[r] / 1e9:>10.1f}" for r in reads)
         for k in kinds:
-            line += f" | {t[k] * 1e6:>11.0f} {kv_bytes(b, c, k) / t[k] / 1e9:>5.1f} {100 * t[READ_OF[k]] / t[k]:>4.0f}%"
+            line += f" | {t[k] * 1e6:>11.0f} {kv_bytes(b, c, k) / t[k] / 1e9:>5.1f} {100 * t[READ_OF[k]] / t[k]:>4.0f}%" \
+                    f" {100 * t[SCAT_OF[k]] / t[k]:>4.0f}%"
         lines.append(line + f" | {t['sdpa'] * 1e6:>8.0f} {t['sdpa'] / t['bf16']:>5.1f}x")
     lines += ["", "prefill (bf16, 9/3 heads, D 64, 2 threads): GFLOP/s at min time; GEMMs at M = L on gate_up "
               "(3072 x 576); end-to-end tok/s",
@@ -137,6 +142,16 @@ def read_call(batch: int, ctx: int, kind: str):
     return lambda: _C.read_bandwidth(buf.data_ptr(), buf.numel(), 0)
 
 
+def scattered_read_call(batch: int, ctx: int, kind: str):
+    """read_tiles over the bytes the kernel reads, a tile per block of K and of V, in a shuffled order."""
+    nb = ctx // BS
+    tile = kv_bytes(batch, ctx, kind) // (2 * batch * nb) // 64 * 64
+    buf = torch.ones(2 * batch * nb * tile, dtype=torch.uint8)
+    table = torch.randperm(batch * nb, generator=torch.Generator().manual_seed(1))
+    tiles = torch.stack([table, table + batch * nb], 1).flatten().contiguous()  # each block's K tile, then its V
+    return lambda: _C.read_tiles(buf.data_ptr(), tile, tiles.data_ptr(), tiles.numel())
+
+
 def sdpa_call(batch: int, ctx: int):
     q, kc, vc, _, bt, _, _ = decode_batch(batch, ctx, "bf16")
     k = kc[bt.long()].permute(0, 2, 1, 3, 4).reshape(batch, KVH, ctx, D).contiguous()
@@ -147,7 +162,7 @@ def sdpa_call(batch: int, ctx: int):
 
 # kind varies fastest, so the measurements of a point run back to back (the machine's memory
 # bandwidth drifts over minutes on a shared host)
-@pytest.mark.parametrize("kind", ["bf16", "read2", "int8", "fp8", "fp8@bf16", "read1", "sdpa"])
+@pytest.mark.parametrize("kind", ["bf16", "read2", "scat2", "int8", "fp8", "fp8@bf16", "read1", "scat1", "sdpa"])
 @pytest.mark.parametrize("batch,ctx", POINTS)
 def test_decode_attention(benchmark, kind, batch, ctx):
     path = _C.decode_attention_path()
@@ -161,6 +176,8 @@ def test_decode_attention(benchmark, kind, batch, ctx):
         fn = paged_call(batch, ctx, kind)
     elif kind == "sdpa":
         fn = sdpa_call(batch, ctx)
+    elif kind.startswith("scat"):
+        fn = scattered_read_call(batch, ctx, kind)
     else:
         fn = read_call(batch, ctx, kind)
     # Each round starts from a cold last-level cache (a read of twice its size in setup, untimed):

@@ -409,3 +409,22 @@ def test_fp8_decode_at_extreme_magnitudes(q_gain, v_gain, decode_path):
     ref = reference(q, kc, vc, bt, sl, qsl, scale, ks, vs)
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out.float() / v_gain, ref / v_gain, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_read_probes_sum_what_they_read(threads):
+    """bench_attention's baselines: read_bandwidth reads the whole buffer, read_tiles the listed tiles
+    (repeats and order as given); each returns the sum of the 64-bit words it read."""
+    words = torch.randint(0, 1 << 20, (64 * 40,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    tiles = torch.tensor([7, 0, 39, 7, 12], dtype=torch.int64)  # tiles of 512 bytes: 64 words
+    before = _C.num_threads()
+    _C.set_num_threads(threads)
+    try:
+        assert _C.read_bandwidth(words.data_ptr(), words.numel() * 8) == int(words.sum())
+        expected = int(words.view(40, 64)[tiles].sum())
+        assert _C.read_tiles(words.data_ptr(), 512, tiles.data_ptr(), tiles.numel()) == expected
+        assert _C.read_tiles(words.data_ptr(), 512, tiles.data_ptr(), 2) == int(words.view(40, 64)[tiles[:2]].sum())
+        with pytest.raises(ValueError, match="multiple of 64"):
+            _C.read_tiles(words.data_ptr(), 100, tiles.data_ptr(), 1)
+    finally:
+        _C.set_num_threads(before)

@@ -33,6 +33,10 @@
 //
 //   read_bandwidth(ptr, nbytes, stream) -> int       (CPU only: benchmark probe)
 //     Reads nbytes (a multiple of 64) once with the thread pool; returns a checksum.
+//   read_tiles(ptr, tile_bytes, tiles, ntiles) -> int   (CPU only: benchmark probe)
+//     Reads the tiles ptr + tiles[i] * tile_bytes (tiles: int64 indices, tile_bytes a multiple of 64) in
+//     the list's order, as a paged kernel reads its blocks, the list split over the thread pool in
+//     runs; returns the sum of their 64-bit words.
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
@@ -65,34 +69,56 @@ T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-uint64_t read_bandwidth(uintptr_t p, int64_t nbytes, uintptr_t /*stream*/) {
-  if (nbytes % 64 != 0) throw std::invalid_argument("read_bandwidth: nbytes must be a multiple of 64");
+// The sum of the 64-bit words of lines [l0, l1) (64 bytes each) at base: a plain read, two loads in flight.
+uint64_t sum_lines(const char* base, int64_t l0, int64_t l1) {
+#if defined(__AVX512F__)
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+  int64_t l = l0;
+  for (; l + 1 < l1; l += 2) {
+    a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(base + l * 64));
+    a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(base + (l + 1) * 64));
+  }
+  if (l < l1) a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(base + l * 64));
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
+#else
+  const uint64_t* w = reinterpret_cast<const uint64_t*>(base);
+  uint64_t acc[8] = {};
+  for (int64_t l = l0; l < l1; ++l)
+    for (int i = 0; i < 8; ++i) acc[i] += w[l * 8 + i];
+  uint64_t sum = 0;
+  for (int i = 0; i < 8; ++i) sum += acc[i];
+  return sum;
+#endif
+}
+
+// n items split over the thread pool in runs; item_sum(i) for each; the sum of all.
+template <class ItemSum>
+uint64_t sum_over_threads(int64_t n, ItemSum item_sum) {
   auto& pool = ThreadPool::instance();
-  const int64_t nlines = nbytes / 64, nparts = pool.num_threads();
+  const int64_t nparts = pool.num_threads();
   std::vector<uint64_t> sums(nparts * 8, 0);  // one cache line per part
   pool.parallel_for(nparts, [&](int64_t part) {
-    const int64_t l0 = nlines * part / nparts, l1 = nlines * (part + 1) / nparts;
-    const char* base = ptr<const char>(p);
-#if defined(__AVX512F__)
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0;
-    int64_t l = l0;
-    for (; l + 1 < l1; l += 2) {
-      a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(base + l * 64));
-      a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(base + (l + 1) * 64));
-    }
-    if (l < l1) a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(base + l * 64));
-    sums[part * 8] = _mm512_reduce_add_epi64(_mm512_add_epi64(a0, a1));
-#else
-    const uint64_t* w = reinterpret_cast<const uint64_t*>(base);
-    uint64_t acc[8] = {};
-    for (int64_t l = l0; l < l1; ++l)
-      for (int i = 0; i < 8; ++i) acc[i] += w[l * 8 + i];
-    for (int i = 0; i < 8; ++i) sums[part * 8] += acc[i];
-#endif
+    for (int64_t i = n * part / nparts; i < n * (part + 1) / nparts; ++i) sums[part * 8] += item_sum(i);
   });
   uint64_t total = 0;
   for (int64_t part = 0; part < nparts; ++part) total += sums[part * 8];
   return total;
+}
+
+uint64_t read_bandwidth(uintptr_t p, int64_t nbytes, uintptr_t /*stream*/) {
+  if (nbytes % 64 != 0) throw std::invalid_argument("read_bandwidth: nbytes must be a multiple of 64");
+  const int64_t nparts = ThreadPool::instance().num_threads(), nlines = nbytes / 64;
+  return sum_over_threads(nparts, [&](int64_t part) {
+    return sum_lines(ptr<const char>(p), nlines * part / nparts, nlines * (part + 1) / nparts);
+  });
+}
+
+uint64_t read_tiles(uintptr_t p, int64_t tile_bytes, uintptr_t tiles, int64_t ntiles) {
+  if (tile_bytes <= 0 || tile_bytes % 64 != 0) throw std::invalid_argument("read_tiles: tile_bytes must be a positive multiple of 64");
+  const int64_t* index = ptr<const int64_t>(tiles);
+  return sum_over_threads(ntiles, [&](int64_t i) {
+    return sum_lines(ptr<const char>(p) + index[i] * tile_bytes, 0, tile_bytes / 64);
+  });
 }
 
 void register_attention_ops(py::module_& m) {
@@ -144,6 +170,9 @@ void register_attention_ops(py::module_& m) {
   m.def("read_bandwidth", &read_bandwidth, py::arg("ptr"), py::arg("nbytes"), py::arg("stream") = 0,
         py::call_guard<py::gil_scoped_release>(),
         "Benchmark probe: read nbytes once with the thread pool, return a checksum.");
+  m.def("read_tiles", &read_tiles, py::arg("ptr"), py::arg("tile_bytes"), py::arg("tiles"), py::arg("ntiles"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Benchmark probe: read the tiles ptr + tiles[i] * tile_bytes in order with the thread pool, return their sum.");
 }
 
 }  // namespace
