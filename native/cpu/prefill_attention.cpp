@@ -108,10 +108,11 @@ struct Item {
   int64_t work;
 };
 
-// Per-thread scratch of an item: its q rows (bf16), accumulators, running max/sum, each row's causal end,
-// scores and bf16 probabilities of a row group (two of each for the AMX pipeline), a K/V group
-// packed from the cache (the one holding a sequence's last position), the AMX path's V blocks and the
-// avx512_fp16 path's fp16 K and V chunk.
+// Per-thread scratch of an item: its q rows (bf16; fp16 in q_to_half's layout on the avx512_fp16 path),
+// accumulators, running max/sum, each row's causal end, scores and probabilities (bf16; fp16 on the
+// avx512_fp16 path) of a row group (two of each for the AMX pipeline), a K/V group packed from the
+// cache (the one holding a sequence's last position), the AMX path's V blocks and the avx512_fp16
+// path's fp16 K and V chunk and the mean key its K is staged less (kmu).
 struct Scratch {
   std::vector<uint16_t> q, p, edge, vblocks, khalf, vhalf;
   std::vector<float> o, m, l, s, kmu;
