@@ -21,10 +21,11 @@ Per point, in the same run:
                    block's K tile then its V tile: a plain read of the bytes where the kernel meets them
   sdpa             torch scaled_dot_product_attention (enable_gqa) on already-gathered contiguous bf16 K/V
 GB/s = bytes read / time; %read = the plain read's time over the kernel's (100%: as fast as a read of
-the same bytes); %scat the same against the scattered read. Every round starts from a cold last-level cache, as each layer's K/V does in a model
-step. A table of the fastest round of each (min: the most robust figure on a shared machine; the means
-are in pytest-benchmark's own table) is printed at the end of the module. The kinds of a point run
-back to back: this host's memory bandwidth drifts by +-30% over minutes.
+the same bytes); %scat the same against the scattered read. Every round starts from a cold last-level
+cache, as each layer's K/V does in a model step. A table of the fastest round of each (min: the most
+robust figure on a shared machine; the means are in pytest-benchmark's own table) is printed at the end
+of the module. The kinds of a point run back to back: this host's memory bandwidth drifts by +-30% over
+minutes.
 
 Prefill (one prompt of 512 / 2048 / 8192 tokens, bf16, same heads, 2 threads), GFLOP/s of the causal
 attention (4 H D L (L + 1) / 2 flops) per path of the prefill kernel (native/cpu/prefill_attention.cpp:
@@ -82,7 +83,8 @@ def two_threads_and_table(request):
     for c in kinds:
         head += f" | {c + ' us':>11} {'GB/s':>5} {'%read':>5} {'%scat':>5}"
     lines = ["", f"decode attention (9/3 heads, D 64, block {BS}, bf16 q, 2 threads): min us, GB/s of K/V read, "
-             "% of a plain read of the same bytes, in order and as scattered tiles", head + f" | {'sdpa us':>8} {'bf16 x':>6}"]
+             "% of a plain read of the same bytes, in order and as scattered tiles",
+             head + f" | {'sdpa us':>8} {'bf16 x':>6}"]
     for b, c in POINTS:
         t = {k: RESULTS.get((b, c, k)) for k in (*kinds, *reads, "sdpa")}
         if None in t.values():

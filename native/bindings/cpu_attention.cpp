@@ -114,7 +114,8 @@ uint64_t read_bandwidth(uintptr_t p, int64_t nbytes, uintptr_t /*stream*/) {
 }
 
 uint64_t read_tiles(uintptr_t p, int64_t tile_bytes, uintptr_t tiles, int64_t ntiles) {
-  if (tile_bytes <= 0 || tile_bytes % 64 != 0) throw std::invalid_argument("read_tiles: tile_bytes must be a positive multiple of 64");
+  if (tile_bytes <= 0 || tile_bytes % 64 != 0)
+    throw std::invalid_argument("read_tiles: tile_bytes must be a positive multiple of 64");
   const int64_t* index = ptr<const int64_t>(tiles);
   return sum_over_threads(ntiles, [&](int64_t i) {
     return sum_lines(ptr<const char>(p) + index[i] * tile_bytes, 0, tile_bytes / 64);
@@ -172,7 +173,8 @@ void register_attention_ops(py::module_& m) {
         "Benchmark probe: read nbytes once with the thread pool, return a checksum.");
   m.def("read_tiles", &read_tiles, py::arg("ptr"), py::arg("tile_bytes"), py::arg("tiles"), py::arg("ntiles"),
         py::call_guard<py::gil_scoped_release>(),
-        "Benchmark probe: read the tiles ptr + tiles[i] * tile_bytes in order with the thread pool, return their sum.");
+        "Benchmark probe: read the tiles ptr + tiles[i] * tile_bytes in order with the thread pool, return their "
+        "sum.");
 }
 
 }  // namespace

@@ -53,6 +53,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -429,7 +430,8 @@ void row_group(int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const 
                const int* hi, float* m, float* l, float* o, Scratch& w) {
   Kernels::qk(nr, q, D, kv, w.s.data());
   float alpha[kRows], p_unit[kRows];
-  const int maxhi = softmax_rows<Kernels::softmax>(nr, c, w.s.data(), lo, hi, m, l, w.p.data(), alpha, p_unit, [](int) {});
+  const int maxhi =
+      softmax_rows<Kernels::softmax>(nr, c, w.s.data(), lo, hi, m, l, w.p.data(), alpha, p_unit, [](int) {});
   Kernels::pv(nr, w.p.data(), p_unit, kv, D, (maxhi + 1) / 2, alpha, o);
 }
 
@@ -525,8 +527,8 @@ __attribute__((noinline)) float softmax_row_general(const RowSoftmax& c, const f
     if (c.vs) e[g] = _mm512_mul_ps(e[g], _mm512_loadu_ps(c.vs + 16 * g));
   }
   const float row_sum = _mm512_reduce_add_ps(sum);
-  const float stored = kHalf && c.vs ? _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])))
-                                     : row_sum;
+  const float stored =  // the sum of what p holds (times the V scales)
+      kHalf && c.vs ? _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]))) : row_sum;
   store_probabilities<kHalf>(e, stored, p, p_unit);
   l = l * alpha + row_sum;
   m = m_new;
@@ -612,15 +614,17 @@ void pv_avx(const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const f
   }
 }
 
-// A SIMD path's micro-kernels for NR rows (QK, PV) with a vectorized softmax (bf16 probabilities, or
-// fp16 ones for PV in fp16), as row_group takes them.
-template <auto QK, auto PV, auto Softmax = softmax_row_avx<false>>
+// A SIMD path's micro-kernels for NR rows (QK, PV) with the vectorized softmax, as row_group takes them.
+// A PV that takes the rows' probability units (pv_half) gets fp16 probabilities, the others bf16.
+template <auto QK, auto PV>
 struct SimdKernels {
+  static constexpr bool kHalfP = std::is_invocable_v<decltype(PV), const uint16_t*, const float*, const ChunkKV&,
+                                                     int64_t, int, const float*, float*>;
   static void qk(int, const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) { QK(q, D, kv, s); }
-  static constexpr auto softmax = Softmax;
+  static constexpr auto softmax = softmax_row_avx<kHalfP>;
   static void pv(int, const uint16_t* p, const float* p_unit, const ChunkKV& kv, int64_t D, int npairs,
                  const float* alpha, float* o) {
-    if constexpr (Softmax == softmax_row_avx<true>) PV(p, p_unit, kv, D, npairs, alpha, o);
+    if constexpr (kHalfP) PV(p, p_unit, kv, D, npairs, alpha, o);
     else PV(p, kv, D, npairs, alpha, o);
   }
 };
@@ -734,7 +738,8 @@ inline __m512i half_pairs(__m512 even, __m512 odd) {
 inline float max_abs_bf16(const uint16_t* src, int64_t ld, int64_t n) {
   const __m512i abs_bits = _mm512_set1_epi16(0x7fff);
   __m512i acc = _mm512_setzero_si512();
-  for (int64_t i = 0; i < n; ++i) acc = _mm512_max_epu16(acc, _mm512_and_si512(_mm512_loadu_si512(src + i * ld), abs_bits));
+  for (int64_t i = 0; i < n; ++i)
+    acc = _mm512_max_epu16(acc, _mm512_and_si512(_mm512_loadu_si512(src + i * ld), abs_bits));
   const __m512i m16 = _mm512_max_epu16(acc, _mm512_srli_epi32(acc, 16));  // each lane's larger half, low
   return _mm512_reduce_max_ps(bf16_even(m16));
 }
@@ -753,8 +758,9 @@ float stage_half(const uint16_t* const (&src)[4], const int64_t (&ld)[4], int64_
     const __m512 mu_odd = mu ? _mm512_set1_ps(mu[2 * i + 1]) : _mm512_setzero_ps();
     for (int g = 0; g < 4; ++g) {
       const __m512i x = _mm512_loadu_si512(src[g] + i * ld[g]);
-      _mm512_storeu_si512(dst + 32 * (i * line_step + g * group_step), half_pairs(_mm512_mul_ps(_mm512_sub_ps(bf16_even(x), mu_even), s.up),
-                                                             _mm512_mul_ps(_mm512_sub_ps(bf16_odd(x), mu_odd), s.up)));
+      const __m512 even = _mm512_mul_ps(_mm512_sub_ps(bf16_even(x), mu_even), s.up);
+      const __m512 odd = _mm512_mul_ps(_mm512_sub_ps(bf16_odd(x), mu_odd), s.up);
+      _mm512_storeu_si512(dst + 32 * (i * line_step + g * group_step), half_pairs(even, odd));
     }
   }
   return s.down;
@@ -873,9 +879,9 @@ __attribute__((noinline)) void pv_half(const uint16_t* ph, const float* p_unit, 
 }
 
 template <int NR>
-using HalfKernels = SimdKernels<qk_half<NR>, pv_half<NR>, softmax_row_avx<true>>;
+using HalfKernels = SimdKernels<qk_half<NR>, pv_half<NR>>;
 template <int NR>
-using HalfPvKernels = SimdKernels<qk_fp32<NR>, pv_half<NR>, softmax_row_avx<true>>;  // K left in bf16 (see run_item)
+using HalfPvKernels = SimdKernels<qk_fp32<NR>, pv_half<NR>>;  // K left in bf16 (see run_item)
 #endif
 
 #endif
@@ -1154,7 +1160,8 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
   if (half_qk) {
     q_unit = q_to_half(w.q.data(), padded, D, tops.q);
     const int64_t c_last = (pos_end - 1) / kChunk * kChunk, len = a.seq_lens[P.seq];
-    k_mean_max = key_mean(chunk_kv(a, P, c_last, w.edge.data()), D, std::min<int64_t>(kChunk, len - c_last), w.kmu.data());
+    k_mean_max =
+        key_mean(chunk_kv(a, P, c_last, w.edge.data()), D, std::min<int64_t>(kChunk, len - c_last), w.kmu.data());
   }
 #endif
   [[maybe_unused]] int64_t chunks = 0;
@@ -1166,7 +1173,8 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
     if (amx) v_blocks(kv, D, w.vblocks.data() + ++chunks % 3 * kChunk * D, vb);  // see AmxPipeline
 #endif
 #if defined(__AVX512FP16__)
-    if (path == Path::kAvx512Half) kv = stage_half_chunk(kv, D, half_qk, w.kmu.data(), k_mean_max, tops.k, w.khalf.data(), w.vhalf.data());
+    if (path == Path::kAvx512Half)
+      kv = stage_half_chunk(kv, D, half_qk, w.kmu.data(), k_mean_max, tops.k, w.khalf.data(), w.vhalf.data());
 #endif
     const int64_t t = c0 - P.lo;  // the chunk in the packed run
     const float score_unit = q_unit * kv.k_unit;  // the scores' units: the softmax takes them out with its scale
