@@ -6,10 +6,14 @@
 //
 // Arguments: tile sizes in bytes (multiples of 64). Per tile size and work (dot products per line):
 // GB/s of the in-order read (hardware prefetchers only), the shuffled tiles with no prefetch, and
-// the shuffled tiles with L2 (T1) prefetches 4 / 8 / 16 tiles ahead; best of 5, cache flushed first.
+// the shuffled tiles with L2 (T1) prefetches 4 / 8 / 16 tiles ahead, and with L1 (T0) prefetches 8
+// ahead; best of 5, cache flushed first.
 // Measured on a 2-core Xeon with AMX (family 6, model 167), work 1: in order ~11 GB/s; shuffled with
 // T1 prefetches ~7.5 (2 KB tiles), ~8.7 (4 and 6 KB), ~10.6 (16 KB). Why attention.cpp's decode items
-// span a block's adjacent kv heads: 6 KB runs instead of 2 KB at the default model's shape.
+// span a block's adjacent kv heads: 6 KB runs instead of 2 KB at the default model's shape. On an AMD
+// EPYC (Zen 4, family 25 model 17), work 1: in order ~25 GB/s; shuffled with no prefetch ~7.5, with
+// T1 prefetches ~15.5 (2 KB), ~18 (6 KB), ~19 (64 KB), with T0 ~8: why decode attention prefetches to
+// L2 there.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -35,8 +39,9 @@ void flush() {
   g_sink += static_cast<float>(_mm512_reduce_add_epi32(a));
 }
 
-// One pass over the tiles in `order`, prefetching (T1) the lines of the tile `ahead` places later.
-template <int WORK>
+// One pass over the tiles in `order`, prefetching (to HINT's level) the lines of the tile `ahead`
+// places later.
+template <int WORK, _mm_hint HINT = _MM_HINT_T1>
 double pass(const std::vector<size_t>& order, size_t tile, int ahead) {
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   flush();
@@ -45,7 +50,7 @@ double pass(const std::vector<size_t>& order, size_t tile, int ahead) {
     const char* p = g_buf + order[i] * tile;
     const char* pf = ahead && i + ahead < order.size() ? g_buf + order[i + ahead] * tile : nullptr;
     for (size_t l = 0; l < tile; l += 64) {
-      if (pf) _mm_prefetch(pf + l, _MM_HINT_T1);
+      if (pf) _mm_prefetch(pf + l, HINT);
       const __m512bh v = (__m512bh)_mm512_load_si512(p + l);
       for (int w = 0; w < WORK; ++w) acc[(l >> 6) & 3] = _mm512_dpbf16_ps(acc[(l >> 6) & 3], v, v);
     }
@@ -61,14 +66,16 @@ void report(size_t tile) {
   for (size_t i = 0; i < in_order.size(); ++i) in_order[i] = i;
   shuffled = in_order;
   std::shuffle(shuffled.begin(), shuffled.end(), std::mt19937(1));
-  auto gbps = [&](const std::vector<size_t>& order, int ahead) {
+  auto gbps = [&](const std::vector<size_t>& order, int ahead, auto pass_fn) {
     double best = 1e9;
-    for (int r = 0; r < 5; ++r) best = std::min(best, pass<WORK>(order, tile, ahead));
+    for (int r = 0; r < 5; ++r) best = std::min(best, pass_fn(order, tile, ahead));
     return kBytes / best / 1e9;
   };
-  std::printf("tile %6zu B, work %d: in order %5.1f | shuffled %5.1f | T1 ahead 4 %5.1f, 8 %5.1f, 16 %5.1f GB/s\n",
-              tile, WORK, gbps(in_order, 0), gbps(shuffled, 0), gbps(shuffled, 4), gbps(shuffled, 8),
-              gbps(shuffled, 16));
+  auto t1 = pass<WORK, _MM_HINT_T1>;
+  std::printf("tile %6zu B, work %d: in order %5.1f | shuffled %5.1f | T1 ahead 4 %5.1f, 8 %5.1f, 16 %5.1f"
+              " | T0 ahead 8 %5.1f GB/s\n",
+              tile, WORK, gbps(in_order, 0, t1), gbps(shuffled, 0, t1), gbps(shuffled, 4, t1), gbps(shuffled, 8, t1),
+              gbps(shuffled, 16, t1), gbps(shuffled, 8, pass<WORK, _MM_HINT_T0>));
 }
 
 }  // namespace
