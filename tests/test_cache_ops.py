@@ -111,6 +111,31 @@ def test_cpu_tiles_hold_lanes_of_dims_in_k_and_of_tokens_in_v(cache_dtype, lane)
             assert torch.equal(vc[blk, :, off // lane, d, off % lane].float(), value[t, :, d])
 
 
+@pytest.mark.parametrize("start", [0, 5])
+@pytest.mark.parametrize("bs,D", [(16, 64), (32, 128), (48, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prompt_chunk_writes_whole_block_groups(dtype, bs, D, start):
+    """A prompt chunk's consecutive slots (64 tokens or more: a block's 16 tokens are written at once) from
+    strided q|k|v rows: from a block's start or mid-block, crossing blocks, a -1 inside one group, and a
+    group whose slots are not in order; everything else in the cache stays zero."""
+    T, kvh, nb = 100, 3, 12
+    g = torch.Generator().manual_seed(bs + D)
+    qkv = torch.randn(T, (4 + 2 * kvh) * D, generator=g).to(dtype)
+    key = qkv[:, 4 * D : (4 + kvh) * D].view(T, kvh, D)
+    value = qkv[:, (4 + kvh) * D :].view(T, kvh, D)
+    slots = torch.arange(T, dtype=torch.int64) + bs + start  # block 1 from offset `start`
+    slots[40] = -1
+    slots[[70, 71]] = slots[[71, 70]]
+    kc, vc, _, _ = make_cache(nb, kvh, bs, D, dtype)
+    reshape_and_cache(key, value, kc, vc, slots)
+    keep = slots >= 0
+    k, v = from_cache_layout(kc, vc)
+    assert torch.equal(cache_rows(k, slots[keep], bs), key[keep])
+    assert torch.equal(cache_rows(v, slots[keep], bs), value[keep])
+    assert int((k != 0).any(-1).sum()) == int(keep.sum()) * kvh
+    assert int((v != 0).any(-1).sum()) == int(keep.sum()) * kvh
+
+
 def test_strided_key_value_views():
     T, kvh, D, bs = 6, 2, 32, 8
     qkv = torch.randn(T, (4 + 2 * kvh) * D)
