@@ -66,6 +66,20 @@ def cache_rows(cache, slots, block_size):
     return cache[slots // block_size, :, slots % block_size]
 
 
+def assert_writes_exactly(key, value, slots, nb, bs):
+    """reshape_and_cache of rows key, value [T, KVH, D] at slots (-1: skipped) into a zero cache of nb
+    blocks: each row is at its slot, and nothing else was written."""
+    kvh, D = key.shape[1:]
+    kc, vc, _, _ = make_cache(nb, kvh, bs, D, key.dtype)
+    reshape_and_cache(key, value, kc, vc, slots)
+    keep = slots >= 0
+    k, v = from_cache_layout(kc, vc)
+    assert torch.equal(cache_rows(k, slots[keep], bs), key[keep])
+    assert torch.equal(cache_rows(v, slots[keep], bs), value[keep])
+    assert int((k != 0).any(-1).sum()) == int(keep.sum()) * kvh
+    assert int((v != 0).any(-1).sum()) == int(keep.sum()) * kvh
+
+
 @pytest.mark.parametrize("bs", [16, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_writes_rows_and_skips_minus_one(dtype, bs):
@@ -73,14 +87,7 @@ def test_writes_rows_and_skips_minus_one(dtype, bs):
     key, value = torch.randn(T, kvh, D).to(dtype), torch.randn(T, kvh, D).to(dtype)
     slots = torch.randperm(nb * bs)[:T]
     slots[[2, 7]] = -1
-    kc, vc, _, _ = make_cache(nb, kvh, bs, D, dtype)
-    reshape_and_cache(key, value, kc, vc, slots)
-    keep = slots >= 0
-    k, v = from_cache_layout(kc, vc)
-    assert torch.equal(cache_rows(k, slots[keep], bs), key[keep])
-    assert torch.equal(cache_rows(v, slots[keep], bs), value[keep])
-    assert int((k != 0).any(-1).sum()) == int(keep.sum()) * kvh  # nothing else written
-    assert int((v != 0).any(-1).sum()) == int(keep.sum()) * kvh
+    assert_writes_exactly(key, value, slots, nb, bs)
 
 
 @pytest.mark.parametrize("cache_dtype,lane", [(torch.bfloat16, 2), (torch.float32, 2), (torch.int8, 4),
@@ -126,14 +133,7 @@ def test_prompt_chunk_writes_whole_block_groups(dtype, bs, D, start):
     slots = torch.arange(T, dtype=torch.int64) + bs + start  # block 1 from offset `start`
     slots[40] = -1
     slots[[70, 71]] = slots[[71, 70]]
-    kc, vc, _, _ = make_cache(nb, kvh, bs, D, dtype)
-    reshape_and_cache(key, value, kc, vc, slots)
-    keep = slots >= 0
-    k, v = from_cache_layout(kc, vc)
-    assert torch.equal(cache_rows(k, slots[keep], bs), key[keep])
-    assert torch.equal(cache_rows(v, slots[keep], bs), value[keep])
-    assert int((k != 0).any(-1).sum()) == int(keep.sum()) * kvh
-    assert int((v != 0).any(-1).sum()) == int(keep.sum()) * kvh
+    assert_writes_exactly(key, value, slots, nb, bs)
 
 
 def test_strided_key_value_views():
