@@ -65,20 +65,20 @@ def shapes(type_name: str) -> list[tuple[int, int]]:
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] -> the values the kernel multiplies: per 32-block, d1 q1 + d2 q2 with q = round(v / d),
-    d = amax(v) / 127, for v = x and then v = its residual x - d1 q1."""
+    clamped to +-127: v = x with d1 = amax(x) / 127, then v = its residual x - d1 q1 with d2 = d1 / 256."""
     v = x.float().view(x.shape[0], -1, 32)
+    d = v.abs().amax(dim=-1, keepdim=True) / 127
     total = torch.zeros_like(v)
     for _ in range(2):
-        d = v.abs().amax(dim=-1, keepdim=True) / 127
         inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-        level = torch.round(v * inv) * d
-        total, v = total + level, v - level
+        level = torch.round(v * inv).clamp(-127, 127) * d
+        total, v, d = total + level, v - level, d / 256
     return total.view(x.shape)
 
 
 # fp32 accumulation, and a rounding tie the kernel breaks the other way than torch in the first level,
-# which the second level absorbs to within half its step (amax / 127**2 / 2 = 2**-15 of the block's
-# largest value): the kernel agrees with the reference to that, relative to sum |x| |w|.
+# which the second level absorbs to within its step (amax / 127 / 256 < 2**-15 of the block's largest
+# value): the kernel agrees with the reference to that, relative to sum |x| |w|.
 TOL = 2**-15
 
 

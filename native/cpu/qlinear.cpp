@@ -4,13 +4,13 @@
 //
 // The weight stays quantized, repacked once at load into 16-row tiles (ggml_blocks.h), so decode
 // streams 2.6-8.5 bits per weight instead of bf16's 16. Activations are quantized per 32-value
-// block to int8 in two rows, the value and its residual (quantize_row), each with an fp32 scale
-// dx = amax / 127 (round to nearest even) and its block sums for the offset term. Per (row, tile,
+// block to int8 in two rows, the value and its residual (quantize_row), with fp32 scales dx1 = amax / 127
+// (round to nearest even) and dx2 = dx1 / 256, and their block sums for the offset term. Per (row, tile,
 // 32-value group): int8 dot products of 64-byte lines (Q8_0: 8 lines; the others 4 lines x low/high
 // nibbles or, for Q2_K/Q3_K, 2-bit values, with the Q5/Q6/Q3_K high bits or'ed in), accumulated in fp32
 // across groups, for a row of x
 // (int8 rows 1 and 2: its value and residual, s = dx * sum(xq) of the block):
-//   acc[j] += d[j, b] * (dx1 dot1[j] + dx2 dot2[j]) + c[j, b] * (s1 + s2)      (vnni, amx: scale_pair)
+//   acc[j] += d[j, b] * dx2 (256 dot1[j] + dot2[j]) + c[j, b] * (s1 + s2)      (vnni, amx: scale_pair)
 //   acc[j] += dx1 d[j, b] dot1[j] + c[j, b] s1  and the same for row 2, summed  (avx2, scalar)
 // (Q6_K, Q2_K, Q3_K: per 16-value half, with the half's sum); the tile's epilogue (store_row) adds the
 // bias and writes straight into out. vnni and amx do the same float operations, so a row's result does not
@@ -215,12 +215,14 @@ inline void vnni_scales(const uint8_t* rec, int64_t g, int h, __m512& d, __m512&
   vec_scales<T, Zmm, false>(rec, g, h, 0, d, c);
 }
 
-// One group's (or half's) int32 dot products of a row pair (a row of x and its residual, scales dx1,
-// dx2) for the 16 rows of a tile, scaled into acc (d, c: vnni_scales; s12: the pair's offset sums
-// added). Shared by the vnni and amx paths: see the top of the file.
-inline __m512 scale_pair(__m512i dot1, __m512i dot2, float dx1, float dx2, __m512 d, __m512 c, float s12, __m512 acc) {
-  __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot1), _mm512_set1_ps(dx1));
-  t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2), _mm512_set1_ps(dx2), t);
+// One group's (or half's) int32 dot products of a row pair (a row of x and its residual, scales 256 dx2
+// and dx2) for the 16 rows of a tile, scaled into acc (d, c: vnni_scales; s12: the pair's offset sums
+// added). Shared by the vnni and amx paths: see the top of the file. The two dot products join in int32
+// (|dot1| <= 32 * 255 * 127, so 256 dot1 + dot2 fits), one float multiply fewer: on Zen 4 the float
+// multiplies and FMAs issue on the same two pipes as vpdpbusd, so each one here is a dot product less.
+inline __m512 scale_pair(__m512i dot1, __m512i dot2, float dx2, __m512 d, __m512 c, float s12, __m512 acc) {
+  const __m512i joined = _mm512_add_epi32(_mm512_slli_epi32(dot1, 8), dot2);
+  const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(joined), _mm512_set1_ps(dx2));
   acc = _mm512_fmadd_ps(t, d, acc);
   return _mm512_fmadd_ps(c, _mm512_set1_ps(s12), acc);
 }
@@ -297,7 +299,7 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
         vnni_scales<T>(rec + t * stride, g, h, d, c);
         for (int p = 0; p < MR / 2; ++p) {
           const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
-          acc[p][t] = scale_pair(dot[2 * p][t], dot[2 * p + 1][t], a.dx[x1], a.dx[x2], d, c,
+          acc[p][t] = scale_pair(dot[2 * p][t], dot[2 * p + 1][t], a.dx[x2], d, c,
                                  offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p][t]);
         }
       }
@@ -412,8 +414,8 @@ void amx_block(const QArgs& a, int64_t r0, int64_t tile, const uint8_t* unpacked
     vnni_scales<T>(w + b / L.groups() * L.record_bytes(), g, h, d, off);
     for (int p = 0; p < kAmxRows / 2; ++p) {
       const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
-      acc[p] = scale_pair(_mm512_load_si512(c[set][2 * p]), _mm512_load_si512(c[set][2 * p + 1]), a.dx[x1], a.dx[x2],
-                          d, off, offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p]);
+      acc[p] = scale_pair(_mm512_load_si512(c[set][2 * p]), _mm512_load_si512(c[set][2 * p + 1]), a.dx[x2], d, off,
+                          offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p]);
     }
   }
   for (int p = 0; p < kAmxRows / 2; ++p) {
@@ -636,8 +638,10 @@ void tile_range(const QArgs& all, int64_t begin, int64_t end, int isa) {
 }
 
 // One row of x (bf16 or fp32) -> two rows of int8 blocks, their scales and scaled sums (of the block,
-// and of its two 16-value halves): the value (x ~ d1 q1) and its residual (x - d1 q1 ~ d2 q2,
-// d2 ~ d1 / 254), so x ~ d1 q1 + d2 q2 to about 15 bits. One int8 level alone (as llama.cpp's q8
+// and of its two 16-value halves): the value (x ~ d1 q1, d1 = amax / 127) and its residual
+// (x - d1 q1 ~ d2 q2, d2 = d1 / 256, q2 clamped to +-127: the residual is within d1 / 2, so only a
+// rounding tie reaches 128), so x ~ d1 q1 + d2 q2 to about 15 bits. d2 a power of two below d1 lets
+// the kernels join the two rows' dot products in int32 (scale_pair). One int8 level alone (as llama.cpp's q8
 // activations) cost 2.4% top-1 agreement on the default model against fp32 (97.6%,
 // tests/test_quant_model.py); the residual row reuses every weight line the first row loads, so
 // decode (bound by the weight stream) barely pays for it.
@@ -659,8 +663,12 @@ struct QuantRow {
   }
 };
 
-inline float level_scale(float amax, float* inverse) {
-  const float d = amax / 127.0f;
+constexpr float kResidualStep = 1.0f / 256.0f;  // d2 / d1
+constexpr int32_t kQMax = 127;
+
+// Level 0's scale for a block of largest magnitude amax, or level 1's from level 0's d1; and its inverse.
+inline float level_scale(int level, float amax, float d1, float* inverse) {
+  const float d = level == 0 ? amax / 127.0f : d1 * kResidualStep;
   *inverse = d != 0.0f ? 1.0f / d : 0.0f;
   return d;
 }
@@ -670,14 +678,16 @@ void quantize_row_scalar(Load load, const QuantRow& r) {
   for (int64_t b = 0; b < r.KB; ++b) {
     float v[kBlock];
     for (int64_t i = 0; i < kBlock; ++i) v[i] = load(b * kBlock + i);
+    float d1 = 0.0f;
     for (int level = 0; level < 2; ++level) {
       float amax = 0.0f, id;
-      for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = level_scale(amax, &id);
+      for (int64_t i = 0; i < kBlock && level == 0; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = level_scale(level, amax, d1, &id);
+      d1 = d;
       int8_t* q = r.xq + level * r.K + b * kBlock;
       int32_t sum[2] = {0, 0};
       for (int64_t i = 0; i < kBlock; ++i) {
-        const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * id));
+        const int32_t qi = std::clamp(static_cast<int32_t>(std::nearbyint(v[i] * id)), -kQMax, kQMax);
         q[i] = static_cast<int8_t>(qi);
         sum[i / 16] += qi;
         v[i] -= d * static_cast<float>(qi);  // the residual, for level 1
@@ -705,11 +715,19 @@ void quantize_row_avx512(const void* x, bool f32, const QuantRow& r) {
         v[j][h] = f32 ? _mm512_loadu_ps(static_cast<const float*>(x) + at)
                       : load_bf16x16(static_cast<const uint16_t*>(x) + at);
       }
+    __m512 d1 = zero;
+    const __m512i qmax = _mm512_set1_epi32(kQMax), qmin = _mm512_set1_epi32(-kQMax);
     for (int level = 0; level < 2; ++level) {
-      __m512 m[16], sums[2][16];  // sums[h][j]: block j's q in half h, as floats
-      for (int j = 0; j < 16; ++j)
-        m[j] = j < nb ? _mm512_max_ps(_mm512_abs_ps(v[j][0]), _mm512_abs_ps(v[j][1])) : zero;
-      const __m512 d = _mm512_div_ps(hmax16(m), _mm512_set1_ps(127.0f));  // level_scale, lane j = block j
+      __m512 sums[2][16];  // sums[h][j]: block j's q in half h, as floats
+      __m512 d;            // level_scale, lane j = block j
+      if (level == 0) {
+        __m512 m[16];
+        for (int j = 0; j < 16; ++j)
+          m[j] = j < nb ? _mm512_max_ps(_mm512_abs_ps(v[j][0]), _mm512_abs_ps(v[j][1])) : zero;
+        d = d1 = _mm512_div_ps(hmax16(m), _mm512_set1_ps(127.0f));
+      } else {
+        d = _mm512_mul_ps(d1, _mm512_set1_ps(kResidualStep));
+      }
       const __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, zero, _CMP_NEQ_UQ), _mm512_set1_ps(1.0f), d);
       alignas(64) float ds[16], ids[16];
       _mm512_store_ps(ds, d);
@@ -720,7 +738,8 @@ void quantize_row_avx512(const void* x, bool f32, const QuantRow& r) {
           continue;
         }
         for (int h = 0; h < 2; ++h) {
-          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[j][h], _mm512_set1_ps(ids[j])));
+          const __m512i q = _mm512_max_epi32(
+              qmin, _mm512_min_epi32(qmax, _mm512_cvtps_epi32(_mm512_mul_ps(v[j][h], _mm512_set1_ps(ids[j])))));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(r.xq + level * r.K + (b0 + j) * kBlock + 16 * h),
                            _mm512_cvtepi32_epi8(q));
           sums[h][j] = _mm512_cvtepi32_ps(q);
@@ -757,14 +776,19 @@ void quantize_row_avx2(const void* x, bool f32, const QuantRow& r) {
                        _mm256_cvtepu16_epi32(_mm_loadu_si128(
                            reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at))), 16));
     }
+    float d1 = 0.0f;
     for (int level = 0; level < 2; ++level) {
-      __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
-                               _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+      auto amax = [&] {
+        return hmax256(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                                     _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask))));
+      };
       float id;
-      const float d = level_scale(hmax256(m), &id);
+      const float d = level_scale(level, level == 0 ? amax() : 0.0f, d1, &id);
+      d1 = d;
       __m256i q[4];
       for (int i = 0; i < 4; ++i) {
-        q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+        q[i] = _mm256_max_epi32(_mm256_set1_epi32(-kQMax), _mm256_min_epi32(_mm256_set1_epi32(kQMax),
+                   _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)))));
         v[i] = _mm256_sub_ps(v[i], _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q[i])));
       }
       // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back
