@@ -10,7 +10,8 @@
 // nibbles or, for Q2_K/Q3_K, 2-bit values, with the Q5/Q6/Q3_K high bits or'ed in), accumulated in fp32
 // across groups, for a row of x
 // (int8 rows 1 and 2: its value and residual, s = dx * sum(xq) of the block):
-//   acc[j] += d[j, b] * dx2 (256 dot1[j] + dot2[j]) + c[j, b] * (s1 + s2)      (vnni, amx: scale_pair)
+//   acc[j] += d[j, b] * dx2 (256 dot1[j] + dot2[j]) + c[j, b] * (s1 + s2)      (vnni, amx: scale_pair;
+//             where c is a fixed multiple of d: d[j, b] * (dx2 (256 dot1[j] + dot2[j]) + (c / d) (s1 + s2)))
 //   acc[j] += dx1 d[j, b] dot1[j] + c[j, b] s1  and the same for row 2, summed  (avx2, scalar)
 // (Q6_K, Q2_K, Q3_K: per 16-value half, with the half's sum); the tile's epilogue (store_row) adds the
 // bias and writes straight into out. vnni and amx do the same float operations, so a row's result does not
@@ -220,10 +221,16 @@ inline void vnni_scales(const uint8_t* rec, int64_t g, int h, __m512& d, __m512&
 // added). Shared by the vnni and amx paths: see the top of the file. The two dot products join in int32
 // (|dot1| <= 32 * 255 * 127, so 256 dot1 + dot2 fits), one float multiply fewer: on Zen 4 the float
 // multiplies and FMAs issue on the same two pipes as vpdpbusd, so each one here is a dot product less.
+// Where c is a fixed multiple of d (fixed_offset), d (t + (c / d) s12) takes one FMA fewer.
+template <int T>
 inline __m512 scale_pair(__m512i dot1, __m512i dot2, float dx2, __m512 d, __m512 c, float s12, __m512 acc) {
-  const __m512i joined = _mm512_add_epi32(_mm512_slli_epi32(dot1, 8), dot2);
-  const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(joined), _mm512_set1_ps(dx2));
-  acc = _mm512_fmadd_ps(t, d, acc);
+  const __m512 joined = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(dot1, 8), dot2));
+  if constexpr (fixed_offset<T>()) {
+    (void)c;  // vnni_scales' c: its multiply is dead code here
+    const float offset = offset_ratio<T, false>() * s12;
+    return _mm512_fmadd_ps(_mm512_fmadd_ps(joined, _mm512_set1_ps(dx2), _mm512_set1_ps(offset)), d, acc);
+  }
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(joined, _mm512_set1_ps(dx2)), d, acc);
   return _mm512_fmadd_ps(c, _mm512_set1_ps(s12), acc);
 }
 
@@ -299,7 +306,7 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
         vnni_scales<T>(rec + t * stride, g, h, d, c);
         for (int p = 0; p < MR / 2; ++p) {
           const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
-          acc[p][t] = scale_pair(dot[2 * p][t], dot[2 * p + 1][t], a.dx[x2], d, c,
+          acc[p][t] = scale_pair<T>(dot[2 * p][t], dot[2 * p + 1][t], a.dx[x2], d, c,
                                  offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p][t]);
         }
       }
@@ -414,7 +421,7 @@ void amx_block(const QArgs& a, int64_t r0, int64_t tile, const uint8_t* unpacked
     vnni_scales<T>(w + b / L.groups() * L.record_bytes(), g, h, d, off);
     for (int p = 0; p < kAmxRows / 2; ++p) {
       const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
-      acc[p] = scale_pair(_mm512_load_si512(c[set][2 * p]), _mm512_load_si512(c[set][2 * p + 1]), a.dx[x2], d, off,
+      acc[p] = scale_pair<T>(_mm512_load_si512(c[set][2 * p]), _mm512_load_si512(c[set][2 * p + 1]), a.dx[x2], d, off,
                           offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p]);
     }
   }

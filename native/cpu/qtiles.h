@@ -41,9 +41,26 @@ inline void static_for(F&& f) {
   }
 }
 
+// Whether type T's offset c is a fixed multiple of its scale d (offset_ratio), rather than a field of its own
+// (the types with a minimum: Q4_1, Q5_1, Q2_K, Q4_K, Q5_K).
+template <int T>
+constexpr bool fixed_offset() {
+  return T != ggml::kQ4_1 && T != ggml::kQ5_1 && T != ggml::kQ2_K && T != ggml::kQ4_K && T != ggml::kQ5_K;
+}
+
+// c / d for a fixed_offset type: minus its values' zero point. Signed: the path multiplies Q8_0's and the
+// IQ4 types' values signed (c = 0), else their unsigned u (value + 128).
+template <int T, bool Signed>
+constexpr float offset_ratio() {
+  static_assert(fixed_offset<T>());
+  if constexpr (T == ggml::kQ6_K) return -32.0f;
+  else if constexpr (T == ggml::kQ3_K) return -4.0f;
+  else if constexpr (T == ggml::kQ8_0 || layout(T).lookup) return Signed ? 0.0f : -128.0f;
+  else return T == ggml::kQ5_0 ? -16.0f : -8.0f;
+}
+
 // group_scale for the rows [r0, r0 + V's lanes) of one tile, group g, half h of record `rec`, as vectors
-// V (Zmm, Ymm: loads of the scale fields, mul, set1). Signed: the path multiplies Q8_0's and the IQ4
-// types' values signed (their offset c is then 0), else their unsigned u (c = -128 d).
+// V (Zmm, Ymm: loads of the scale fields, mul, set1); Signed as for offset_ratio.
 template <int T, class V, bool Signed>
 inline void vec_scales(const uint8_t* rec, int64_t g, int h, int64_t r0, typename V::F& d, typename V::F& c) {
   constexpr Layout L = layout(T);
@@ -58,16 +75,13 @@ inline void vec_scales(const uint8_t* rec, int64_t g, int h, int64_t r0, typenam
   } else if constexpr (T == ggml::kQ4_K || T == ggml::kQ5_K) {
     d = V::mul(f16(0), u8(64 + 16 * g));
     c = V::mul(V::mul(f16(32), V::set1(-1.0f)), u8(192 + 16 * g));
-  } else if constexpr (T == ggml::kQ6_K || T == ggml::kQ3_K) {
-    d = V::mul(f16(0), i8(32 + 16 * (2 * g + h)));
-    c = V::mul(d, V::set1(T == ggml::kQ6_K ? -32.0f : -4.0f));
   } else if constexpr (T == ggml::kQ4_1 || T == ggml::kQ5_1) {
     d = f16(0);
     c = f16(32);
   } else {
-    d = T == ggml::kIQ4_XS ? V::mul(f16(0), i8(32 + 16 * g)) : f16(0);
-    constexpr bool signed_values = T == ggml::kQ8_0 || L.lookup;
-    c = V::mul(d, V::set1(signed_values ? (Signed ? 0.0f : -128.0f) : T == ggml::kQ5_0 ? -16.0f : -8.0f));
+    if constexpr (T == ggml::kQ6_K || T == ggml::kQ3_K) d = V::mul(f16(0), i8(32 + 16 * (2 * g + h)));
+    else d = T == ggml::kIQ4_XS ? V::mul(f16(0), i8(32 + 16 * g)) : f16(0);
+    c = V::mul(d, V::set1(offset_ratio<T, Signed>()));
   }
 }
 
