@@ -12,7 +12,7 @@
 // (int8 rows 1 and 2: its value and residual, s = dx * sum(xq) of the block):
 //   acc[j] += d[j, b] * dx2 (256 dot1[j] + dot2[j]) + c[j, b] * (s1 + s2)      (vnni, amx: scale_pair;
 //             where c is a fixed multiple of d: d[j, b] * (dx2 (256 dot1[j] + dot2[j]) + (c / d) (s1 + s2)))
-//   acc[j] += dx1 d[j, b] dot1[j] + c[j, b] s1  and the same for row 2, summed  (avx2, scalar)
+//   acc[j] += dx1 d[j, b] dot1[j] + c[j, b] s1  and the same for row 2, summed  (scalar; avx2 as vnni)
 // (Q6_K, Q2_K, Q3_K: per 16-value half, with the half's sum); the tile's epilogue (store_row) adds the
 // bias and writes straight into out. vnni and amx do the same float operations, so a row's result does not
 // depend on how many rows its batch has (the path).
@@ -536,8 +536,8 @@ void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
   constexpr Layout L = layout(T);
   constexpr int per_half = L.lines / L.halves;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  __m256 acc[MR / 2][2];  // per row pair (a row of x and its residual) and 8-row half of the tile
+  for (auto& pair : acc) pair[0] = pair[1] = _mm256_setzero_ps();
   const int64_t stride = tile_stride(L, a.KB);
   const uint8_t* w = a.w + tile * stride;
   for (int64_t b = 0; b < a.KB; ++b) {
@@ -573,23 +573,32 @@ void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
           }
         }
       });
-      for (int r = 0; r < 2; ++r) {
+      for (int r = 0; r < 2; ++r) {  // scale_pair's arithmetic, 8 rows at a time
         __m256 d, c;
         avx2_scales<T>(rec, g, h, r, d, c);
-        for (int m = 0; m < MR; ++m) {
-          const int64_t xb = (r0 + m) * a.KB + b;
-          const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.dx[xb]));
-          acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][r]), ds, acc[m][r]);
-          acc[m][r] = _mm256_fmadd_ps(c, _mm256_set1_ps(offset_sum<T>(a, xb, h)), acc[m][r]);
+        for (int p = 0; p < MR / 2; ++p) {
+          const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
+          const float s12 = offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h);
+          const __m256 joined =
+              _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(dot[2 * p][r], 8), dot[2 * p + 1][r]));
+          if constexpr (fixed_offset<T>()) {
+            (void)c;
+            const __m256 t = _mm256_fmadd_ps(joined, _mm256_set1_ps(a.dx[x2]),
+                                             _mm256_set1_ps(offset_ratio<T, true>() * s12));
+            acc[p][r] = _mm256_fmadd_ps(t, d, acc[p][r]);
+          } else {
+            acc[p][r] = _mm256_fmadd_ps(_mm256_mul_ps(joined, _mm256_set1_ps(a.dx[x2])), d, acc[p][r]);
+            acc[p][r] = _mm256_fmadd_ps(c, _mm256_set1_ps(s12), acc[p][r]);
+          }
         }
       }
     });
   }
-  for (int m = 0; m < MR; m += 2) {
+  for (int p = 0; p < MR / 2; ++p) {
     float sum[kTileRows];
-    _mm256_storeu_ps(sum, _mm256_add_ps(acc[m][0], acc[m + 1][0]));
-    _mm256_storeu_ps(sum + 8, _mm256_add_ps(acc[m][1], acc[m + 1][1]));
-    store_row(a, (r0 + m) / 2, tile * kTileRows, sum);
+    _mm256_storeu_ps(sum, acc[p][0]);
+    _mm256_storeu_ps(sum + 8, acc[p][1]);
+    store_row(a, r0 / 2 + p, tile * kTileRows, sum);
   }
 }
 
