@@ -601,7 +601,8 @@ void pv_avx(const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const f
       for (int h = 0; h < 4; ++h)
         x[r][h] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d0 + 16 * h), _mm512_set1_ps(alpha[r]));
     // the chunk's 16-token groups, each walking one pointer: v_at's lookup per pair left GCC short of
-    // registers (3 of the 24 accumulators spilled; without the spills ~5% faster on Zen 4, 2k prompt)
+    // registers (3 of the 24 accumulators spilled), though on Zen 4 that loop ran as fast (2k prompt,
+    // 2 threads, both builds side by side in one process: 304-310 GFLOP/s each)
     for (int g = 0; g < 4 && 8 * g < npairs; ++g) {
       const uint16_t* vp = kv.v[g] + 2 * d0;  // token pair i of the group: dims d0 .. d0 + 63 at vp + 2 D i
       const uint16_t* pg = p + 16 * g;
