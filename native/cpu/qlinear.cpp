@@ -307,7 +307,7 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
         for (int p = 0; p < MR / 2; ++p) {
           const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
           acc[p][t] = scale_pair<T>(dot[2 * p][t], dot[2 * p + 1][t], a.dx[x2], d, c,
-                                 offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p][t]);
+                                    offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p][t]);
         }
       }
     });
@@ -422,7 +422,7 @@ void amx_block(const QArgs& a, int64_t r0, int64_t tile, const uint8_t* unpacked
     for (int p = 0; p < kAmxRows / 2; ++p) {
       const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
       acc[p] = scale_pair<T>(_mm512_load_si512(c[set][2 * p]), _mm512_load_si512(c[set][2 * p + 1]), a.dx[x2], d, off,
-                          offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p]);
+                             offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p]);
     }
   }
   for (int p = 0; p < kAmxRows / 2; ++p) {
@@ -582,7 +582,7 @@ void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
           const __m256 joined =
               _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(dot[2 * p][r], 8), dot[2 * p + 1][r]));
           if constexpr (fixed_offset<T>()) {
-            (void)c;
+            (void)c;  // avx2_scales' c: its multiply is dead code here
             const __m256 t = _mm256_fmadd_ps(joined, _mm256_set1_ps(a.dx[x2]),
                                              _mm256_set1_ps(offset_ratio<T, true>() * s12));
             acc[p][r] = _mm256_fmadd_ps(t, d, acc[p][r]);
@@ -697,7 +697,8 @@ void quantize_row_scalar(Load load, const QuantRow& r) {
     float d1 = 0.0f;
     for (int level = 0; level < 2; ++level) {
       float amax = 0.0f, id;
-      for (int64_t i = 0; i < kBlock && level == 0; ++i) amax = std::max(amax, std::fabs(v[i]));
+      if (level == 0)
+        for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
       const float d = level_scale(level, amax, d1, &id);
       d1 = d;
       int8_t* q = r.xq + level * r.K + b * kBlock;
