@@ -83,8 +83,9 @@ int main() {
   std::printf("one core, G instructions/s: vdpbf16ps %.2f  vpdpbusd %.2f  vfmadd231ps %.2f\n", bf16, int8, fma);
 
   std::printf("vpdpbusd, G/s, with one of these beside each:\n");
-  std::printf("  %-24s %.2f\n", "vpbroadcastd (memory)", rate(_mm512_setzero_si512(), [&](__m512i a, int j, const int32_t* w) {
-    return _mm512_dpbusd_epi32(a, bytes, _mm512_set1_epi32(w[j])); }, add_epi32));
+  const double bcast = rate(_mm512_setzero_si512(), [&](__m512i a, int j, const int32_t* w) {
+    return _mm512_dpbusd_epi32(a, bytes, _mm512_set1_epi32(w[j])); }, add_epi32);
+  std::printf("  %-24s %.2f\n", "vpbroadcastd (memory)", bcast);
   __m512i other = _mm512_set1_epi32(0x3c003c00);
   asm volatile("" : "+v"(other));
   BESIDE_DPBUSD("vpandd", "vpandd %1, %2, %0");
