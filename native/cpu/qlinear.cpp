@@ -10,9 +10,9 @@
 // nibbles or, for Q2_K/Q3_K, 2-bit values, with the Q5/Q6/Q3_K high bits or'ed in), accumulated in fp32
 // across groups, for a row of x
 // (int8 rows 1 and 2: its value and residual, s = dx * sum(xq) of the block):
-//   acc[j] += d[j, b] * dx2 (256 dot1[j] + dot2[j]) + c[j, b] * (s1 + s2)      (vnni, amx: scale_pair;
+//   acc[j] += d[j, b] * dx2 (256 dot1[j] + dot2[j]) + c[j, b] * (s1 + s2)      (vnni, amx, avx2: scale_pair;
 //             where c is a fixed multiple of d: d[j, b] * (dx2 (256 dot1[j] + dot2[j]) + (c / d) (s1 + s2)))
-//   acc[j] += dx1 d[j, b] dot1[j] + c[j, b] s1  and the same for row 2, summed  (scalar; avx2 as vnni)
+//   acc[j] += dx1 d[j, b] dot1[j] + c[j, b] s1  and the same for row 2, summed  (scalar)
 // (Q6_K, Q2_K, Q3_K: per 16-value half, with the half's sum); the tile's epilogue (store_row) adds the
 // bias and writes straight into out. vnni and amx do the same float operations, so a row's result does not
 // depend on how many rows its batch has (the path).
@@ -216,24 +216,6 @@ inline void vnni_scales(const uint8_t* rec, int64_t g, int h, __m512& d, __m512&
   vec_scales<T, Zmm, false>(rec, g, h, 0, d, c);
 }
 
-// One group's (or half's) int32 dot products of a row pair (a row of x and its residual, scales 256 dx2
-// and dx2) for the 16 rows of a tile, scaled into acc (d, c: vnni_scales; s12: the pair's offset sums
-// added). Shared by the vnni and amx paths: see the top of the file. The two dot products join in int32
-// (|dot1| <= 32 * 255 * 127, so 256 dot1 + dot2 fits), one float multiply fewer: on Zen 4 the float
-// multiplies and FMAs issue on the same two pipes as vpdpbusd, so each one here is a dot product less.
-// Where c is a fixed multiple of d (fixed_offset), d (t + (c / d) s12) takes one FMA fewer.
-template <int T>
-inline __m512 scale_pair(__m512i dot1, __m512i dot2, float dx2, __m512 d, __m512 c, float s12, __m512 acc) {
-  const __m512 joined = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(dot1, 8), dot2));
-  if constexpr (fixed_offset<T>()) {
-    (void)c;  // vnni_scales' c: its multiply is dead code here
-    const float offset = offset_ratio<T, false>() * s12;
-    return _mm512_fmadd_ps(_mm512_fmadd_ps(joined, _mm512_set1_ps(dx2), _mm512_set1_ps(offset)), d, acc);
-  }
-  acc = _mm512_fmadd_ps(_mm512_mul_ps(joined, _mm512_set1_ps(dx2)), d, acc);
-  return _mm512_fmadd_ps(c, _mm512_set1_ps(s12), acc);
-}
-
 // The bytes of one group step (a record / its groups) of each of nt tiles at `at` (stride apart), one pass
 // (nt tiles) ahead, into L2: a pass reads its nt tiles' records (contiguous) side by side, so this stays a
 // pass's length ahead of the reads, scale lines included, and at a pass's start the next pass's tiles are
@@ -306,8 +288,8 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
         vnni_scales<T>(rec + t * stride, g, h, d, c);
         for (int p = 0; p < MR / 2; ++p) {
           const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
-          acc[p][t] = scale_pair<T>(dot[2 * p][t], dot[2 * p + 1][t], a.dx[x2], d, c,
-                                    offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p][t]);
+          acc[p][t] = scale_pair<T, false, Zmm>(dot[2 * p][t], dot[2 * p + 1][t], a.dx[x2], d, c,
+                                                offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p][t]);
         }
       }
     });
@@ -421,8 +403,8 @@ void amx_block(const QArgs& a, int64_t r0, int64_t tile, const uint8_t* unpacked
     vnni_scales<T>(w + b / L.groups() * L.record_bytes(), g, h, d, off);
     for (int p = 0; p < kAmxRows / 2; ++p) {
       const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
-      acc[p] = scale_pair<T>(_mm512_load_si512(c[set][2 * p]), _mm512_load_si512(c[set][2 * p + 1]), a.dx[x2], d, off,
-                             offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p]);
+      acc[p] = scale_pair<T, false, Zmm>(_mm512_load_si512(c[set][2 * p]), _mm512_load_si512(c[set][2 * p + 1]),
+                                         a.dx[x2], d, off, offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p]);
     }
   }
   for (int p = 0; p < kAmxRows / 2; ++p) {
@@ -510,6 +492,7 @@ inline void avx2_line(const uint8_t* grp, int r, __m256i& lo, __m256i& hi) {
 // vec_scales' vector: 8 rows of a tile.
 struct Ymm {
   using F = __m256;
+  using I = __m256i;
   static F f16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static __m128i bytes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
   static F u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes(p))); }
@@ -519,7 +502,9 @@ struct Ymm {
   }
   static F i8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes(p))); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F set1(float v) { return _mm256_set1_ps(v); }
+  static F joined(I hi, I lo) { return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo)); }
 };
 
 // As vnni_scales, for rows 8r .. 8r + 7, on signed Q8_0 / IQ4 values (avx2_block's sign trick).
@@ -573,23 +558,13 @@ void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
           }
         }
       });
-      for (int r = 0; r < 2; ++r) {  // scale_pair's arithmetic, 8 rows at a time
+      for (int r = 0; r < 2; ++r) {
         __m256 d, c;
         avx2_scales<T>(rec, g, h, r, d, c);
         for (int p = 0; p < MR / 2; ++p) {
           const int64_t x1 = (r0 + 2 * p) * a.KB + b, x2 = x1 + a.KB;
-          const float s12 = offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h);
-          const __m256 joined =
-              _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(dot[2 * p][r], 8), dot[2 * p + 1][r]));
-          if constexpr (fixed_offset<T>()) {
-            (void)c;  // avx2_scales' c: its multiply is dead code here
-            const __m256 t = _mm256_fmadd_ps(joined, _mm256_set1_ps(a.dx[x2]),
-                                             _mm256_set1_ps(offset_ratio<T, true>() * s12));
-            acc[p][r] = _mm256_fmadd_ps(t, d, acc[p][r]);
-          } else {
-            acc[p][r] = _mm256_fmadd_ps(_mm256_mul_ps(joined, _mm256_set1_ps(a.dx[x2])), d, acc[p][r]);
-            acc[p][r] = _mm256_fmadd_ps(c, _mm256_set1_ps(s12), acc[p][r]);
-          }
+          acc[p][r] = scale_pair<T, true, Ymm>(dot[2 * p][r], dot[2 * p + 1][r], a.dx[x2], d, c,
+                                               offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h), acc[p][r]);
         }
       }
     });
