@@ -55,6 +55,8 @@ class EngineMetrics:
         self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.preemptions = metric(Counter, "num_preemptions", "Sequences preempted (recomputed later)")
+        self.interrupted_steps = metric(Counter, "num_interrupted_steps",
+                                        "Lone prompt chunks stopped for a newcomer (computed again later)")
         self._finished = metric(Counter, "request_success", "Finished sequences", ["finished_reason"])
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token")
         self.itl = hist("inter_token_latency_seconds", "Time between two tokens of a sequence (one per gap)",

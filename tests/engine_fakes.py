@@ -33,10 +33,12 @@ class PagedEchoModel(torch.nn.Module):
     def weight_bytes(self) -> int:
         return 0
 
-    def forward(self, input_ids, positions, kv_caches, meta, logits_indices):
+    def forward(self, input_ids, positions, kv_caches, meta, logits_indices, interrupt=None):
         kv = kv_caches[0]
         rows = torch.stack([input_ids.float(), positions.float()], -1).view(-1, 1, 2)  # (token id, position)
         reshape_and_cache(rows, rows, kv.k, kv.v, meta.slot_mapping)
+        if interrupt is not None:  # as a real model may stop: after some of the step's KV writes
+            interrupt.check()
         k, v = from_cache_layout(kv.k, kv.v)
         bs = k.shape[2]
         qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()

@@ -196,10 +196,10 @@ class AllRowsEchoModel(PagedEchoModel):
     """PagedEchoModel that also gives logits for prompt rows (prompt logprobs): row i of a sequence
     predicts from the context up to i, read back from the paged KV cache like the last row."""
 
-    def forward(self, input_ids, positions, kv_caches, meta, logits_indices):
+    def forward(self, input_ids, positions, kv_caches, meta, logits_indices, interrupt=None):
         if logits_indices is None:  # every row (a decode-only step)
             logits_indices = torch.arange(len(input_ids))
-        last = super().forward(input_ids, positions, kv_caches, meta, logits_indices[:0])  # writes the KV
+        last = super().forward(input_ids, positions, kv_caches, meta, logits_indices[:0], interrupt)  # writes the KV
         k, _ = from_cache_layout(kv_caches[0].k, kv_caches[0].v)
         bs = k.shape[2]
         qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
@@ -260,8 +260,30 @@ def test_a_lone_prompt_is_chunked_by_solo_prefill_tokens(solo, first_chunk):
     assert_all_free(engine)
 
 
+def test_an_interrupted_solo_step_commits_nothing_and_its_rerun_gives_the_same_tokens():
+    """The model stops after writing some of the chunk's KV (PagedEchoModel checks the interrupt after
+    its cache write): no tokens, no progress, no prefix-cache entry; the blocks stay with the request,
+    and the rerun overwrites the slots. A twin prompt admitted meanwhile must not find the chunk's blocks
+    cached."""
+    engine = fake_engine(max_num_batched_tokens=2048, long_prefill_tokens=64, solo_prefill_tokens=512)
+    big = prompts_of([700], seed=7)[0]
+    engine.add_request("big", big, SamplingParams(max_tokens=2, **GREEDY))
+    req = engine.scheduler.requests["big"]
+    engine.interrupt.set()
+    assert engine.step() == []
+    assert (engine.num_interrupted_steps, engine.num_steps, engine.num_computed_tokens) == (1, 0, 0)
+    assert req.num_computed_tokens == 0 and len(req.block_ids) == 512 // 16
+    assert engine.metrics.interrupted_steps._value.get() == 1
+    engine.add_request("twin", big, SamplingParams(max_tokens=2, **GREEDY))
+    outs = drain(engine)  # still set, but no step is solo now: none is interrupted
+    assert tokens(outs["big"]) == tokens(outs["twin"]) == reference(big, 2)
+    assert engine.num_interrupted_steps == 1
+    assert outs["twin"][-1].metrics.num_cached_tokens == 0
+    assert_all_free(engine)
+
+
 def test_one_request_adds_at_most_long_prefill_tokens_per_step():
-    engine = fake_engine(max_num_batched_tokens=512, long_prefill_tokens=64)
+    engine = fake_engine(max_num_batched_tokens=512, long_prefill_tokens=64, solo_prefill_tokens=64)
     big = prompts_of([400], seed=7)[0]
     engine.add_request("big", big, SamplingParams(max_tokens=2, **GREEDY))
     engine.step()
@@ -279,7 +301,7 @@ def test_an_n8_echo_logprobs_request_adds_at_most_long_prefill_tokens_of_work_pe
     """Its prompt tokens count twice (each also gets a logits row over the vocabulary): 32-token
     chunks under long_prefill_tokens 64. Its 7 other children fork from child 0 in one step of one
     token each (before: the 8 tokens after the cached blocks each, 57 tokens in that step)."""
-    engine = all_rows_engine(max_num_batched_tokens=512, long_prefill_tokens=64)
+    engine = all_rows_engine(max_num_batched_tokens=512, long_prefill_tokens=64, solo_prefill_tokens=64)
     prompt = prompts_of([200], seed=9)[0]
     engine.add_request("big", prompt, SamplingParams(n=8, max_tokens=3, prompt_logprobs=2, logprobs=2, **GREEDY))
     per_step = []

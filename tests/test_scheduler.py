@@ -133,6 +133,25 @@ def test_a_prompt_alone_takes_solo_chunks_and_shrinks_to_long_prefill_tokens_onc
     assert pool.num_free == pool.num_blocks
 
 
+def test_only_a_chunk_of_the_one_request_running_or_waiting_is_marked_solo():
+    """solo marks the steps a newcomer may interrupt (pyengine/interrupt.py): a prompt chunk of the only
+    request; not its decode steps, and nothing once a second request waits or runs."""
+    pool = BlockPool(256, BS)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=256, long_prefill_tokens=16,
+                      solo_prefill_tokens=64)
+    long = make("long", 100, 3)
+    sched.add_request(long)
+    assert [step(sched).solo for _ in range(2)] == [True, True]  # chunks of 64 and 36
+    assert step(sched).solo is False  # its decode
+    sched.add_request(make("short", 5, 3, start=1))
+    assert step(sched).solo is False
+    lone = Scheduler(BlockPool(256, BS), max_num_seqs=8, max_num_batched_tokens=256, long_prefill_tokens=16,
+                     solo_prefill_tokens=64)
+    for r in (make("a", 40, 1), make("b", 40, 1, start=3)):  # two prompts waiting: neither is alone
+        lone.add_request(r)
+    assert step(lone).solo is False
+
+
 def test_solo_prefill_tokens_is_never_below_long_prefill_tokens_and_off_without_a_cap():
     assert Scheduler(BlockPool(8, BS), 8, 64, long_prefill_tokens=16, solo_prefill_tokens=4).solo_prefill_tokens == 16
     assert Scheduler(BlockPool(8, BS), 8, 64, long_prefill_tokens=0, solo_prefill_tokens=32).solo_prefill_tokens == 0

@@ -18,6 +18,9 @@
 //   x = silu_and_mul(x Wgu^T) Wdown^T                [T, 2 I] -> [T, I] -> [T, hidden]
 // Then, where final_norm is given (not 0): residual += x; x = rms_norm(residual), the model's final norm,
 // so a decode step goes from the embedding to the lm_head's input in this one call.
+// stop_flag (0 for none): the address of an int32 that another thread may set while the call runs; it is
+// read before each layer, and once it is non-zero the call returns false with the step half done (the
+// caller discards it: see pyengine/interrupt.py). Returns true when every layer ran.
 // Scratch: qkv [T, (H + 2 KVH) D], attn [T, H D], gate_up [T, 2 I], act [T, I], all bf16.
 // Layer table: int64 [num_layers, kLayerFields], one row of addresses per layer (fields below;
 // 0 for an absent bias or scales). A projection's weight is PackedLinear's bf16 layout (linear.cpp)
@@ -44,19 +47,21 @@ void project(uintptr_t x, uintptr_t w, int64_t type, uintptr_t bias, uintptr_t o
 
 }  // namespace
 
-void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t attn, uintptr_t gate_up, uintptr_t act,
+bool decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t attn, uintptr_t gate_up, uintptr_t act,
                     const int64_t* layers, int64_t num_layers, uintptr_t positions, uintptr_t cos_sin_cache,
                     int64_t max_position, uintptr_t slot_mapping, uintptr_t block_tables, uintptr_t seq_lens,
                     uintptr_t query_start_loc, int64_t T, int64_t hidden, int64_t H, int64_t KVH, int64_t D,
                     int64_t inter, int64_t num_blocks, int64_t block_size, int64_t num_seqs, int64_t max_blocks,
                     int64_t max_seq_len, double eps, double scale, int norm_dtype, int cache_dtype,
-                    int64_t window, uintptr_t final_norm) {
+                    int64_t window, uintptr_t final_norm, uintptr_t stop_flag) {
   const int bf16 = static_cast<int>(DType::kBFloat16), fp32 = static_cast<int>(DType::kFloat32);
   const int64_t nqkv = (H + 2 * KVH) * D;
   const uintptr_t q = qkv, k = qkv + H * D * 2, v = qkv + (H + KVH) * D * 2;
   const bool rotate = cache_dtype == static_cast<int>(DType::kInt8) ||
                       cache_dtype == static_cast<int>(DType::kFloat8E4M3);
+  const int32_t* stop = reinterpret_cast<const int32_t*>(stop_flag);
   for (int64_t l = 0; l < num_layers; ++l) {
+    if (stop && __atomic_load_n(stop, __ATOMIC_RELAXED)) return false;
     const int64_t* w = layers + l * kLayerFields;
     auto at = [&](LayerField f) { return static_cast<uintptr_t>(w[f]); };
     if (l == 0) rms_norm(residual, at(kInputNorm), x, T, hidden, eps, fp32, norm_dtype, bf16);
@@ -89,6 +94,7 @@ void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
     project(act, at(kDown), w[kDownType], 0, x, T, hidden, inter);
   }
   if (final_norm) add_rms_norm(x, residual, final_norm, T, hidden, eps, bf16, norm_dtype, fp32);
+  return true;
 }
 
 }  // namespace pyengine::cpu

@@ -3,7 +3,10 @@ native kernels release the GIL, so the event loop stays responsive); each reques
 asyncio.Queue fed from that thread with loop.call_soon_threadsafe, one hop per step.
 
 All engine mutations happen on the step thread: generate() and abort() only append commands to a
-deque that the thread applies, in order, between steps.
+deque that the thread applies, in order, between steps. A command also sets the engine's interrupt:
+a step that is one chunk of a lone prompt (solo_prefill_tokens, often hundreds of tokens) stops before
+its next layer and is scheduled again with the newcomer (pyengine/interrupt.py), so a request that
+arrives during it waits about one layer of it, not all of it.
 """
 from __future__ import annotations
 
@@ -118,12 +121,14 @@ class AsyncLLM:
 
     def _command(self, cmd: tuple) -> None:
         self._commands.append(cmd)
+        self.engine.interrupt.set()
         self._wakeup.set()
 
     # ---- the step thread -----------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
         while not self._stop:
+            engine.interrupt.clear()  # before the commands are taken: one queued after it sets it again
             self._apply_commands()
             if not engine.has_unfinished():
                 self._wakeup.wait(0.5)

@@ -20,6 +20,7 @@ from pyengine.engine.output import (CompletionOutput, IncrementalDetokenizer, Re
                                     TokenLogprob, check_token_stop)
 from pyengine.engine.request import Request, RequestStatus
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
+from pyengine.interrupt import StepInterrupt, StepInterrupted
 from pyengine.metrics import EngineMetrics, count_requests
 from pyengine.model.metadata import allocate_kv_caches, copy_blocks
 from pyengine.plan import available_memory, cache_dtype_of, plan_memory
@@ -47,6 +48,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_steps: int
     num_computed_tokens: int  # tokens run through the model (prompt chunks + decodes), all steps
+    num_interrupted_steps: int  # lone prompt chunks a newcomer stopped (computed again later)
 
 
 def _cumulative(req: Request) -> float | None:
@@ -145,6 +147,9 @@ class Engine:
         self._pending_aborts: collections.deque[str] = collections.deque()
         self.num_steps = 0
         self.num_computed_tokens = 0
+        self.num_interrupted_steps = 0
+        # Set by the thread that queues requests (AsyncLLM) to stop a solo step (see pyengine/interrupt.py).
+        self.interrupt = StepInterrupt()
         self._failed_steps = 0  # steps in a row in which every model run failed
 
     # ---- requests ------------------------------------------------------------------------------
@@ -270,9 +275,16 @@ class Engine:
             copy_blocks(self.runner.kv_caches, sched.copies)
         num_got = 0
         if len(sched):
-            self.num_steps += 1
-            self.num_computed_tokens += sched.num_tokens
-            done, blamed = self._run_isolating(sched, step_start)
+            try:
+                done, blamed = self._run_isolating(sched, step_start, self.interrupt if sched.solo else None)
+            except StepInterrupted:  # a newcomer stopped a lone prompt's chunk: nothing is committed; it reruns
+                self.num_interrupted_steps += 1
+                self.metrics.interrupted_steps.inc()
+                done, blamed = [], []
+            else:
+                self.num_steps += 1
+                self.num_computed_tokens += sched.num_tokens
+                self._failed_steps = 0 if done else self._failed_steps + 1
             for part, result in done:
                 for req, entries in (result.prompt_logprobs or ()) if result else ():
                     req.prompt_logprobs.extend(entries)
@@ -283,7 +295,6 @@ class Engine:
                 o = self._fail_group(req.parent_id, exc)
                 if o is not None:
                     outputs.append(o)
-            self._failed_steps = 0 if done else self._failed_steps + 1
         s = self.scheduler
         self.metrics.on_step(*count_requests(self.groups.values()), self.pool.usage, num_got,
                              s.prefix_query_tokens, s.prefix_hit_tokens, s.num_preemptions)
@@ -291,16 +302,20 @@ class Engine:
             raise EngineBrokenError(f"{self._failed_steps} model steps in a row failed for every request in them")
         return outputs
 
-    def _run_isolating(self, sched: SchedulerOutput, step_start: float) -> tuple[list, list]:
+    def _run_isolating(self, sched: SchedulerOutput, step_start: float,
+                       interrupt: StepInterrupt | None = None) -> tuple[list, list]:
         """Run the step's model; returns ([(part, result)] that ran, [(request, error)] to blame).
 
         Re-running is safe: a model run changes nothing but KV slots at or after each request's
         num_computed_tokens (its own blocks, never a shared prefix-cache block), which the next run
         overwrites; blocks, scheduler state and the prefix cache change only when a result is
         committed. When the whole step raises, the requests first scheduled in it are tried apart
-        from the others, then each failing part is re-run in halves down to single requests."""
+        from the others, then each failing part is re-run in halves down to single requests. The same
+        makes an interrupted run (StepInterrupted, raised on) safe to drop."""
         try:
-            return [(sched, self.runner.execute(sched))], []
+            return [(sched, self.runner.execute(sched, interrupt))], []
+        except StepInterrupted:
+            raise
         except Exception as exc:
             log.warning("model step of %d sequences failed (%r); isolating the cause", len(sched), exc)
             idx = range(len(sched))
@@ -398,4 +413,5 @@ class Engine:
     def stats(self) -> EngineStats:
         s, p = self.scheduler, self.pool
         return EngineStats(s.num_running, s.num_waiting, p.num_free, p.num_blocks, p.usage, s.num_preemptions,
-                           s.prefix_query_tokens, s.prefix_hit_tokens, self.num_steps, self.num_computed_tokens)
+                           s.prefix_query_tokens, s.prefix_hit_tokens, self.num_steps, self.num_computed_tokens,
+                           self.num_interrupted_steps)

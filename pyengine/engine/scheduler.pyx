@@ -13,8 +13,8 @@ A step that preempted admits nobody. long_prefill_tokens (> 0) caps the tokens o
 in a step, so a long prompt is chunked and cannot hold a step (and the requests waiting behind it)
 for long. A prompt that has the engine to itself (the only sequence running or waiting) may take up
 to solo_prefill_tokens instead: its chunk stalls no decodes, and larger chunks spend less per token
-(fixed costs per step, dequantized weight strips), but a request that arrives during it waits for the
-whole chunk. A waiting request that can be admitted goes first: a running prompt's next chunk shrinks
+(fixed costs per step, weight streams, dequantized weight strips). Such a step is marked solo: a request
+that arrives during it may interrupt it (pyengine/interrupt.py), and the step is scheduled again. A waiting request that can be admitted goes first: a running prompt's next chunk shrinks
 by the newcomer's first chunk (to nothing if need be), so the step stays about one chunk long and
 the newcomer's first token comes after about one chunk's time, not two. A prompt chunk yields so
 in at most every other step, so a stream of newcomers cannot starve a long prompt. A token of a
@@ -47,12 +47,13 @@ cdef inline Py_ssize_t cdiv(Py_ssize_t a, Py_ssize_t b):
 class SchedulerOutput:
     """What runs this step: reqs[i] computes num_new[i] tokens starting at its num_computed_tokens;
     sampling[i] says whether that reaches its last known token (so a token is sampled). copies:
-    (source, destination) KV blocks to copy before the step runs (forked children)."""
+    (source, destination) KV blocks to copy before the step runs (forked children). solo: the step is
+    one prompt chunk of the only request running or waiting (a newcomer may interrupt it)."""
 
-    __slots__ = ("reqs", "num_new", "sampling", "num_tokens", "num_sampling", "preempted", "copies")
+    __slots__ = ("reqs", "num_new", "sampling", "num_tokens", "num_sampling", "preempted", "copies", "solo")
 
     def __init__(self, list reqs, list num_new, list sampling, int num_tokens, int num_sampling, list preempted,
-                 list copies):
+                 list copies, bint solo=False):
         self.reqs = reqs
         self.num_new = num_new
         self.sampling = sampling
@@ -60,6 +61,7 @@ class SchedulerOutput:
         self.num_sampling = num_sampling
         self.preempted = preempted
         self.copies = copies
+        self.solo = solo
 
     def __len__(self):
         return len(self.reqs)
@@ -247,7 +249,8 @@ cdef class Scheduler:
         cdef list running = self.running
         cdef BlockPool pool = self.pool
         now = None
-        self.chunk_cap = self.solo_prefill_tokens if len(running) + self.num_waiting == 1 else self.long_prefill_tokens
+        cdef bint alone = len(running) + self.num_waiting == 1
+        self.chunk_cap = self.solo_prefill_tokens if alone else self.long_prefill_tokens
         if self.priority_policy:
             self._preempt_for_priority(preempted)
         cdef Py_ssize_t num_priority_preempted = len(preempted)
@@ -316,7 +319,8 @@ cdef class Scheduler:
                 num_tokens += n
 
         self.chunks_yielded = yielded
-        return SchedulerOutput(reqs, num_new, sampling, num_tokens, sampling.count(True), preempted, copies)
+        return SchedulerOutput(reqs, num_new, sampling, num_tokens, sampling.count(True), preempted, copies,
+                               alone and len(reqs) == 1 and num_tokens > 1)
 
     cdef void _preempt(self, req):
         self.running.remove(req)

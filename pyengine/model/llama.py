@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from pyengine.config import ModelConfig
+from pyengine.interrupt import StepInterrupt, StepInterrupted
 from pyengine.model.metadata import AttentionMetadata, KVCache
 from pyengine.ops._common import DTYPE_CODES, check_tensor
 from pyengine.ops.attention import check_kv_cache, paged_attention
@@ -308,9 +309,11 @@ class LlamaForCausalLM(torch.nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        interrupt: StepInterrupt | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] int64; logits_indices [B] int64, or None for every row (B = T) -> logits
-        [B, V] fp32."""
+        [B, V] fp32. interrupt: checked before each layer; once set, raises StepInterrupted (the KV slots
+        of the step's tokens then hold a partial write, which a rerun of the step overwrites)."""
         t = input_ids.shape[0]
         cfg, eps, scale, sizes, d = self.cfg, self.eps, self.scale, self.qkv_sizes, self.cfg.head_dim
         q_shape, kv_shape = (t, *self.q_shape), (t, *self.kv_shape)
@@ -322,13 +325,15 @@ class LlamaForCausalLM(torch.nn.Module):
         if cfg.embed_scale:  # the scale rounded to the model's dtype, as transformers does
             residual = residual * torch.tensor(cfg.embed_scale, dtype=self.dtype)
         if t <= self.native_layer_rows:
-            x = self._native_layers(residual, positions, kv_caches, meta)  # the final norm included
+            x = self._native_layers(residual, positions, kv_caches, meta, interrupt)  # the final norm included
             return self.lm_head_linear(x if logits_indices is None else x.index_select(0, logits_indices))
         act_and_mul = gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else silu_and_mul
         softcap = cfg.attn_logit_softcap or 0.0
         rotate = kv_caches[0].k.dtype in QUANTIZED_KV
         x = None
         for layer, lin, cache, attention in zip(self.layers, self.linears, kv_caches, self.attention):
+            if interrupt is not None:
+                interrupt.check()
             if x is None:
                 x = rms_norm(residual, layer.input_norm, eps, dtype=self.dtype)
             else:
@@ -366,7 +371,7 @@ class LlamaForCausalLM(torch.nn.Module):
         return logits
 
     def _native_layers(self, residual: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                       meta: AttentionMetadata) -> torch.Tensor:
+                       meta: AttentionMetadata, interrupt: StepInterrupt | None = None) -> torch.Tensor:
         """All layers of the op-by-op loop above and the final norm in one native call (same kernels, same
         order: the same bits). residual (fp32) is updated in place; returns x, the normed last hidden state
         (bf16). Per-step Python is kept to argument checks: a decode step's tensor ops cost ~20-100 us each
@@ -386,13 +391,16 @@ class LlamaForCausalLM(torch.nn.Module):
         check_tensor("residual", residual, dtypes=(torch.float32,), shape=(t, cfg.hidden_size))
         qkv, attn, gate_up, act = self._scratch_for(t)
         x = torch.empty(t, cfg.hidden_size, dtype=torch.bfloat16)
-        _C.decoder_layers(
+        completed = _C.decoder_layers(
             residual.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
             table.data_ptr(), len(self.layers), positions.data_ptr(), self.cos_sin_cache.data_ptr(),
             self.cos_sin_cache.shape[0], meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
             meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), t, cfg.hidden_size, h, kvh, d, inter, nb, bs,
             s, max_blocks, meta.max_seq_len, self.eps, self.scale, DTYPE_CODES[self.layers[0].input_norm.dtype],
-            DTYPE_CODES[cache.k.dtype], self.attention[0].window, self.norm.data_ptr())
+            DTYPE_CODES[cache.k.dtype], self.attention[0].window, self.norm.data_ptr(),
+            0 if interrupt is None else interrupt.address)
+        if not completed:
+            raise StepInterrupted
         return x
 
     def _scratch_for(self, t: int) -> list[torch.Tensor]:

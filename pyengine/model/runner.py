@@ -14,6 +14,7 @@ import torch
 
 from pyengine.engine.output import TokenLogprob
 from pyengine.engine.scheduler import prepare_batch, prepare_sampling
+from pyengine.interrupt import StepInterrupt
 from pyengine.model.cuda_graphs import DecodeGraphs
 from pyengine.model.metadata import AttentionMetadata, KVCache
 from pyengine.ops.sampling import apply_penalties, sample
@@ -69,8 +70,9 @@ class ModelRunner:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, out) -> StepResult | None:
-        """Run one SchedulerOutput; returns the sampled tokens (None if no sequence samples)."""
+    def execute(self, out, interrupt: StepInterrupt | None = None) -> StepResult | None:
+        """Run one SchedulerOutput; returns the sampled tokens (None if no sequence samples). With an
+        interrupt, raises StepInterrupted if it is set before the model's last layer."""
         b = self.np
         T, max_blocks, max_seq_len, nl = prepare_batch(
             out, self.block_size, b["input_ids"], b["positions"], b["slot_mapping"], b["seq_lens"],
@@ -82,7 +84,7 @@ class ModelRunner:
             logits = self.graphs.run(S, b["input_ids"], b["positions"], b["slot_mapping"], b["seq_lens"],
                                      b["block_tables"][: S * max_blocks].reshape(S, max_blocks))
         if logits is None:
-            logits = self._forward(T, S, max_blocks, max_seq_len, nl, plan)
+            logits = self._forward(T, S, max_blocks, max_seq_len, nl, plan, interrupt)
         reqs = [r for r, s in zip(out.reqs, out.sampling) if s]
         # On CUDA the forward pass is still running: the grammar masks are filled meanwhile.
         bitmask = self._fill_bitmask(reqs) if self.structured is not None else None
@@ -93,7 +95,8 @@ class ModelRunner:
         result.prompt_logprobs = prompt
         return result
 
-    def _forward(self, T: int, S: int, max_blocks: int, max_seq_len: int, nl: int, plan) -> torch.Tensor:
+    def _forward(self, T: int, S: int, max_blocks: int, max_seq_len: int, nl: int, plan,
+                 interrupt: StepInterrupt | None = None) -> torch.Tensor:
         """The model, eagerly, over the step in the host buffers: logits of the nl sampling rows, then of
         the planned prompt-logprob rows. A decode-only step (one token per sequence, each sampled) passes no
         row indices and no query-length reduction: at batch 1 each small host op costs tens of microseconds."""
@@ -110,7 +113,8 @@ class ModelRunner:
         if plan:
             rows = torch.tensor([r for _, rs, _ in plan for r in rs], dtype=torch.int64, device=self.device)
             indices = torch.cat([indices, rows])
-        return self.model(self._dev("input_ids", T), self._dev("positions", T), self.kv_caches, meta, indices)
+        return self.model(self._dev("input_ids", T), self._dev("positions", T), self.kv_caches, meta, indices,
+                          interrupt=interrupt)
 
     def _prompt_logprob_plan(self, out) -> list[tuple[object, list[int], list[int]]]:
         """(request, logits rows, target tokens) for the prompt tokens whose logprobs this step can give:

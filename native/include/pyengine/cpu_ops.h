@@ -75,13 +75,13 @@ int64_t qlinear_strip_rows();
 void set_qlinear_isa(const std::string& name);  // "scalar", "avx2", "avx512_vnni" (where built)
 std::string qlinear_isa();
 std::string qlinear_isas();
-void decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t attn, uintptr_t gate_up, uintptr_t act,
+bool decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t attn, uintptr_t gate_up, uintptr_t act,
                     const int64_t* layers, int64_t num_layers, uintptr_t positions, uintptr_t cos_sin_cache,
                     int64_t max_position, uintptr_t slot_mapping, uintptr_t block_tables, uintptr_t seq_lens,
                     uintptr_t query_start_loc, int64_t T, int64_t hidden, int64_t H, int64_t KVH, int64_t D,
                     int64_t inter, int64_t num_blocks, int64_t block_size, int64_t num_seqs, int64_t max_blocks,
                     int64_t max_seq_len, double eps, double scale, int norm_dtype, int cache_dtype,
-                    int64_t window, uintptr_t final_norm);
+                    int64_t window, uintptr_t final_norm, uintptr_t stop_flag);
 
 }  // namespace cpu
 }  // namespace pyengine
