@@ -91,16 +91,15 @@ class EngineConfig:
     # chunk, so it moves with noise). Prefill attention reads a bf16 cache in place, so 64-token chunks cost a long
     # prompt little: 1.2x (2k), about 1.0x (8k) the CPU time of unchunked steps (1 thread). On 2 threads a chunk's
     # ~300 kernel loops no longer wait for a helper thread the OS has not run (native/include/pyengine/parallel.h): on
-    # shared cores a 64-token step took 3x a 1-thread one before (141 vs 43 ms), about 50 ms now. Larger chunks while
-    # nothing else waits would buy a lone long prompt little (2k: about as fast; 8k: ~1.1x, 2 threads at load 4.5),
-    # and a newcomer arriving meanwhile would wait for the whole chunk.
+    # shared cores a 64-token step took 3x a 1-thread one before (141 vs 43 ms), about 50 ms now. While nothing else
+    # runs or waits, solo_prefill_tokens applies instead.
     long_prefill_tokens: int | None = None
     # The chunk of a prompt that has the engine to itself (the only request running or waiting), never below
-    # long_prefill_tokens; None: long_prefill_tokens. It stalls nobody's decodes, and larger chunks run faster (on a
-    # Zen 5 host without AMX, a lone 2k prompt: 2,176 tok/s in chunks of 64, 2,772 in chunks of 512, bf16, 2
-    # threads), but a request that arrives meanwhile waits for the whole chunk: its TTFT beside the heaviest step in
-    # flight went from 2.2x idle at 64 to 4.5x at 256 and 8.6x at 512 (bench/bench_fairness.py --cpu-steps). A
-    # deployment that serves one long prompt at a time can trade that for prefill speed.
+    # long_prefill_tokens; None: 256 on CPU (engine.SOLO_PREFILL_TOKENS_CPU), long_prefill_tokens on CUDA. It
+    # stalls nobody's decodes, and larger chunks run faster (a lone 2k prompt, bf16, 2 threads of a Zen 4 host:
+    # 1,184 tok/s in chunks of 64, 1,303 in 256). A request that arrives meanwhile (AsyncLLM, the server)
+    # interrupts the chunk before the model's next layer (pyengine/interrupt.py), so it waits about one layer of
+    # it; the prompt computes that chunk again.
     solo_prefill_tokens: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     num_threads: int | None = None  # CPU threads for torch and the native kernels

@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens one prompt computes in a step while others run or wait (its chunk); a "
                         "request arriving meanwhile starts within about one chunk (default: 64 on cpu, 512 on cuda)")
     m.add_argument("--solo-prefill-tokens", type=int, default=None,
-                   help="the chunk of a prompt that has the engine to itself: larger runs faster, but a request "
-                        "arriving meanwhile waits for the whole chunk (default: --long-prefill-tokens)")
+                   help="the chunk of a prompt that has the engine to itself: larger runs faster; a request "
+                        "arriving meanwhile interrupts it and the chunk is computed again (default: 256 on cpu, "
+                        "--long-prefill-tokens on cuda)")
     m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of identical prompt prefixes")
     m.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
