@@ -6,7 +6,8 @@ of it. Instead the thread that queues the request (AsyncLLM) sets this flag; the
 each layer (decoder_layers reads it natively) and stops by raising StepInterrupted. The engine then
 commits nothing of the step (a model run writes only KV slots that the rerun overwrites) and schedules
 again, the newcomer now with it: the newcomer waits about one layer of the chunk, and the long prompt
-computes that chunk again.
+computes that chunk again. The solo step right after an interrupted one is not interrupted, so arrivals
+that leave the prompt alone again (a request aborted as soon as it came) cannot starve it.
 """
 from __future__ import annotations
 

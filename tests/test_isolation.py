@@ -282,6 +282,23 @@ def test_an_interrupted_solo_step_commits_nothing_and_its_rerun_gives_the_same_t
     assert_all_free(engine)
 
 
+def test_a_solo_step_after_an_interrupted_one_runs_to_its_end():
+    """Commands that leave the prompt alone again (a request aborted as soon as it came) cannot keep
+    stopping its chunks: the step after an interrupted one is not interrupted, the next one may be."""
+    engine = fake_engine(max_num_batched_tokens=2048, long_prefill_tokens=64, solo_prefill_tokens=128)
+    big = prompts_of([700], seed=7)[0]
+    engine.add_request("big", big, SamplingParams(max_tokens=2, **GREEDY))
+    engine.interrupt.set()
+    computed = []
+    for _ in range(4):
+        engine.step()
+        computed.append(engine.num_computed_tokens)
+    assert computed == [0, 128, 128, 256] and engine.num_interrupted_steps == 2
+    engine.interrupt.clear()
+    assert tokens(drain(engine)["big"]) == reference(big, 2)
+    assert_all_free(engine)
+
+
 def test_one_request_adds_at_most_long_prefill_tokens_per_step():
     engine = fake_engine(max_num_batched_tokens=512, long_prefill_tokens=64, solo_prefill_tokens=64)
     big = prompts_of([400], seed=7)[0]

@@ -155,7 +155,10 @@ class Engine:
         self.num_computed_tokens = 0
         self.num_interrupted_steps = 0
         # Set by the thread that queues requests (AsyncLLM) to stop a solo step (see pyengine/interrupt.py).
+        # A solo step right after an interrupted one runs to its end, so commands that leave the prompt alone
+        # again (a request aborted as soon as it came) cannot starve it.
         self.interrupt = StepInterrupt()
+        self._last_interrupted = False
         self._failed_steps = 0  # steps in a row in which every model run failed
 
     # ---- requests ------------------------------------------------------------------------------
@@ -281,13 +284,16 @@ class Engine:
             copy_blocks(self.runner.kv_caches, sched.copies)
         num_got = 0
         if len(sched):
+            interruptible = sched.solo and not self._last_interrupted
             try:
-                done, blamed = self._run_isolating(sched, step_start, self.interrupt if sched.solo else None)
+                done, blamed = self._run_isolating(sched, step_start, self.interrupt if interruptible else None)
             except StepInterrupted:  # a newcomer stopped a lone prompt's chunk: nothing is committed; it reruns
                 self.num_interrupted_steps += 1
                 self.metrics.interrupted_steps.inc()
+                self._last_interrupted = True
                 done, blamed = [], []
             else:
+                self._last_interrupted = False
                 self.num_steps += 1
                 self.num_computed_tokens += sched.num_tokens
                 self._failed_steps = 0 if done else self._failed_steps + 1
