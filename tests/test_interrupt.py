@@ -61,12 +61,15 @@ def test_a_solo_step_stopped_mid_run_commits_nothing_and_reruns_to_the_same_toke
     config = dict(dtype=dtype, long_prefill_tokens=64, solo_prefill_tokens=512, enable_prefix_caching=False)
     ref = real_engine(parts, kv_tokens=1024, **config)
     ref.add_request("p", prompt, params)
+    t0 = time.perf_counter()
+    ref.step()  # the 512-token chunk, uninterrupted
+    chunk_seconds = time.perf_counter() - t0
     want = greedy_tokens(ref, "p")
 
     engine = real_engine(parts, kv_tokens=1024, **config)
     engine.add_request("p", prompt, params)
     req = engine.scheduler.requests["p"]
-    timer = threading.Timer(0.05, engine.interrupt.set)  # a few layers into the 512-token chunk
+    timer = threading.Timer(chunk_seconds / 4, engine.interrupt.set)  # about a quarter of the layers in
     timer.start()
     t0 = time.perf_counter()
     assert engine.step() == []
