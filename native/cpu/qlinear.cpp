@@ -657,25 +657,24 @@ struct QuantRow {
 constexpr float kResidualStep = 1.0f / 256.0f;  // d2 / d1
 constexpr int32_t kQMax = 127;
 
-// Level 0's scale for a block of largest magnitude amax, or level 1's from level 0's d1; and its inverse.
-inline float level_scale(int level, float amax, float d1, float* inverse) {
-  const float d = level == 0 ? amax / 127.0f : d1 * kResidualStep;
-  *inverse = d != 0.0f ? 1.0f / d : 0.0f;
-  return d;
-}
+// A level's scale d -> the multiplier that rounds values to its codes (0 for an all-zero block).
+inline float inverse_of(float d) { return d != 0.0f ? 1.0f / d : 0.0f; }
 
 template <class Load>
 void quantize_row_scalar(Load load, const QuantRow& r) {
   for (int64_t b = 0; b < r.KB; ++b) {
     float v[kBlock];
     for (int64_t i = 0; i < kBlock; ++i) v[i] = load(b * kBlock + i);
-    float d1 = 0.0f;
+    float d = 0.0f;  // the level's scale: d1 = amax / 127, then d2 = d1 / 256
     for (int level = 0; level < 2; ++level) {
-      float amax = 0.0f, id;
-      if (level == 0)
+      if (level == 0) {
+        float amax = 0.0f;
         for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = level_scale(level, amax, d1, &id);
-      d1 = d;
+        d = amax / 127.0f;
+      } else {
+        d *= kResidualStep;
+      }
+      const float id = inverse_of(d);
       int8_t* q = r.xq + level * r.K + b * kBlock;
       int32_t sum[2] = {0, 0};
       for (int64_t i = 0; i < kBlock; ++i) {
@@ -707,18 +706,17 @@ void quantize_row_avx512(const void* x, bool f32, const QuantRow& r) {
         v[j][h] = f32 ? _mm512_loadu_ps(static_cast<const float*>(x) + at)
                       : load_bf16x16(static_cast<const uint16_t*>(x) + at);
       }
-    __m512 d1 = zero;
+    __m512 d = zero;  // the level's scales, lane j = block j: d1 = amax / 127, then d2 = d1 / 256
     const __m512i qmax = _mm512_set1_epi32(kQMax), qmin = _mm512_set1_epi32(-kQMax);
     for (int level = 0; level < 2; ++level) {
       __m512 sums[2][16];  // sums[h][j]: block j's q in half h, as floats
-      __m512 d;            // level_scale, lane j = block j
       if (level == 0) {
         __m512 m[16];
         for (int j = 0; j < 16; ++j)
           m[j] = j < nb ? _mm512_max_ps(_mm512_abs_ps(v[j][0]), _mm512_abs_ps(v[j][1])) : zero;
-        d = d1 = _mm512_div_ps(hmax16(m), _mm512_set1_ps(127.0f));
+        d = _mm512_div_ps(hmax16(m), _mm512_set1_ps(127.0f));
       } else {
-        d = _mm512_mul_ps(d1, _mm512_set1_ps(kResidualStep));
+        d = _mm512_mul_ps(d, _mm512_set1_ps(kResidualStep));
       }
       const __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, zero, _CMP_NEQ_UQ), _mm512_set1_ps(1.0f), d);
       alignas(64) float ds[16], ids[16];
@@ -768,15 +766,15 @@ void quantize_row_avx2(const void* x, bool f32, const QuantRow& r) {
                        _mm256_cvtepu16_epi32(_mm_loadu_si128(
                            reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at))), 16));
     }
-    float d1 = 0.0f;
+    float d = 0.0f;  // the level's scale: d1 = amax / 127, then d2 = d1 / 256
     for (int level = 0; level < 2; ++level) {
-      auto amax = [&] {
-        return hmax256(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
-                                     _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask))));
-      };
-      float id;
-      const float d = level_scale(level, level == 0 ? amax() : 0.0f, d1, &id);
-      d1 = d;
+      if (level == 0)
+        d = hmax256(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                                  _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)))) /
+            127.0f;
+      else
+        d *= kResidualStep;
+      const float id = inverse_of(d);
       __m256i q[4];
       for (int i = 0; i < 4; ++i) {
         q[i] = _mm256_max_epi32(_mm256_set1_epi32(-kQMax), _mm256_min_epi32(_mm256_set1_epi32(kQMax),
