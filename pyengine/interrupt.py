@@ -33,9 +33,6 @@ class StepInterrupt:
     def clear(self) -> None:
         self._flag[0] = 0
 
-    def is_set(self) -> bool:
-        return bool(self._flag[0])
-
     def check(self) -> None:
         if self._flag[0]:
             raise StepInterrupted
