@@ -106,7 +106,12 @@ def cpu_steps(args) -> None:
 
     solo: list[bool] = []  # per model run: a solo step (interrupted by an arrival: one layer of it is waited for)
     run = engine._run_isolating
-    engine._run_isolating = lambda sched, *a: (solo.append(sched.solo), run(sched, *a))[1]
+
+    def run_noting_solo(sched, *rest):
+        solo.append(sched.solo)
+        return run(sched, *rest)
+
+    engine._run_isolating = run_noting_solo
     layers = engine.model_config.num_hidden_layers
     first_token([5, 6, 7], "warmup")
     idle, loaded, chunk, alone, heaviest = [], [], [], [], []

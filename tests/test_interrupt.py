@@ -18,6 +18,7 @@ from pyengine.sampling_params import SamplingParams
 from engine_fakes import PagedEchoModel, fake_engine, reference
 from model_helpers import real_engine
 from test_engine import assert_all_free, prompts_of
+from test_isolation import drain, tokens
 
 GREEDY = dict(temperature=0.0)
 
@@ -43,13 +44,6 @@ def bf16_parts():
     return cfg, model, Tokenizer.from_model_path(path), "smollm2-135m"
 
 
-def greedy_tokens(engine, rid: str) -> list[int]:
-    got = []
-    while engine.has_unfinished():
-        got += [t for o in engine.step() if o.request_id == rid for t in o.outputs[0].token_ids]
-    return got
-
-
 @pytest.mark.parametrize("parts_name, native", [("real_parts", False), ("bf16_parts", True)])
 def test_a_solo_step_stopped_mid_run_commits_nothing_and_reruns_to_the_same_tokens(request, parts_name, native):
     parts = request.getfixturevalue(parts_name)
@@ -63,7 +57,7 @@ def test_a_solo_step_stopped_mid_run_commits_nothing_and_reruns_to_the_same_toke
     t0 = time.perf_counter()
     ref.step()  # the 512-token chunk, uninterrupted
     chunk_seconds = time.perf_counter() - t0
-    want = greedy_tokens(ref, "p")
+    want = tokens(drain(ref)["p"])
 
     engine = real_engine(parts, kv_tokens=1024, **config)
     engine.add_request("p", prompt, params)
@@ -77,7 +71,7 @@ def test_a_solo_step_stopped_mid_run_commits_nothing_and_reruns_to_the_same_toke
     assert engine.num_interrupted_steps == 1 and req.num_computed_tokens == 0 and engine.num_computed_tokens == 0
     engine.interrupt.clear()
     t0 = time.perf_counter()
-    assert greedy_tokens(engine, "p") == want
+    assert tokens(drain(engine)["p"]) == want
     assert stopped_after < time.perf_counter() - t0  # it stopped well before a whole chunk
     assert engine.num_interrupted_steps == 1
     assert_all_free(engine)
