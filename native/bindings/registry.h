@@ -4,7 +4,7 @@
 // This keeps one pybind11 module per device while each kernel family owns
 // its own binding file.
 //
-// Binding convention (see DESIGN.md): functions take raw device pointers as
+// Binding convention (docs/architecture.md, "Native kernels"): functions take raw device pointers as
 // uintptr_t plus sizes, never torch types, and release the GIL:
 //   m.def("rms_norm", &rms_norm_binding, py::call_guard<py::gil_scoped_release>());
 #pragma once

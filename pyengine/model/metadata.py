@@ -1,4 +1,5 @@
-"""Attention metadata of one forward step, and the paged KV cache it indexes (layouts: DESIGN.md)."""
+"""Attention metadata of one forward step, and the paged KV cache it indexes (layouts: docs/architecture.md,
+"KV cache")."""
 from __future__ import annotations
 
 import math
