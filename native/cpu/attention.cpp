@@ -575,6 +575,19 @@ inline DotAcc<O> dot_zero() {
   else return _mm512_setzero_ps();
 }
 
+// acc + the sums of four u8 x s8 products per 32-bit lane (vpdpbusd). Not _mm512_dpbusd_epi32: GCC 12
+// gave the accumulators of QK's and PV's loops a fresh register for each product through it, two
+// vmovdqa32 around every vpdpbusd (QK's loop: 24 moves beside 12 products). As inline asm each
+// product accumulates in place.
+inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
+#if defined(__GNUC__) && !defined(__clang__)
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+  return acc;
+#else
+  return _mm512_dpbusd_epi32(acc, u8, s8);
+#endif
+}
+
 inline __m512i bcast32(const char* p) {
   int32_t w;
   std::memcpy(&w, p, 4);
@@ -602,7 +615,7 @@ inline Line prepare_line(__m512i raw) {
 template <Operands O, bool K>
 inline DotAcc<O> line_dot(DotAcc<O> acc, const Line& l, const char* p) {
   if constexpr (O == Operands::kInt8) {
-    return K ? _mm512_dpbusd_epi32(acc, l.a, bcast32(p)) : _mm512_dpbusd_epi32(acc, bcast32(p), l.a);
+    return K ? dpbusd(acc, l.a, bcast32(p)) : dpbusd(acc, bcast32(p), l.a);
   } else if constexpr (O == Operands::kFp8Bf16) {
     return _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc, (__m512bh)l.a, (__m512bh)bcast32(p)), (__m512bh)l.b,
                             (__m512bh)bcast32(p + 4));
@@ -677,7 +690,8 @@ inline float stage_q(const uint16_t* q, int64_t D, char* dst, int32_t* sum) {
 struct ChunkPtrs {
   const char *k0[kTiles], *k1[kTiles], *v0[kTiles], *v1[kTiles];
   const float *ks0[kTiles], *ks1[kTiles], *vs0[kTiles], *vs1[kTiles];
-  int n;  // tokens in the chunk
+  int n;          // tokens in the chunk
+  uint64_t valid;  // bit t: token t is in the chunk
 };
 
 // The V line address of the chunk's token group p (tokens L p .. L p + L - 1) at dim 0.
@@ -689,10 +703,15 @@ inline const char* v_group(const ChunkPtrs& c, int p, int64_t group_bytes) {
   else return c.v0[tile] + q * group_bytes;
 }
 
+// Bits [0, n) of a chunk's token mask, n in [0, 64]. A tile's mask is then a shift of its chunk's:
+// tail_mask's branches per tile, in QK's epilogue, made GCC copy every QK accumulator to another
+// register and back around each dot product.
+inline uint64_t low_bits(int n) { return n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1; }
+
 // The scales of tile i's tokens; zero past the chunk's end (slots there may hold anything).
 template <bool SPLIT>
-inline __m512 tile_scales(const float* const* s0, const float* const* s1, int i, int n) {
-  const __mmask16 valid = tail_mask(n - 16 * i);
+inline __m512 tile_scales(const float* const* s0, const float* const* s1, int i, uint64_t chunk_valid) {
+  const __mmask16 valid = static_cast<__mmask16>(chunk_valid >> (16 * i));
   if constexpr (SPLIT)
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_maskz_loadu_ps(static_cast<__mmask8>(valid), s0[i])),
                               _mm256_maskz_loadu_ps(static_cast<__mmask8>(valid >> 8), s1[i]), 1);
@@ -726,8 +745,9 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_str
     for (int r = 0; r < NR; ++r)
       for (int i = 0; i < kT; ++i) acc[r][i] = accl[r][i] = dot_zero<O>();
     for (int j = 0; j < kLines; ++j) {
-      // the next chunk's K, each line once (tiles start on a line when lines are shorter than one)
-      if (line_stride >= 64 || j * line_stride % 64 == 0)
+      // the next chunk's K, each 64-byte line once: with SPLIT (block size 8) a K line is 32 bytes,
+      // so every other one
+      if (!SPLIT || j % 2 == 0)
         for (int i = i0; i < i0 + kT; ++i) {
           _mm_prefetch(next.k0[i] + j * line_stride, kPrefetchLevel);
           if constexpr (SPLIT) _mm_prefetch(next.k1[i] + j * line_stride, kPrefetchLevel);
@@ -744,7 +764,7 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_str
     }
     for (int i = 0; i < kT && i0 + i < ntiles; ++i) {
       __m512 s = _mm512_set1_ps(is_fp8(O) ? scale / kFp8Unit : scale);
-      if constexpr (O != Operands::kBf16) s = _mm512_mul_ps(s, tile_scales<SPLIT>(c.ks0, c.ks1, i0 + i, c.n));
+      if constexpr (O != Operands::kBf16) s = _mm512_mul_ps(s, tile_scales<SPLIT>(c.ks0, c.ks1, i0 + i, c.valid));
       for (int r = 0; r < NR; ++r) {
         __m512 dot;
         if constexpr (O == Operands::kInt8) {  // sum (k + 128) q = q.k + 128 sum(q)
@@ -780,10 +800,11 @@ inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs
   }
   __m512 x[kTiles];
   __mmask16 keep[kTiles];
+  const uint64_t span = low_bits(nv) & ~low_bits(lo);  // the row's tokens [lo, nv)
   const __m512 limit = _mm512_set1_ps(m + kMaxSlack);
   __mmask16 over = 0;
   for (int g = 0; g < kTiles; ++g) {
-    keep[g] = tail_mask(nv - 16 * g) & static_cast<__mmask16>(~tail_mask(lo - 16 * g));
+    keep[g] = static_cast<__mmask16>(span >> (16 * g));
     x[g] = _mm512_loadu_ps(sc + 16 * g);
     over |= _mm512_mask_cmp_ps_mask(keep[g], x[g], limit, _CMP_NLE_UQ);  // NaN counts as over
   }
@@ -801,15 +822,15 @@ inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs
     const __m512 p = _mm512_maskz_mov_ps(keep[g], exp2_512(_mm512_sub_ps(x[g], vm)));
     __m256i* dst = reinterpret_cast<__m256i*>(pw + 32 * g);
     if constexpr (O == Operands::kInt8) {  // the fp32 weights, rounded once their max is known
-      w[g] = _mm512_mul_ps(p, tile_scales<SPLIT>(c.vs0, c.vs1, g, c.n));
+      w[g] = _mm512_mul_ps(p, tile_scales<SPLIT>(c.vs0, c.vs1, g, c.valid));
       wmax = _mm512_max_ps(wmax, w[g]);
       vsum = _mm512_add_ps(vsum, p);
     } else if constexpr (O == Operands::kFp8Half) {  // stored once their sum is known
-      w[g] = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_set1_ps(1.0f / kFp8Unit)), tile_scales<SPLIT>(c.vs0, c.vs1, g, c.n));
+      w[g] = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_set1_ps(1.0f / kFp8Unit)), tile_scales<SPLIT>(c.vs0, c.vs1, g, c.valid));
       wsum = _mm512_add_ps(wsum, w[g]);
       vsum = _mm512_add_ps(vsum, p);
     } else if constexpr (O == Operands::kFp8Bf16) {
-      const __m512 vs = tile_scales<SPLIT>(c.vs0, c.vs1, g, c.n);
+      const __m512 vs = tile_scales<SPLIT>(c.vs0, c.vs1, g, c.valid);
       const __m512 wt = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_set1_ps(1.0f / kFp8Unit)), vs);
       _mm256_storeu_si256(dst, fp8_operand_order((__m256i)_mm512_cvtneps_pbh(wt)));
       vsum = _mm512_add_ps(vsum, p);
@@ -915,6 +936,7 @@ void fill_chunk(const Args& a, const Item& it, int64_t c0, int64_t kv_end, Chunk
   const int64_t tile_bytes = a.BS * D * es;
   const int32_t* table = a.block_tables + it.seq * a.MB;
   c.n = static_cast<int>(std::min<int64_t>(kChunk, kv_end - c0));
+  c.valid = low_bits(c.n);
   // the half-tile (8 tokens with SPLIT, else 16) at position pos: its K (dims group 0) and V
   // addresses (4 bytes per token in a K line, D * 4 per V token group), scales
   auto half = [&](int64_t pos, const char*& k, const char*& v, const float*& ks, const float*& vs) {
