@@ -38,9 +38,11 @@ def prefilled_engine(parts, kv: str, prompts: list[list[int]], steps: int, threa
 
     max_len = len(prompts[0]) + steps + 32
     cache_dtype = {"auto": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]
+    # whole blocks for every sequence's max_len, and one spare: with less, a step preempts sequences
+    blocks = len(prompts) * (-(-max_len // block_size) + 1)
     config = EngineConfig(dtype="bfloat16", kv_cache_dtype=kv, max_model_len=max_len, max_num_seqs=len(prompts),
                           enable_prefix_caching=False, num_threads=threads, block_size=block_size,
-                          kv_cache_memory=len(prompts) * (max_len + 16) * kv_bytes_per_token(parts[0], cache_dtype))
+                          kv_cache_memory=blocks * block_size * kv_bytes_per_token(parts[0], cache_dtype))
     engine = Engine(config, parts=parts)
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -49,6 +51,11 @@ def prefilled_engine(parts, kv: str, prompts: list[list[int]], steps: int, threa
     while any(r.num_output_tokens == 0 for r in requests):
         engine.step()
     return engine
+
+
+def decoded_tokens(engine) -> int:
+    """Output tokens of the engine's sequences so far."""
+    return sum(r.num_output_tokens for g in engine.groups.values() for r in g.children)
 
 
 def main() -> None:
@@ -81,9 +88,13 @@ def main() -> None:
     for _ in range(args.steps):
         for bs, kv in runs:
             _C.set_decode_attention_path(CAPPED[kv][1] if kv in CAPPED else default_path)
+            before = decoded_tokens(engines[bs, kv])
             t0 = time.perf_counter()
             engines[bs, kv].step()
             times[bs, kv].append(time.perf_counter() - t0)
+            if decoded_tokens(engines[bs, kv]) - before != args.seqs:  # the table's tok/s assumes it
+                raise SystemExit(f"block {bs} kv {kv}: a step decoded {decoded_tokens(engines[bs, kv]) - before} "
+                                 f"tokens, not {args.seqs} (preempted or finished sequences)")
     _C.set_decode_attention_path(default_path)
     median = {run: args.seqs / statistics.median(ts) for run, ts in times.items()}
     print(f"\n{args.seqs} x {args.prompt}-token prompts, {args.steps} decode steps each, taken in turn, "
