@@ -577,8 +577,9 @@ inline DotAcc<O> dot_zero() {
 
 // acc + the sums of four u8 x s8 products per 32-bit lane (vpdpbusd). Not _mm512_dpbusd_epi32: GCC 12
 // gave the accumulators of QK's and PV's loops a fresh register for each product through it, two
-// vmovdqa32 around every vpdpbusd (QK's loop: 24 moves beside 12 products). As inline asm each
-// product accumulates in place.
+// vmovdqa32 around every vpdpbusd (QK's loop: 24 moves beside 12 products). As inline asm, and with
+// the tile masks free of branches (low_bits), each product accumulates in place; either alone left the
+// moves.
 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
 #if defined(__GNUC__) && !defined(__clang__)
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
