@@ -305,9 +305,14 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
 
 using BlockFn = void (*)(const QArgs&, int64_t, int64_t);
 
+// NT = 4 only for a lone row pair (tiles_per_group): no block of more rows is built with 4 tiles.
 template <int T, int MR>
 constexpr BlockFn block_fn(int nt) {
-  return nt == 4 ? &vnni_block<T, MR, 4> : nt == 2 ? &vnni_block<T, MR, 2> : &vnni_block<T, MR, 1>;
+  if (nt == 4) {
+    if constexpr (MR == 2) return &vnni_block<T, MR, 4>;
+    else return nullptr;
+  }
+  return nt == 2 ? &vnni_block<T, MR, 2> : &vnni_block<T, MR, 1>;
 }
 
 // MR = 2 (P + 1): row pairs.
