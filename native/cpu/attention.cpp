@@ -691,8 +691,7 @@ inline float stage_q(const uint16_t* q, int64_t D, char* dst, int32_t* sum) {
 struct ChunkPtrs {
   const char *k0[kTiles], *k1[kTiles], *v0[kTiles], *v1[kTiles];
   const float *ks0[kTiles], *ks1[kTiles], *vs0[kTiles], *vs1[kTiles];
-  int n;          // tokens in the chunk
-  uint64_t valid;  // bit t: token t is in the chunk
+  int n;  // tokens in the chunk
 };
 
 // The V line address of the chunk's token group p (tokens L p .. L p + L - 1) at dim 0.
@@ -740,6 +739,7 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_str
                      const float* qs, const int32_t* qsum, float* sc, float scale) {
   constexpr int kLines = 32 * NC32 / lane_of(O);
   const int ntiles = (c.n + 15) / 16;
+  const uint64_t valid = low_bits(c.n);  // the chunk's tokens
   constexpr int kT = O == Operands::kInt8 ? 2 : 4;
   for (int i0 = 0; i0 < ntiles; i0 += kT) {
     DotAcc<O> acc[NR][kT], accl[NR][kT];
@@ -765,7 +765,7 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_str
     }
     for (int i = 0; i < kT && i0 + i < ntiles; ++i) {
       __m512 s = _mm512_set1_ps(is_fp8(O) ? scale / kFp8Unit : scale);
-      if constexpr (O != Operands::kBf16) s = _mm512_mul_ps(s, tile_scales<SPLIT>(c.ks0, c.ks1, i0 + i, c.valid));
+      if constexpr (O != Operands::kBf16) s = _mm512_mul_ps(s, tile_scales<SPLIT>(c.ks0, c.ks1, i0 + i, valid));
       for (int r = 0; r < NR; ++r) {
         __m512 dot;
         if constexpr (O == Operands::kInt8) {  // sum (k + 128) q = q.k + 128 sum(q)
@@ -801,7 +801,7 @@ inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs
   }
   __m512 x[kTiles];
   __mmask16 keep[kTiles];
-  const uint64_t span = low_bits(nv) & ~low_bits(lo);  // the row's tokens [lo, nv)
+  const uint64_t valid = low_bits(n), span = low_bits(nv) & ~low_bits(lo);  // the chunk's tokens, the row's
   const __m512 limit = _mm512_set1_ps(m + kMaxSlack);
   __mmask16 over = 0;
   for (int g = 0; g < kTiles; ++g) {
@@ -823,15 +823,15 @@ inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs
     const __m512 p = _mm512_maskz_mov_ps(keep[g], exp2_512(_mm512_sub_ps(x[g], vm)));
     __m256i* dst = reinterpret_cast<__m256i*>(pw + 32 * g);
     if constexpr (O == Operands::kInt8) {  // the fp32 weights, rounded once their max is known
-      w[g] = _mm512_mul_ps(p, tile_scales<SPLIT>(c.vs0, c.vs1, g, c.valid));
+      w[g] = _mm512_mul_ps(p, tile_scales<SPLIT>(c.vs0, c.vs1, g, valid));
       wmax = _mm512_max_ps(wmax, w[g]);
       vsum = _mm512_add_ps(vsum, p);
     } else if constexpr (O == Operands::kFp8Half) {  // stored once their sum is known
-      w[g] = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_set1_ps(1.0f / kFp8Unit)), tile_scales<SPLIT>(c.vs0, c.vs1, g, c.valid));
+      w[g] = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_set1_ps(1.0f / kFp8Unit)), tile_scales<SPLIT>(c.vs0, c.vs1, g, valid));
       wsum = _mm512_add_ps(wsum, w[g]);
       vsum = _mm512_add_ps(vsum, p);
     } else if constexpr (O == Operands::kFp8Bf16) {
-      const __m512 vs = tile_scales<SPLIT>(c.vs0, c.vs1, g, c.valid);
+      const __m512 vs = tile_scales<SPLIT>(c.vs0, c.vs1, g, valid);
       const __m512 wt = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_set1_ps(1.0f / kFp8Unit)), vs);
       _mm256_storeu_si256(dst, fp8_operand_order((__m256i)_mm512_cvtneps_pbh(wt)));
       vsum = _mm512_add_ps(vsum, p);
@@ -937,7 +937,6 @@ void fill_chunk(const Args& a, const Item& it, int64_t c0, int64_t kv_end, Chunk
   const int64_t tile_bytes = a.BS * D * es;
   const int32_t* table = a.block_tables + it.seq * a.MB;
   c.n = static_cast<int>(std::min<int64_t>(kChunk, kv_end - c0));
-  c.valid = low_bits(c.n);
   // the half-tile (8 tokens with SPLIT, else 16) at position pos: its K (dims group 0) and V
   // addresses (4 bytes per token in a K line, D * 4 per V token group), scales
   auto half = [&](int64_t pos, const char*& k, const char*& v, const float*& ks, const float*& vs) {
