@@ -14,8 +14,9 @@ in a step, so a long prompt is chunked and cannot hold a step (and the requests 
 for long. A prompt that has the engine to itself (the only sequence running or waiting) may take up
 to solo_prefill_tokens instead: its chunk stalls no decodes, and larger chunks spend less per token
 (fixed costs per step, weight streams, dequantized weight strips). Such a step is marked solo: a request
-that arrives during it may interrupt it (pyengine/interrupt.py), and the step is scheduled again. A waiting request that can be admitted goes first: a running prompt's next chunk shrinks
-by the newcomer's first chunk (to nothing if need be), so the step stays about one chunk long and
+that arrives during it may interrupt it (pyengine/interrupt.py), and the step is scheduled again.
+A waiting request that can be admitted goes first: a running prompt's next chunk shrinks by the
+newcomer's first chunk (to nothing if need be), so the step stays about one chunk long and
 the newcomer's first token comes after about one chunk's time, not two. A prompt chunk yields so
 in at most every other step, so a stream of newcomers cannot starve a long prompt. A token of a
 request owing prompt logprobs counts twice against long_prefill_tokens and the budget: it also
