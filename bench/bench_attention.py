@@ -22,10 +22,11 @@ Per point, in the same run:
   sdpa             torch scaled_dot_product_attention (enable_gqa) on already-gathered contiguous bf16 K/V
 GB/s = bytes read / time; %read = the plain read's time over the kernel's (100%: as fast as a read of
 the same bytes); %scat the same against the scattered read. Every round starts from a cold last-level
-cache, as each layer's K/V does in a model step. A table of the fastest round of each (min: the most
-robust figure on a shared machine; the means are in pytest-benchmark's own table) is printed at the end
-of the module. The kinds of a point run back to back: this host's memory bandwidth drifts by +-30% over
-minutes.
+cache, as each layer's K/V does in a model step, and with the call's code warm, as a step has it: a
+call of the same kind on a tiny problem of its own follows the flush (cold_operands). A table of the
+fastest round of each (min: the most robust figure on a shared machine; the means are in
+pytest-benchmark's own table) is printed at the end of the module. The kinds of a point run back to
+back: this host's memory bandwidth drifts by +-30% over minutes.
 
 Prefill (one prompt of 512 / 2048 / 8192 tokens, bf16, same heads, 2 threads), GFLOP/s of the causal
 attention (4 H D L (L + 1) / 2 flops) per path of the prefill kernel (native/cpu/prefill_attention.cpp:
@@ -38,6 +39,7 @@ context), default model and settings (prefix caching off), prompt tokens/s of th
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -173,21 +175,19 @@ def test_decode_attention(benchmark, kind, batch, ctx):
         if path != "avx512_fp16":
             pytest.skip(f"the decode path here is {path}: fp8 already runs on {capped} or below")
         _C.set_decode_attention_path(capped)
-        fn = paged_call(batch, ctx, cache)
+        make = partial(paged_call, cache=cache)
     elif kind in CACHES:
-        fn = paged_call(batch, ctx, kind)
+        make = partial(paged_call, cache=kind)
     elif kind == "sdpa":
-        fn = sdpa_call(batch, ctx)
+        make = sdpa_call
     elif kind.startswith("scat"):
-        fn = scattered_read_call(batch, ctx, kind)
+        make = partial(scattered_read_call, kind=kind)
     else:
-        fn = read_call(batch, ctx, kind)
-    # Each round starts from a cold last-level cache (a read of twice its size in setup, untimed):
-    # otherwise whatever part of the operands it keeps between rounds flatters some kinds more than
-    # others (a sequential re-read of 50 MB kept 30-80% hits, varying run to run).
+        make = partial(read_call, kind=kind)
+    fn, warm = make(batch, ctx), make(1, WARM_CTX)
     rounds = max(5, min(100, int(2e8 / kv_bytes(batch, ctx, kind))))
     try:
-        benchmark.pedantic(fn, setup=flush_caches, rounds=rounds, warmup_rounds=1)
+        benchmark.pedantic(fn, setup=lambda: cold_operands(warm), rounds=rounds, warmup_rounds=1)
     finally:
         _C.set_decode_attention_path(path)
     record(benchmark, batch, ctx, kind)
@@ -208,6 +208,22 @@ _FLUSH = torch.ones(max(96 << 20, 2 * llc_bytes()), dtype=torch.uint8)
 
 def flush_caches() -> None:
     _C.read_bandwidth(_FLUSH.data_ptr(), _FLUSH.numel(), 0)
+
+
+# The warm-up call's context: whole blocks, at least one 64-token chunk of the decode kernel.
+WARM_CTX = max(64, BS) // BS * BS
+
+
+def cold_operands(warm) -> None:
+    """A decode round's setup (untimed): the last-level cache flushed, so the round reads its operands
+    from memory as each layer's K/V comes in a model step (a sequential re-read of 50 MB kept 30-80%
+    hits between rounds, varying run to run, which flattered some kinds more than others); then `warm`,
+    the same kind's call on a problem of its own (1 x WARM_CTX tokens). The flush also evicts the
+    code, the Python path and the thread pool's state of the call, which a model step finds warm (the
+    ops before attention ran just before). Left cold they cost each call 130-150 us on a Zen 4 host,
+    flat in the batch: half of an 8 x 2,048 int8 call, against a few us of a plain read's."""
+    flush_caches()
+    warm()
 
 
 def prompt_step(n: int):
