@@ -24,9 +24,11 @@ GB/s = bytes read / time; %read = the plain read's time over the kernel's (100%:
 the same bytes); %scat the same against the scattered read. Every round starts from a cold last-level
 cache, as each layer's K/V does in a model step, and with the call's code warm, as a step has it: a
 call of the same kind on a tiny problem of its own follows the flush (cold_operands). A table of the
-fastest round of each (min: the most robust figure on a shared machine; the means are in
-pytest-benchmark's own table) is printed at the end of the module. The kinds of a point run back to
-back: this host's memory bandwidth drifts by +-30% over minutes.
+fastest round of each (min: robust to slow rounds; the means are in pytest-benchmark's own table) is
+printed at the end of the module. The kinds of a point run back to back, but seconds apart, and this
+host's memory bandwidth swings by +-30% within minutes, in bursts: one fast round of a plain read moved
+a point's %read from ~90% to ~50%. So the table adds %pair, the median over rounds of the plain read's
+time over the kernel's with the two taken in turn (paired_read_share): a ratio of neighbours in time.
 
 Prefill (one prompt of 512 / 2048 / 8192 tokens, bf16, same heads, 2 threads), GFLOP/s of the causal
 attention (4 H D L (L + 1) / 2 flops) per path of the prefill kernel (native/cpu/prefill_attention.cpp:
@@ -39,6 +41,8 @@ context), default model and settings (prefix caching off), prompt tokens/s of th
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from functools import partial
 
 import pytest
@@ -59,6 +63,7 @@ CACHES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn
 READ_OF = {"bf16": "read2", "int8": "read1", "fp8": "read1", "fp8@bf16": "read1"}
 SCAT_OF = {"bf16": "scat2", "int8": "scat1", "fp8": "scat1", "fp8@bf16": "scat1"}
 RESULTS: dict[tuple[int, int, str], float] = {}
+PAIRED: dict[tuple[int, int, str], float] = {}  # (batch, ctx, kernel kind): paired_read_share
 PROMPTS = (512, 2048, 8192)
 PREFILL_KINDS = ("amx", "avx512_fp16", "avx512_fp32", "avx512_bf16", "sdpa", "gemm", "gemm_torch")
 PREFILL: dict[tuple[int, str], float] = {}  # (prompt length, kind): GFLOP/s, or tok/s for "e2e"
@@ -83,7 +88,7 @@ def two_threads_and_table(request):
     reads = ("read2", "scat2", "read1", "scat1")
     head = f"{'batch':>5} {'ctx':>5} " + " ".join(f"{r + ' GB/s':>10}" for r in reads)
     for c in kinds:
-        head += f" | {c + ' us':>11} {'GB/s':>5} {'%read':>5} {'%scat':>5}"
+        head += f" | {c + ' us':>11} {'GB/s':>5} {'%read':>5} {'%pair':>5} {'%scat':>5}"
     lines = ["", f"decode attention (9/3 heads, D 64, block {BS}, bf16 q, 2 threads): min us, GB/s of K/V read, "
              "% of a plain read of the same bytes, in order and as scattered tiles",
              head + f" | {'sdpa us':>8} {'bf16 x':>6}"]
@@ -94,7 +99,7 @@ def two_threads_and_table(request):
         line = f"{b:>5} {c:>5} " + " ".join(f"{kv_bytes(b, c, r) / t[r] / 1e9:>10.1f}" for r in reads)
         for k in kinds:
             line += f" | {t[k] * 1e6:>11.0f} {kv_bytes(b, c, k) / t[k] / 1e9:>5.1f} {100 * t[READ_OF[k]] / t[k]:>4.0f}%" \
-                    f" {100 * t[SCAT_OF[k]] / t[k]:>4.0f}%"
+                    f" {100 * PAIRED.get((b, c, k), float('nan')):>4.0f}% {100 * t[SCAT_OF[k]] / t[k]:>4.0f}%"
         lines.append(line + f" | {t['sdpa'] * 1e6:>8.0f} {t['sdpa'] / t['bf16']:>5.1f}x")
     lines += ["", "prefill (bf16, 9/3 heads, D 64, 2 threads): GFLOP/s at min time; GEMMs at M = L on gate_up "
               "(3072 x 576); end-to-end tok/s",
@@ -188,6 +193,9 @@ def test_decode_attention(benchmark, kind, batch, ctx):
     rounds = max(5, min(100, int(2e8 / kv_bytes(batch, ctx, kind))))
     try:
         benchmark.pedantic(fn, setup=lambda: cold_operands(warm), rounds=rounds, warmup_rounds=1)
+        if kind in CACHES or kind in CAPPED:
+            read = partial(read_call, kind=READ_OF[kind])
+            PAIRED[batch, ctx, kind] = paired_read_share(fn, warm, read(batch, ctx), read(1, WARM_CTX), rounds)
     finally:
         _C.set_decode_attention_path(path)
     record(benchmark, batch, ctx, kind)
@@ -224,6 +232,21 @@ def cold_operands(warm) -> None:
     flat in the batch: half of an 8 x 2,048 int8 call, against a few us of a plain read's."""
     flush_caches()
     warm()
+
+
+def paired_read_share(fn, warm, read, read_warm, rounds: int) -> float:
+    """The median over `rounds` of read's time over fn's, the two timed in turn, each after
+    cold_operands (with its own warm-up call)."""
+    ratios = []
+    for _ in range(rounds):
+        times = []
+        for call, warm_call in ((fn, warm), (read, read_warm)):
+            cold_operands(warm_call)
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        ratios.append(times[1] / times[0])
+    return statistics.median(ratios)
 
 
 def prompt_step(n: int):
