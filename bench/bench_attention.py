@@ -228,8 +228,8 @@ def cold_operands(warm) -> None:
     hits between rounds, varying run to run, which flattered some kinds more than others); then `warm`,
     the same kind's call on a problem of its own (1 x WARM_CTX tokens). The flush also evicts the
     code, the Python path and the thread pool's state of the call, which a model step finds warm (the
-    ops before attention ran just before). Left cold they cost each call 130-150 us on a Zen 4 host,
-    flat in the batch: half of an 8 x 2,048 int8 call, against a few us of a plain read's."""
+    ops before attention ran just before). Left cold they cost each call 100-180 us on a Zen 4 host,
+    flat in the batch: up to half of an 8 x 2,048 int8 call, against ~10 us of a plain read's."""
     flush_caches()
     warm()
 
