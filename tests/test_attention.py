@@ -340,6 +340,14 @@ def test_decode_items_over_several_kv_heads(cache, num_seqs, decode_path):
     check_decode(DECODE[-num_seqs:], 12, 4, 64, 16, cache, threads=2, seed=9)
 
 
+@pytest.mark.parametrize("specs", [[(3000, 1)], [(2100, 1), (700, 1)], [(1000, 1), (65, 1)]])
+@pytest.mark.parametrize("cache", list(CACHE_DTYPES))
+def test_decode_split_over_the_kv_range(cache, specs, decode_path):
+    """One or two sequences x 3 kv heads cannot feed 2 threads: the kv range is split, each part one
+    item over all 3 kv heads, the parts merged after. Ragged lengths end parts and chunks mid-block."""
+    check_decode(specs, 9, 3, 64, 16, cache, threads=2, seed=11)
+
+
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 8)])
 def test_int8_decode_error_with_sharp_scores(head_dim, block_size, decode_path):
     """The int8 path rounds q to 15-bit codes (two int8 halves) and the weights to u8 per row and

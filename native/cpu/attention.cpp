@@ -19,8 +19,8 @@
 // adjacent in a block: longer runs of memory for the prefetchers). A query tile is QT = max(1, 16 / G)
 // query tokens x the G q heads of one kv head (<= 16 rows unless G > 16), so each K/V row is loaded and dequantized once per tile into an fp32 scratch chunk
 // (L1-sized) and reused by every row. When (sequences x kv heads x tiles) is too few to feed the pool
-// (decode at small batch, long context) the kv range is split flash-decoding style and the partial
-// (max, sum, acc) triples are merged afterwards. Online softmax in base 2 (q is pre-scaled by
+// (decode at small batch, long context) the kv range is split flash-decoding style, each part an item over
+// as many kv heads as divide KVH, and the partial (max, sum, acc) triples are merged afterwards. Online softmax in base 2 (q is pre-scaled by
 // scale * log2 e); the score matrix is never materialised beyond one chunk of one row. fp32 throughout.
 //
 // Paths (chosen at compile time by the -march of the build, PYENGINE_CPU_ARCH):
@@ -1186,22 +1186,23 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
     base_items += a.KVH * tiles;
     total_work += a.KVH * tiles * seq_lens[s];
   }
+  // kv heads per item (a divisor of KVH): as many as keep 4 items per thread, or, where the kv range is
+  // split, as many as divide KVH (at most kMaxItemHeads). A block's kv heads are adjacent tiles, so an
+  // item over several reads longer runs of memory (3 heads at the default model's shape: 6 KB of K and
+  // of V per block instead of 2 KB; int8 and fp8, 3 KB instead of 1). A split item then spans nkvh times
+  // fewer tokens: as many items as with one head each.
+  const bool split = nthreads > 1 && base_items < 4 * nthreads;
+  int32_t nkvh = 1;
+  for (int32_t n = static_cast<int32_t>(std::min<int64_t>(a.KVH, kMaxItemHeads)); n > 1; --n)
+    if (a.KVH % n == 0 && (split || base_items / n >= 4 * nthreads)) {
+      nkvh = n;
+      break;
+    }
   int64_t split_tokens = std::numeric_limits<int32_t>::max();
-  if (nthreads > 1 && base_items < 4 * nthreads) {
-    const int64_t want = std::max(kMinSplitTokens, (total_work + 8 * nthreads - 1) / (8 * nthreads));
+  if (split) {
+    const int64_t want = std::max(kMinSplitTokens, (total_work + 8 * nthreads * nkvh - 1) / (8 * nthreads * nkvh));
     split_tokens = (want + 63) / 64 * 64;  // whole 64-token chunks of the bf16 path
   }
-
-  // kv heads per item: as many as keep 4 items per thread (a divisor of KVH). A block's kv heads are
-  // adjacent tiles, so an item over several reads longer runs of memory (3 heads at the default
-  // model's shape: 6 KB of K and of V per block instead of 2 KB).
-  int32_t nkvh = 1;
-  if (split_tokens == std::numeric_limits<int32_t>::max())
-    for (int32_t n = static_cast<int32_t>(std::min<int64_t>(a.KVH, kMaxItemHeads)); n > 1; --n)
-      if (a.KVH % n == 0 && base_items / n >= 4 * nthreads) {
-        nkvh = n;
-        break;
-      }
 
   std::vector<Item> items;
   items.reserve(base_items);
