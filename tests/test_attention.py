@@ -332,12 +332,15 @@ def test_decode_matches_reference(cache, gqa, head_dim, block_size, threads, dec
     check_decode(DECODE, 2 * gqa, 2, head_dim, block_size, cache, threads, seed=4)
 
 
-@pytest.mark.parametrize("num_seqs", [3, 5, 9])  # 2 threads, 4 kv heads: items of 1 (kv split), 2 and 4 heads
+# 2 threads, 4 kv heads: items of 1 head (a long sequence among short ones keeps its heads apart), 2
+# heads (3 sequences: 6 items) and 4 heads (5 sequences of similar lengths)
+@pytest.mark.parametrize("lens", [(250, 1000, 2100), (1000, 997, 601), (1001, 999, 1000, 700, 1001)])
 @pytest.mark.parametrize("cache", list(CACHE_DTYPES))
-def test_decode_items_over_several_kv_heads(cache, num_seqs, decode_path):
-    """A decode item spans as many adjacent kv heads as leave 4 items per thread; each head's rows
-    still meet only that head's K/V (4 kv heads, ragged lengths, block size 16)."""
-    check_decode(DECODE[-num_seqs:], 12, 4, 64, 16, cache, threads=2, seed=9)
+def test_decode_items_over_several_kv_heads(cache, lens, decode_path):
+    """A decode item spans as many adjacent kv heads as leave 2 items per thread, none over half a
+    thread's share of the work; each head's rows still meet only that head's K/V (4 kv heads, lengths
+    ending mid-block, block size 16)."""
+    check_decode([(n, 1) for n in lens], 12, 4, 64, 16, cache, threads=2, seed=9)
 
 
 @pytest.mark.parametrize("specs", [[(3000, 1)], [(2100, 1), (700, 1)], [(1000, 1), (65, 1)]])

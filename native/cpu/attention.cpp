@@ -15,13 +15,15 @@
 // softcap * tanh(s / softcap) before the softmax (Gemma 2; the run_item path only).
 //
 // Parallel shape: work items (sequence, kv heads, query tile, kv split) over the thread pool, heaviest
-// first. An item spans as many adjacent kv heads as still leave 4 items per thread (their tiles are
-// adjacent in a block: longer runs of memory for the prefetchers). A query tile is QT = max(1, 16 / G)
-// query tokens x the G q heads of one kv head (<= 16 rows unless G > 16), so each K/V row is loaded and dequantized once per tile into an fp32 scratch chunk
-// (L1-sized) and reused by every row. When (sequences x kv heads x tiles) is too few to feed the pool
-// (decode at small batch, long context) the kv range is split flash-decoding style, each part an item over
-// as many kv heads as divide KVH, and the partial (max, sum, acc) triples are merged afterwards. Online softmax in base 2 (q is pre-scaled by
-// scale * log2 e); the score matrix is never materialised beyond one chunk of one row. fp32 throughout.
+// first. An item spans as many adjacent kv heads as still leave 2 items per thread, none over half a
+// thread's share of the work (their tiles are adjacent in a block: longer runs of memory for the
+// prefetchers). A query tile is QT = max(1, 16 / G) query tokens x the G q heads of one kv head (<= 16
+// rows unless G > 16), so each K/V row is loaded and dequantized once per tile into an fp32 scratch
+// chunk (L1-sized) and reused by every row. When (sequences x kv heads x tiles) is too few to feed the
+// pool (decode at small batch, long context) the kv range is split flash-decoding style, each part an
+// item over as many kv heads as divide KVH, and the partial (max, sum, acc) triples are merged
+// afterwards. Online softmax in base 2 (q is pre-scaled by scale * log2 e); the score matrix is never
+// materialised beyond one chunk of one row. fp32 throughout.
 //
 // Paths (chosen at compile time by the -march of the build, PYENGINE_CPU_ARCH):
 //   bf16 q with a bf16/fp8/int8 cache, head_dim 64/128, block size 8 or a multiple of 16,
@@ -1180,21 +1182,24 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
 
   // Split the kv range only when (sequences x kv heads x tiles) cannot feed the pool.
   const int64_t nthreads = ThreadPool::instance().num_threads();
-  int64_t base_items = 0, total_work = 0;
+  int64_t base_items = 0, total_work = 0, max_len = 0;
   for (int64_t s = 0; s < a.S; ++s) {
     const int64_t tiles = (a.qsl[s + 1] - a.qsl[s] + a.QT - 1) / a.QT;
     base_items += a.KVH * tiles;
     total_work += a.KVH * tiles * seq_lens[s];
+    max_len = std::max<int64_t>(max_len, seq_lens[s]);
   }
-  // kv heads per item (a divisor of KVH): as many as keep 4 items per thread, or, where the kv range is
-  // split, as many as divide KVH (at most kMaxItemHeads). A block's kv heads are adjacent tiles, so an
-  // item over several reads longer runs of memory (3 heads at the default model's shape: 6 KB of K and
-  // of V per block instead of 2 KB; int8 and fp8, 3 KB instead of 1). A split item then spans nkvh times
-  // fewer tokens: as many items as with one head each.
+  // kv heads per item (a divisor of KVH, at most kMaxItemHeads): as many as leave 2 items per thread
+  // with none over half a thread's share of the work (a ragged batch keeps its long sequence's heads
+  // apart), or, where the kv range is split, as many as divide KVH. A block's kv heads are adjacent
+  // tiles, so an item over several reads longer runs of memory (3 heads at the default model's shape:
+  // 6 KB of K and of V per block instead of 2 KB; int8 and fp8, 3 KB instead of 1). A split item then
+  // spans nkvh times fewer tokens: as many items as with one head each.
   const bool split = nthreads > 1 && base_items < 4 * nthreads;
   int32_t nkvh = 1;
   for (int32_t n = static_cast<int32_t>(std::min<int64_t>(a.KVH, kMaxItemHeads)); n > 1; --n)
-    if (a.KVH % n == 0 && (split || base_items / n >= 4 * nthreads)) {
+    if (a.KVH % n == 0 &&
+        (split || (base_items / n >= 2 * nthreads && n * max_len * 2 * nthreads <= total_work))) {
       nkvh = n;
       break;
     }
