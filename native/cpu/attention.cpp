@@ -1180,7 +1180,6 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
   a.chunk = std::max<int64_t>(a.BS, 4096 / a.Dp / a.BS * a.BS);
   a.QT = std::max<int64_t>(1, 16 / a.G);
 
-  // Split the kv range only when (sequences x kv heads x tiles) cannot feed the pool.
   const int64_t nthreads = ThreadPool::instance().num_threads();
   int64_t base_items = 0, total_work = 0, max_len = 0;
   for (int64_t s = 0; s < a.S; ++s) {
@@ -1195,6 +1194,7 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
   // tiles, so an item over several reads longer runs of memory (3 heads at the default model's shape:
   // 6 KB of K and of V per block instead of 2 KB; int8 and fp8, 3 KB instead of 1). A split item then
   // spans nkvh times fewer tokens: as many items as with one head each.
+  // The kv range is split only when (sequences x kv heads x tiles) cannot feed the pool.
   const bool split = nthreads > 1 && base_items < 4 * nthreads;
   int32_t nkvh = 1;
   for (int32_t n = static_cast<int32_t>(std::min<int64_t>(a.KVH, kMaxItemHeads)); n > 1; --n)
