@@ -15,8 +15,9 @@
 //   bias    [N] fp32, or none (0).
 //   out     [M, N] bf16 (rounded once, to nearest even) or fp32.
 //
-// Parallel shape: the NB tiles are split into contiguous ranges, a few per thread (taken in turn) when
-// the weight is big enough (kMinParallelBytes), else the caller runs everything. Within a range, groups
+// Parallel shape: the NB tiles are split into contiguous ranges, a few per thread (taken in turn; prompts'
+// ranges shrink towards the end, pair_cuts) when the weight is big enough (kMinParallelBytes), else the
+// caller runs everything. Within a range, groups
 // of NT tiles (NT = 4 for M <= 4, 1 for M = 9..15, else 2: NT x (rows of a block) accumulators <= 16 zmm)
 // are streamed together; each 64-byte weight line is loaded once and fed to every row of a 16-row chunk
 // of x (of 2 tiles: two blocks of 8 rows, the second reading it from L1; see tile_group). Rows beyond 16
@@ -452,6 +453,32 @@ void tile_range(const Args& a, int64_t begin, int64_t end) {
     for (; t + nt <= end; t += nt) tile_group(a, t, nt);
 }
 
+// Where linear_bf16 cuts `tiles` output tiles into ranges, for the pool to hand out in turn: ranges of whole
+// tile pairs (AMX's blocks), cuts[i] to cuts[i + 1]. Several per thread, so that where a helper is off its
+// core (a shared host) the others take its share instead of waiting for its one range (one range per
+// thread: the calling thread of a 64-row prompt step waited in 30% of its GEMM time at load 4 on 2 threads).
+//   M <= kMaxRows (decode: a weight stream): kRangesPerThread equal ranges per thread.
+//   more rows (compute-bound): ranges shrinking from 1 / (threads x kRangesPerThread) of the pairs left
+//   down to one pair, so the loop ends within one pair's time on every thread. With equal ranges, the 18
+//   pairs of a 576-output projection made 8 ranges of 2 or 3, and a thread idled for up to a range at the
+//   end: at M = 256, 2 threads, both builds alternating in one process (bench/ab_builds.py --m 256
+//   --weights dequantize), the o and down projections ran 9-10% faster this way, qkv 5%, gate_up 1-2%
+//   slower (its 96 pairs split evenly before; more ranges cost a little each).
+std::vector<int64_t> pair_cuts(int64_t tiles, int64_t M, int threads) {
+  const int64_t pairs = (tiles + 1) / 2, ranges = threads * kRangesPerThread;
+  std::vector<int64_t> cuts{0};
+  if (M <= kMaxRows) {
+    const int64_t n = std::min(pairs, ranges);
+    for (int64_t i = 0; i < n; ++i) cuts.push_back(tile_pair_range(tiles, i, n).end);
+    return cuts;
+  }
+  for (int64_t done = 0; done < pairs;) {
+    done += (pairs - done + ranges - 1) / ranges;
+    cuts.push_back(std::min(tiles, 2 * done));
+  }
+  return cuts;
+}
+
 }  // namespace
 
 void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K,
@@ -462,19 +489,13 @@ void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, i
   if (packed % 64 != 0) throw std::invalid_argument("linear_bf16: packed weight must be 64-byte aligned");
   if (M == 0) return;
   const Bf16Rows rows(reinterpret_cast<const uint16_t*>(x), M, K);
-  // Ranges of whole tile pairs (AMX's blocks), kRangesPerThread per thread unless the weight is small:
-  // the pool hands them out in turn, so where a helper is off its core (a shared host) the others take
-  // its share instead of waiting for its one range (one range per thread: the calling thread of a
-  // 64-row prompt step waited in 30% of its GEMM time at load 4 on 2 threads).
-  const int64_t tiles = (N + kTileN - 1) / kTileN, pairs = (tiles + 1) / 2, tile_elems = (K + 1) / 2 * kTileLine;
-  auto& pool = ThreadPool::instance();
-  const int64_t chunks = tiles * tile_elems * 2 < kMinParallelBytes
-                             ? 1
-                             : std::min<int64_t>(pairs, pool.num_threads() * kRangesPerThread);
+  const int64_t tiles = (N + kTileN - 1) / kTileN, tile_elems = (K + 1) / 2 * kTileLine;
   const bool out_f32 = out_dtype == static_cast<int>(DType::kFloat32);
-  pool.parallel_for(chunks, [&](int64_t c) {
-    const auto [begin, end] = tile_pair_range(tiles, c, chunks);
-    const int64_t n0 = begin * kTileN;
+  const std::vector<int64_t> cuts = tiles * tile_elems * 2 < kMinParallelBytes
+                                        ? std::vector<int64_t>{0, tiles}
+                                        : pair_cuts(tiles, M, ThreadPool::instance().num_threads());
+  ThreadPool::instance().parallel_for(static_cast<int64_t>(cuts.size()) - 1, [&](int64_t c) {
+    const int64_t begin = cuts[c], end = cuts[c + 1], n0 = begin * kTileN;
     rows.run(reinterpret_cast<const uint16_t*>(packed) + begin * tile_elems,
              bias ? reinterpret_cast<const float*>(bias) + n0 : nullptr,
              reinterpret_cast<char*>(out) + n0 * (out_f32 ? 4 : 2), std::min(N, end * kTileN) - n0, N, out_f32);
