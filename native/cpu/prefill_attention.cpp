@@ -417,7 +417,10 @@ int softmax_rows(int nr, const RowSoftmax& c, const float* s, const int* lo, con
 
 struct PortableKernels {
   static void qk(int nr, const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) { qk_portable(nr, q, D, kv, s); }
-  static constexpr auto softmax = softmax_row_portable;
+  static int softmax(int nr, const RowSoftmax& c, const float* s, const int* lo, const int* hi, float* m, float* l,
+                     uint16_t* p, float* alpha, float* p_unit) {
+    return softmax_rows<softmax_row_portable>(nr, c, s, lo, hi, m, l, p, alpha, p_unit, [](int) {});
+  }
   static void pv(int nr, const uint16_t* p, const float*, const ChunkKV& kv, int64_t D, int npairs, const float* alpha,
                  float* o) {
     pv_portable(nr, p, kv, D, npairs, alpha, o);
@@ -430,8 +433,7 @@ void row_group(int nr, const RowSoftmax& c, const uint16_t* q, int64_t D, const 
                const int* hi, float* m, float* l, float* o, Scratch& w) {
   Kernels::qk(nr, q, D, kv, w.s.data());
   float alpha[kRows], p_unit[kRows];
-  const int maxhi =
-      softmax_rows<Kernels::softmax>(nr, c, w.s.data(), lo, hi, m, l, w.p.data(), alpha, p_unit, [](int) {});
+  const int maxhi = Kernels::softmax(nr, c, w.s.data(), lo, hi, m, l, w.p.data(), alpha, p_unit);
   Kernels::pv(nr, w.p.data(), p_unit, kv, D, (maxhi + 1) / 2, alpha, o);
 }
 
@@ -539,9 +541,9 @@ __attribute__((noinline)) float softmax_row_general(const RowSoftmax& c, const f
 // scales) of a chunk the row sees whole, with no masks to build, no stack frame and no branch but the
 // rare max update. A row's scalar overhead cost as much as its vector work in the general function.
 template <bool kHalf>
-__attribute__((always_inline)) inline float softmax_row_full(float unit, const float* s, float& m, float& l, uint16_t* p,
-                                                             float& p_unit) {
-  const __m512 scale = _mm512_set1_ps(unit), limit = _mm512_set1_ps((m + kMaxSlack) / unit);
+__attribute__((always_inline)) inline float softmax_row_full(float unit, float inv_unit, const float* s, float& m, float& l,
+                                                             uint16_t* p, float& p_unit) {
+  const __m512 scale = _mm512_set1_ps(unit), limit = _mm512_set1_ps((m + kMaxSlack) * inv_unit);
   __m512 x[4];
   __mmask16 over = 0;
   for (int g = 0; g < 4; ++g) {
@@ -572,8 +574,24 @@ template <bool kHalf>
 __attribute__((always_inline)) inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m,
                                                             float& l, uint16_t* p, float& unit) {
   if (c.softcap == 0.0f && !c.ks && !c.vs && lo == 0 && hi == kChunk)
-    return softmax_row_full<kHalf>(c.scale * kLog2e, s, m, l, p, unit);
+    return softmax_row_full<kHalf>(c.scale * kLog2e, 1.0f / (c.scale * kLog2e), s, m, l, p, unit);
   return softmax_row_general<kHalf>(c, s, lo, hi, m, l, p, unit);
+}
+
+// softmax_rows for the SIMD paths. Where every row sees the whole chunk and the scores are plain (in a
+// long prompt, every chunk of a row group but the ones on its diagonal), softmax_row_full runs in a loop
+// with no call in it: the constants of its exponent stay in registers. In softmax_rows, whose loop also
+// calls softmax_row_general, GCC rebuilt them and the row's scale (a division) for every row.
+template <bool kHalf>
+int softmax_group(int nr, const RowSoftmax& c, const float* s, const int* lo, const int* hi, float* m, float* l,
+                  uint16_t* p, float* alpha, float* p_unit) {
+  bool full = c.softcap == 0.0f && !c.ks && !c.vs;
+  for (int r = 0; r < nr; ++r) full = full && lo[r] == 0 && hi[r] == kChunk;
+  if (!full) return softmax_rows<softmax_row_avx<kHalf>>(nr, c, s, lo, hi, m, l, p, alpha, p_unit, [](int) {});
+  const float unit = c.scale * kLog2e, inv_unit = 1.0f / unit;
+  for (int r = 0; r < nr; ++r)
+    alpha[r] = softmax_row_full<kHalf>(unit, inv_unit, s + r * kChunk, m[r], l[r], p + r * kChunk, p_unit[r]);
+  return kChunk;
 }
 
 template <int NR>
@@ -627,7 +645,7 @@ struct SimdKernels {
   static constexpr bool kHalfP = std::is_invocable_v<decltype(PV), const uint16_t*, const float*, const ChunkKV&,
                                                      int64_t, int, const float*, float*>;
   static void qk(int, const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) { QK(q, D, kv, s); }
-  static constexpr auto softmax = softmax_row_avx<kHalfP>;
+  static constexpr auto softmax = softmax_group<kHalfP>;
   static void pv(int, const uint16_t* p, const float* p_unit, const ChunkKV& kv, int64_t D, int npairs,
                  const float* alpha, float* o) {
     if constexpr (kHalfP) PV(p, p_unit, kv, D, npairs, alpha, o);
