@@ -14,7 +14,8 @@ solo_prefill_tokens, or --prefill-chunk; vLLM-CPU: its max_num_batched_tokens) a
 max_tokens=1 (L positions), timed around generate; vLLM runs as a subprocess (its engine core in a
 process of its own, as vLLM serves), given VLLM_CPU_OMP_THREADS_BIND=0-(threads-1),
 VLLM_CPU_KVCACHE_SPACE and OMP_NUM_THREADS. One warm-up per engine and length, then --rounds rounds,
-the engines alternating (which goes first alternates too); the table shows each engine's best round.
+the engines alternating (which goes first alternates too), each call after a pause in which the other
+engine's processes go idle (PAUSE_S); the table shows each engine's best round.
 
 Below it, pyengine's profile at each length, on the same model and shapes, 1 layer at a time:
   attention  the paged prefill kernel over the whole prompt in the chunks the scheduler makes (each
@@ -37,6 +38,11 @@ import tempfile
 import time
 
 LENGTHS = (512, 2048, 8192)
+# Seconds between two timed calls. After each request vLLM-CPU's processes keep one core busy for about a
+# second (measured on 2 threads after a 2k prefill: 0.5 CPU-seconds in each of the next two half-seconds,
+# then none), so a pyengine call made right after one ran with half the cores of 2: in one run its best
+# of 3 rounds at 2k was 1,119 tok/s beside vLLM, 1,305 alone a minute later.
+PAUSE_S = 2.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +207,7 @@ def main() -> None:
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         for n, ids in prompts.items():
             for name in order:
+                time.sleep(PAUSE_S)
                 times.setdefault((name, n), []).append(engines[name](ids))
     if vllm is not None:
         vllm.close()
