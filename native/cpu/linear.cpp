@@ -17,11 +17,10 @@
 //
 // Parallel shape: the NB tiles are split into contiguous ranges, a few per thread (taken in turn; prompts'
 // ranges shrink towards the end, pair_cuts) when the weight is big enough (kMinParallelBytes), else the
-// caller runs everything. Within a range, groups
-// of NT tiles (NT = 4 for M <= 4, 1 for M = 9..15, else 2: NT x (rows of a block) accumulators <= 16 zmm)
-// are streamed together; each 64-byte weight line is loaded once and fed to every row of a 16-row chunk
-// of x (of 2 tiles: two blocks of 8 rows, the second reading it from L1; see tile_group). Rows beyond 16
-// re-read the group's tiles from L2, not from memory.
+// caller runs everything. Within a range, groups of NT tiles (NT = 4 for M <= 4, 1 for M = 9..15, else 2:
+// NT x (rows of a block) accumulators <= 16 zmm) are streamed together; each 64-byte weight line is loaded
+// once and fed to every row of a 16-row chunk of x (of 2 tiles: two blocks of 8 rows, the second reading
+// it from L1; see tile_group). Rows beyond 16 re-read the group's tiles from L2, not from memory.
 // x is first repacked by the caller into k pairs, xp[r0 * KP + kp * MR + m] = (x[r, 2kp], x[r, 2kp+1])
 // as one 32-bit word (r = r0 + m, chunks of MR <= 16 rows from r0; the pair past an odd K is zero),
 // so the kernel broadcasts consecutive words from one pointer; for avx512_fp32 each pair as two fp32

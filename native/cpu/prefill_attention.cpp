@@ -569,11 +569,15 @@ __attribute__((always_inline)) inline float softmax_row_full(float unit, float i
   return alpha;
 }
 
+// Whether a chunk's rows may take softmax_row_full where they see it whole: plain scores (no softcap, no
+// per-token K scales) and no V scales.
+inline bool full_rows_allowed(const RowSoftmax& c) { return c.softcap == 0.0f && !c.ks && !c.vs; }
+
 // kHalf: fp16 probabilities, scaled per row (store_probabilities), for pv_half.
 template <bool kHalf>
 __attribute__((always_inline)) inline float softmax_row_avx(const RowSoftmax& c, const float* s, int lo, int hi, float& m,
                                                             float& l, uint16_t* p, float& unit) {
-  if (c.softcap == 0.0f && !c.ks && !c.vs && lo == 0 && hi == kChunk)
+  if (full_rows_allowed(c) && lo == 0 && hi == kChunk)
     return softmax_row_full<kHalf>(c.scale * kLog2e, 1.0f / (c.scale * kLog2e), s, m, l, p, unit);
   return softmax_row_general<kHalf>(c, s, lo, hi, m, l, p, unit);
 }
@@ -585,7 +589,7 @@ __attribute__((always_inline)) inline float softmax_row_avx(const RowSoftmax& c,
 template <bool kHalf>
 int softmax_group(int nr, const RowSoftmax& c, const float* s, const int* lo, const int* hi, float* m, float* l,
                   uint16_t* p, float* alpha, float* p_unit) {
-  bool full = c.softcap == 0.0f && !c.ks && !c.vs;
+  bool full = full_rows_allowed(c);
   for (int r = 0; r < nr; ++r) full = full && lo[r] == 0 && hi[r] == kChunk;
   if (!full) return softmax_rows<softmax_row_avx<kHalf>>(nr, c, s, lo, hi, m, l, p, alpha, p_unit, [](int) {});
   const float unit = c.scale * kLog2e, inv_unit = 1.0f / unit;
