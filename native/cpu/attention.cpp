@@ -101,6 +101,7 @@ struct Workspace {
   std::vector<uint16_t> qb, pb;  // bf16 path: the q rows' operands, the weights' operands
   std::vector<float> qs;         // bf16 path, int8 cache: the q rows' scales and code sums
   std::vector<int32_t> qsum;
+  std::vector<int64_t> row_end;  // bf16 path: each row's causal end (cache positions it sees: < row_end)
   void fit(int64_t rows, int64_t Dp, int64_t chunk) {
     const int64_t chunk16 = (chunk + 15) / 16 * 16;
     if (static_cast<int64_t>(qf.size()) < rows * Dp) qf.resize(rows * Dp), acc.resize(rows * Dp);
@@ -985,7 +986,7 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
   if (static_cast<int64_t>(ws.acc.size()) < rows * D) ws.acc.resize(rows * D), ws.qb.resize(rows * D);
   if (static_cast<int64_t>(ws.m.size()) < rows) ws.m.resize(rows), ws.l.resize(rows);
   if (static_cast<int64_t>(ws.pb.size()) < kGroup * kChunk) ws.pb.resize(kGroup * kChunk);
-  if (static_cast<int64_t>(ws.qs.size()) < rows) ws.qs.resize(rows), ws.qsum.resize(rows);
+  if (static_cast<int64_t>(ws.qs.size()) < rows) ws.qs.resize(rows), ws.qsum.resize(rows), ws.row_end.resize(rows);
   const int64_t q_bytes = 2 * D;  // a row's q operands
   char* qbuf = reinterpret_cast<char*>(ws.qb.data());
   for (int64_t r = 0; r < rows; ++r) {
@@ -994,6 +995,7 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
     std::fill(ws.acc.data() + r * D, ws.acc.data() + (r + 1) * D, 0.0f);
     ws.m[r] = kNegInf;
     ws.l[r] = 0.0f;
+    ws.row_end[r] = first_pos + (row_token(r) - q_start) + 1;
   }
   const float qscale = a.scale * kLog2e;
   const int64_t line_stride = a.BS * 4;  // bytes between a token's K dims groups
@@ -1031,7 +1033,8 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
   auto scores = [&](int g, int64_t ci) { return ws.sc.data() + ((ci & 1) * ngroups + g) * kGroup * kChunk; };
   // group g: kv head g / head_groups of the item, its first row r0 and row count
   auto for_group = [&](int g, auto&& body) {
-    const int64_t h = g / head_groups, first = int64_t{g % head_groups} * kGroup, r0 = h * head_rows + first;
+    const int64_t h = head_groups == 1 ? g : g / head_groups;  // (decode: one group per head, no division)
+    const int64_t first = int64_t{g - h * head_groups} * kGroup, r0 = h * head_rows + first;
     switch (std::min<int64_t>(kGroup, head_rows - first)) {
       case 1: body(std::integral_constant<int, 1>(), h, r0); break;
       case 2: body(std::integral_constant<int, 2>(), h, r0); break;
@@ -1059,7 +1062,7 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
         const ChunkPtrs& c = ring[ci % kRing][h];
         int lo[NR], nv[NR];
         for (int r = 0; r < NR; ++r) {
-          const int64_t end = first_pos + (row_token(r0 + r) - q_start) + 1 - c0;  // the row's causal end in the chunk
+          const int64_t end = ws.row_end[r0 + r] - c0;  // the row's causal end in the chunk
           nv[r] = static_cast<int>(std::clamp<int64_t>(end, 0, c.n));
           lo[r] = a.window > 0 ? static_cast<int>(std::clamp<int64_t>(end - a.window, 0, c.n)) : 0;
         }
