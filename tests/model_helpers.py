@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 import torch
 
 from pyengine.config import ModelConfig
@@ -333,3 +334,25 @@ def write_tiny_gguf(path: str, hf_folder: str, types: dict[str, str] | None = No
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def huge_page_eligible(addr: int) -> bool:
+    """Whether the memory map holding `addr` may get transparent huge pages (its THPeligible in
+    /proc/self/smaps); skips where the OS has no THP or it is off."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                pytest.skip("transparent huge pages are off")
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        pytest.skip("no transparent huge pages on this OS")
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a map's first line: start-end perms ...
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    raise AssertionError(f"no THPeligible line for address {addr:#x}")

@@ -13,7 +13,8 @@ from pyengine.config import ModelConfig
 from pyengine.model.gguf import _unpermute, dequantize
 from pyengine.model.loader import default_model_path, load_model, resolve_model_path
 from pyengine.model.metadata import allocate_kv_caches, kv_bytes_per_token
-from tests.model_helpers import SequenceRunner, _llama_cpp_permute, write_tiny_checkpoint, write_tiny_gguf
+from tests.model_helpers import (SequenceRunner, _llama_cpp_permute, huge_page_eligible, write_tiny_checkpoint,
+                                 write_tiny_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +113,23 @@ def test_kv_cache_allocation_and_bytes():
     assert q[0].v.dtype == torch.int8 and q[0].v_scales.shape == (5, 2, 16)
     assert q[0].k_scales.dtype == torch.float32
     assert kv_bytes_per_token(cfg, torch.float8_e4m3fn) == 2 * 3 * 2 * (16 + 4)
+
+
+def test_cpu_kv_caches_share_huge_pages():
+    """CPU caches come from memory madvised for huge pages (decode attention streams them), zeroed, each
+    tensor 64-byte aligned and clear of every other."""
+    cfg = ModelConfig("LlamaForCausalLM", 100, 64, 128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16)
+    caches = allocate_kv_caches(cfg, 7, 16, torch.int8, "cpu")
+    tensors = [t for c in caches for t in (c.k, c.v, c.k_scales, c.v_scales)]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    assert all(a % 64 == 0 for a, _ in spans)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(huge_page_eligible(t.data_ptr()) for t in tensors)
+    for t in tensors:
+        assert not t.view(torch.uint8).any()
+        t.view(torch.uint8).fill_(1)  # writes stay inside their own tensor
+    assert all(t.view(torch.uint8).all() for t in tensors)
 
 
 def test_folder_without_weights(tiny_llama, tmp_path):

@@ -10,7 +10,9 @@ from gguf import GGMLQuantizationType, quants
 
 from pyengine import _C
 from pyengine.model.kquants import quantize_k
-from pyengine.ops.qlinear import QUANT_TYPES, QuantLinear, WeightArena
+from pyengine.ops.huge_pages import HugePageArena
+from pyengine.ops.qlinear import QUANT_TYPES, QuantLinear
+from tests.model_helpers import huge_page_eligible
 
 PATHS = _C.qlinear_isas().split(",")
 K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -160,32 +162,10 @@ def test_resident_bytes_are_the_file_bytes(type_name):
     assert ratio == {"Q4_K": 148 / 144, "Q5_K": 180 / 176, "IQ4_XS": 138 / 136, "Q3_K": 114 / 110}.get(type_name, 1.0)
 
 
-def huge_page_eligible(addr: int) -> bool:
-    """Whether the memory map holding `addr` may get transparent huge pages (its THPeligible in
-    /proc/self/smaps); skips where the OS has no THP or it is off."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            if "[never]" in f.read():
-                pytest.skip("transparent huge pages are off")
-        with open("/proc/self/smaps") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        pytest.skip("no transparent huge pages on this OS")
-    inside = False
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a map's first line: start-end perms ...
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and head == "THPeligible:":
-            return line.split()[1] == "1"
-    raise AssertionError(f"no THPeligible line for address {addr:#x}")
-
-
 def test_weights_from_an_arena():
-    """A model's weights (WeightArena): 64-byte aligned, one after the other in memory madvised for huge pages
+    """A model's weights (HugePageArena): 64-byte aligned, one after the other in memory madvised for huge pages
     (the M = 1 kernels stream them faster), computing the same bits as standalone weights."""
-    arena = WeightArena(chunk_bytes=4 << 20)
+    arena = HugePageArena(chunk_bytes=4 << 20)
     parts = [quantized_weight("Q4_1", n, 512, seed=n) for n in (16, 40, 7)] + [quantized_weight("Q8_0", 600, 2048, 1)]
     lins = [QuantLinear(b, t, arena=arena) for (b, _), t in zip(parts, ["Q4_1"] * 3 + ["Q8_0"])]
     ptrs = [lin.tiles[0].data_ptr() for lin in lins]

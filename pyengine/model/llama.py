@@ -36,7 +36,8 @@ from pyengine.ops.attention import check_kv_cache, paged_attention
 from pyengine.ops.cache import reshape_and_cache
 from pyengine.ops.layers import add_rms_norm, hadamard_heads, rms_norm, rotary_embedding, silu_and_mul
 from pyengine.ops.linear import PackedLinear
-from pyengine.ops.qlinear import QuantLinear, WeightArena
+from pyengine.ops.huge_pages import HugePageArena
+from pyengine.ops.qlinear import QuantLinear
 
 WeightGetter = Callable[[str], "torch.Tensor | None"]  # HF tensor name -> tensor (None if absent)
 # HF tensor names -> (GGML type, uint8 blocks of the row-concatenated tensors) or None (loader.QuantizedGetter)
@@ -214,7 +215,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 return None
             return torch.cat([p.to(dtype=dtype) for p in parts], dim=0).to(device).contiguous()
 
-        arena = WeightArena()  # the quantized weights together, on huge pages
+        arena = HugePageArena()  # the quantized weights together, on huge pages
 
         def quant(names: list[str], bias: torch.Tensor | None, out_dtype: torch.dtype | None = None):
             """A QuantLinear over the row-concatenated tensors `names`, where they stay quantized."""

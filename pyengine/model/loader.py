@@ -207,7 +207,7 @@ def _log_formats(formats: Counter, dtype: torch.dtype) -> None:
 def _release_freed_heap() -> None:
     """Hands the loader's freed temporaries (dequantized and repacked tensors) back to the OS: glibc keeps
     freed heap pages resident until trimmed, ~20 MiB for the default model, whose quantized weights live in
-    their own memory (ops.qlinear.WeightArena) and no longer reuse them."""
+    their own memory (ops.huge_pages.HugePageArena) and no longer reuse them."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc

@@ -12,13 +12,13 @@ CPU only.
 """
 from __future__ import annotations
 
-import mmap
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from pyengine.ops._common import DTYPE_CODES, check_tensor, native
+from pyengine.ops.huge_pages import ALIGN, HugePageArena
 from pyengine.ops.linear import _check_out_dtype
 
 # GGML type name -> (id, values per block, bytes per block), for the types with a native kernel
@@ -27,7 +27,6 @@ QUANT_TYPES: dict[str, tuple[int, int, int]] = {
     "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
     "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18), "IQ4_XS": (23, 256, 136),
 }
-ALIGN = 64
 
 Blocks = np.ndarray | torch.Tensor
 
@@ -37,49 +36,6 @@ def _aligned_empty(nbytes: int) -> torch.Tensor:
     buf = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = (-buf.data_ptr()) % ALIGN
     return buf[skip : skip + nbytes]
-
-
-HUGE_PAGE = 2 << 20
-
-
-class WeightArena:
-    """A model's quantized weights, cut in order (64-byte aligned) from large chunks of anonymous memory
-    that Linux is asked to back with 2 MB transparent huge pages (madvise MADV_HUGEPAGE; THP's usual
-    "madvise" mode gives them only where asked). A decode step streams every weight once: on 4 KB pages
-    each page costs a TLB miss and restarts the hardware prefetcher's stream, and the M = 1 kernels over
-    ~100 MB of weights ran 5-18% faster on huge pages. Pages are committed as weights are written, so a
-    chunk holds at most one partly used huge page beyond its weights' bytes; a chunk is unmapped when the
-    last weight in it is freed."""
-
-    def __init__(self, chunk_bytes: int = 256 << 20) -> None:
-        self.chunk_bytes = chunk_bytes
-        self._chunk: torch.Tensor | None = None
-        self._used = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """uint8 [nbytes], 64-byte aligned."""
-        size = -(-nbytes // ALIGN) * ALIGN
-        if self._chunk is None or self._used + size > self._chunk.numel():
-            self._chunk, self._used = _huge_page_chunk(max(self.chunk_bytes, size)), 0
-        out = self._chunk[self._used : self._used + nbytes]
-        self._used += size
-        return out
-
-
-def _huge_page_chunk(nbytes: int) -> torch.Tensor:
-    """uint8 [nbytes rounded up to 2 MB], 2 MB aligned, madvised for huge pages where the OS has them."""
-    nbytes = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    # private anonymous memory (a shared map would be shmem, whose huge pages follow other settings); the
-    # tensor keeps it mapped
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-    t = torch.frombuffer(buf, dtype=torch.uint8)
-    skip = (-t.data_ptr()) % HUGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)
-        except OSError:  # THP not configured: 4 KB pages
-            pass
-    return t[skip : skip + nbytes]
 
 
 def _in_features(blocks: torch.Tensor, type_name: str) -> int:
@@ -105,7 +61,7 @@ class QuantLinear:
 
     def __init__(self, blocks: Blocks | Sequence[Blocks], type_name: str | Sequence[str],
                  bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.bfloat16,
-                 arena: WeightArena | None = None) -> None:
+                 arena: HugePageArena | None = None) -> None:
         parts = list(zip(blocks, type_name)) if isinstance(type_name, (list, tuple)) else [(blocks, type_name)]
         parts = [(torch.as_tensor(np.ascontiguousarray(b)) if isinstance(b, np.ndarray) else b, t) for b, t in parts]
         ks = {_in_features(b, t) for b, t in parts}
