@@ -788,6 +788,21 @@ inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_str
   }
 }
 
+// 2^x for x <= 0 to the precision of the weights it becomes (bf16 or u8 codes, 2^-9 relative or coarser):
+// a degree-4 polynomial of 2^f on [-0.5, 0.5] fitted to the relative error (2.8e-6; exact at f = 0, so a
+// row's top score still weighs exactly 1) instead of exp2_512's degree-6 Taylor one: two fewer FMAs
+// per 16 scores in a softmax that takes a fifth of decode's time.
+inline __m512 exp2_weights(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.00958278402686119f), f, _mm512_set1_ps(0.055906277149915695f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099111557007f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931242346763611f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Online-softmax update of one row with the scores sc[lo, nv) (lo > 0: before its window): writes
 // the weights as PV's operands to pw[0, round_up(n, 16) tokens) (zeros outside [lo, nv)): bf16,
 // bf16 in fp8's operand order, or u8 codes of scale *wscale (int8); updates m and l; returns alpha
@@ -823,7 +838,7 @@ inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs
   // int8: the weights' max; fp8 on fp16: their sum
   __m512 vsum = _mm512_setzero_ps(), wmax = _mm512_setzero_ps(), wsum = _mm512_setzero_ps(), w[kTiles];
   for (int g = 0; g < kTiles && 16 * g < n; ++g) {
-    const __m512 p = _mm512_maskz_mov_ps(keep[g], exp2_512(_mm512_sub_ps(x[g], vm)));
+    const __m512 p = _mm512_maskz_mov_ps(keep[g], exp2_weights(_mm512_sub_ps(x[g], vm)));
     __m256i* dst = reinterpret_cast<__m256i*>(pw + 32 * g);
     if constexpr (O == Operands::kInt8) {  // the fp32 weights, rounded once their max is known
       w[g] = _mm512_mul_ps(p, tile_scales<SPLIT>(c.vs0, c.vs1, g, valid));
