@@ -25,7 +25,7 @@ def kv_cache_shapes(num_blocks: int, num_kv_heads: int, block_size: int, head_di
     attention reads the tiles without shuffles. On the CPU block_size and head_dim must be multiples of L.
     """
     nb, kvh, bs, d = num_blocks, num_kv_heads, block_size, head_dim
-    if torch.device(device).type != "cpu":
+    if (device if isinstance(device, torch.device) else torch.device(device)).type != "cpu":
         return (nb, kvh, bs, d), (nb, kvh, bs, d)
     lane = cpu_cache_lane(dtype)
     if bs % lane or d % lane:
