@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from pyengine import _C
+from pyengine.ops.huge_pages import HugePageArena
 from pyengine.ops.linear import PackedLinear, pack_weight
+from tests.model_helpers import huge_page_eligible
 
 BF16_DOT = _C.isa() == "avx512_bf16"  # builds without it run torch's F.linear
 
@@ -151,6 +153,19 @@ def test_best_path_without_amx():
 def test_zero_rows():
     lin = PackedLinear(torch.randn(20, 8).bfloat16())
     assert lin(torch.empty(0, 8, dtype=torch.bfloat16)).shape == (0, 20)
+
+
+@pytest.mark.skipif(not BF16_DOT, reason="no native bf16 linear in this build (no packed copy)")
+def test_packed_copy_in_an_arena():
+    """A model's packed weights go to its HugePageArena (huge pages: a decode step streams them), one
+    after the other, computing the same bits as a standalone packed copy."""
+    arena = HugePageArena(chunk_bytes=16 << 20)  # all three in one chunk
+    lins = [PackedLinear(w, b, arena=arena) for w, b, _ in (make(n, k, 1, n, True) for n, k in SHAPES[:3])]
+    ptrs = [lin.packed.data_ptr() for lin in lins]
+    assert ptrs == sorted(ptrs) and all(huge_page_eligible(p) for p in ptrs)
+    for lin, (w, b, x) in zip(lins, (make(n, k, 5, n, True) for n, k in SHAPES[:3])):
+        assert torch.equal(lin.packed, pack_weight(w))
+        assert torch.equal(lin(x), PackedLinear(w, b)(x))
 
 
 def test_pack_layout():

@@ -148,12 +148,14 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> Linear:
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
+                arena: HugePageArena | None = None) -> Linear:
     """bf16 weights on the CPU: PackedLinear, whose native kernel streams the weight at memory bandwidth
     for decode-sized batches (2x torch's bf16 GEMM at M=1, bench/bench_linear.py) and hands larger
-    batches to torch. Anything else: torch's F.linear. `out_dtype` (fp32 for the lm_head) is the result type."""
+    batches to torch. Anything else: torch's F.linear. `out_dtype` (fp32 for the lm_head) is the result type;
+    `arena` holds the packed copy."""
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
-        return PackedLinear(weight, bias, out_dtype=out_dtype or torch.bfloat16)
+        return PackedLinear(weight, bias, out_dtype=out_dtype or torch.bfloat16, arena=arena)
     if out_dtype is None or out_dtype == weight.dtype:
         return lambda x: F.linear(x, weight, bias)
     return lambda x: F.linear(x, weight, bias).to(out_dtype)
@@ -215,7 +217,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 return None
             return torch.cat([p.to(dtype=dtype) for p in parts], dim=0).to(device).contiguous()
 
-        arena = HugePageArena()  # the quantized weights together, on huge pages
+        arena = HugePageArena()  # the weights the kernels stream (quantized or packed bf16), on huge pages
 
         def quant(names: list[str], bias: torch.Tensor | None, out_dtype: torch.dtype | None = None):
             """A QuantLinear over the row-concatenated tensors `names`, where they stay quantized."""
@@ -236,7 +238,7 @@ class LlamaForCausalLM(torch.nn.Module):
             if lin is not None:
                 return lin, None
             weight = cat(names)
-            lin = make_linear(weight, bias)
+            lin = make_linear(weight, bias, arena=arena)
             return lin, None if _holds_weights(lin) else weight
 
         embed_q = quant(["model.embed_tokens.weight"], None, torch.float32)
@@ -275,7 +277,7 @@ class LlamaForCausalLM(torch.nn.Module):
             lm_head = None if cfg.tie_word_embeddings else w("lm_head.weight", required=False)
             if lm_head is None:  # tied (or absent): the embedding, dequantized here if it is held quantized
                 lm_head = self.embed if self.embed is not None else w("model.embed_tokens.weight")
-            self.lm_head_linear = make_linear(lm_head, None, out_dtype=torch.float32)
+            self.lm_head_linear = make_linear(lm_head, None, out_dtype=torch.float32, arena=arena)
             # an untied lm_head is kept only if its linear does not hold a copy of its own
             self.lm_head = lm_head if lm_head is self.embed or not _holds_weights(self.lm_head_linear) else None
         self.cos_sin_cache = rope_cache(cfg).to(device)

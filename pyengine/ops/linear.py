@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pyengine.ops._common import DTYPE_CODES, check_tensor, native
+from pyengine.ops.huge_pages import HugePageArena
 
 TILE_N, TILE_K = 16, 2
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -34,10 +35,12 @@ class PackedLinear:
     and every call runs the native kernel; elsewhere (CUDA, CPUs without them) `weight` is kept and
     calls go to torch. `out_dtype` (bf16 or fp32) is the default
     result type; a call may override it (fp32 suits the lm_head: logits without a bf16 rounding).
+    arena: where the packed copy goes (a model's weights: on huge pages, which a decode step's stream of
+    them prefers), else its own buffer.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 out_dtype: torch.dtype = torch.bfloat16) -> None:
+                 out_dtype: torch.dtype = torch.bfloat16, arena: HugePageArena | None = None) -> None:
         check_tensor("weight", weight, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2,
                      contiguous=False)
         if weight.shape[0] == 0 or weight.shape[1] == 0:
@@ -52,7 +55,10 @@ class PackedLinear:
         self.has_bias = bias is not None
         self.weight = self.bias = self.packed = self._bias_f32 = self._kernel = None
         if self.device.type == "cpu" and native(self.device).isa() == "avx512_bf16":
-            self.packed = pack_weight(weight)
+            packed = pack_weight(weight)
+            if arena is not None:
+                packed = arena.take(packed.numel() * 2).view(torch.bfloat16).view(packed.shape).copy_(packed)
+            self.packed = packed
             if self.packed.data_ptr() % 64:
                 raise RuntimeError("packed weight is not 64-byte aligned (unexpected torch allocator alignment)")
             # The kernel adds the bf16-rounded bias (as torch's bf16 path would), in fp32.
