@@ -143,7 +143,7 @@ def decode_batch(batch: int, ctx: int, cache: str):
 
 def on_huge_pages(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """Copies of `tensors` in memory like the engine's KV cache (ops.huge_pages)."""
-    arena = HugePageArena(chunk_bytes=sum(t.numel() * t.element_size() + 64 for t in tensors))
+    arena = HugePageArena()
     return [arena.zeros(tuple(t.shape), t.dtype).copy_(t) for t in tensors]
 
 
@@ -165,7 +165,8 @@ def scattered_read_call(batch: int, ctx: int, kind: str):
     """read_tiles over the bytes the kernel reads, a tile per block of K and of V, in a shuffled order."""
     nb = ctx // BS
     tile = kv_bytes(batch, ctx, kind) // (2 * batch * nb) // 64 * 64
-    buf = huge_page_buffer(2 * batch * nb * tile)[: 2 * batch * nb * tile].fill_(1)
+    nbytes = 2 * batch * nb * tile
+    buf = huge_page_buffer(nbytes)[:nbytes].fill_(1)
     table = torch.randperm(batch * nb, generator=torch.Generator().manual_seed(1))
     tiles = torch.stack([table, table + batch * nb], 1).flatten().contiguous()  # each block's K tile, then its V
     return lambda: _C.read_tiles(buf.data_ptr(), tile, tiles.data_ptr(), tiles.numel())

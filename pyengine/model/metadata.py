@@ -2,14 +2,13 @@
 "KV cache")."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from pyengine.config import ModelConfig
 from pyengine.ops.attention import kv_cache_shapes
-from pyengine.ops.huge_pages import ALIGN, HugePageArena
+from pyengine.ops.huge_pages import HugePageArena
 
 QUANTIZED_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
@@ -49,8 +48,7 @@ def allocate_kv_caches(
     if cache_dtype in QUANTIZED_CACHE_DTYPES:  # k_scales, v_scales
         shapes += [((num_blocks, cfg.num_key_value_heads, block_size), torch.float32)] * 2
     if torch.device(device).type == "cpu":
-        layer_bytes = sum(math.prod(s) * torch.empty((), dtype=d).element_size() + ALIGN for s, d in shapes)
-        zeros = HugePageArena(chunk_bytes=cfg.num_hidden_layers * layer_bytes).zeros
+        zeros = HugePageArena().zeros
     else:
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)

@@ -57,7 +57,7 @@ class PackedLinear:
         if self.device.type == "cpu" and native(self.device).isa() == "avx512_bf16":
             packed = pack_weight(weight)
             if arena is not None:
-                packed = arena.take(packed.numel() * 2).view(torch.bfloat16).view(packed.shape).copy_(packed)
+                packed = arena.zeros(tuple(packed.shape), torch.bfloat16).copy_(packed)
             self.packed = packed
             if self.packed.data_ptr() % 64:
                 raise RuntimeError("packed weight is not 64-byte aligned (unexpected torch allocator alignment)")
