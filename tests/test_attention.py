@@ -156,8 +156,9 @@ def test_quantized_cache_matches_dequantized_reference(cache_dtype, dtype, block
 @pytest.mark.parametrize("block_size", [4, 16])  # 16 with bf16 q: the bf16 path's own conversions
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_quantized_code_decodes_exactly(cache_dtype, dtype, block_size):
-    """With one cached token the output is that token's V row: every code (x 0.5) must come back exactly."""
+def test_every_quantized_code_decodes_exactly(cache_dtype, dtype, block_size, decode_path):
+    """With one cached token the output is that token's V row: every code (x 0.5) must come back exactly,
+    subnormal fp8 codes (which each dot-product path widens on a branch of its own) among them."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     if cache_dtype == torch.float8_e4m3fn:
         codes[(codes & 0x7F) == 0x7F] = 0  # NaN codes are never written
@@ -308,10 +309,11 @@ def check_decode(specs, num_heads, kv_heads, head_dim, block_size, cache, thread
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.fixture(params=["avx512_fp16", "avx512_bf16", "fp32"])
+@pytest.fixture(params=["avx512_fp16", "avx512_bf16", "avx2", "fp32"])
 def decode_path(request):
     """Each decode kernel path this build has for bf16 q (set_decode_attention_path caps the choice):
-    CPUs without AVX512-FP16 compute fp8 caches in bf16, those without AVX512-BF16 run the fp32 path."""
+    CPUs without AVX512-FP16 compute fp8 caches in bf16, those without AVX512-BF16 run the AVX2 one,
+    and every build has the fp32 path."""
     _C.set_decode_attention_path(request.param)
     try:
         if _C.decode_attention_path() != request.param:
@@ -326,7 +328,7 @@ def decode_path(request):
                          [(3, 64, 16), (4, 128, 16), (3, 128, 8), (4, 64, 32), (3, 64, 64), (4, 128, 128)])
 @pytest.mark.parametrize("cache", list(CACHE_DTYPES))
 def test_decode_matches_reference(cache, gqa, head_dim, block_size, threads, decode_path):
-    """Every decode path of bf16 q (vdpbf16ps and fp32; bf16, int8 and fp8 caches; GQA 3:1 and 4:1;
+    """Every decode path of bf16 q (AVX-512 dot products, AVX2 FMAs and vpmaddwd, fp32; bf16, int8 and fp8 caches; GQA 3:1 and 4:1;
     head_dim 64 and 128; block sizes 8 to 128; one thread and split over two) against the
     dequantized reference."""
     check_decode(DECODE, 2 * gqa, 2, head_dim, block_size, cache, threads, seed=4)

@@ -164,7 +164,8 @@ def test_quantized_kv_through_llm(kv, bf16_parts, text, bf16_top1):
 
 # int8 runs the same integer kernel under either cap: capped to avx512_bf16 it runs on every AVX512-BF16
 # CPU, where asking for avx512_fp16 skipped it on all but Intel's newest.
-@pytest.mark.parametrize("kv,decode_path", [("fp8", "avx512_fp16"), ("fp8", "avx512_bf16"), ("int8", "avx512_bf16")])
+@pytest.mark.parametrize("kv,decode_path", [("fp8", "avx512_fp16"), ("fp8", "avx512_bf16"), ("int8", "avx512_bf16"),
+                                            ("fp8", "avx2"), ("int8", "avx2")])
 def test_quantized_kv_through_the_decode_kernel(kv, decode_path, bf16_parts, text, bf16_lps):
     """The prompt run by the decode kernel (the prefill kernel capped to "paged"), whose fp8 and int8
     paths compute on the codes in their own way (fp16 or bf16 FMAs for fp8, integer dot products for

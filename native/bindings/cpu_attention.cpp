@@ -166,7 +166,7 @@ void register_attention_ops(py::module_& m) {
         "Cap the prefill attention kernel's path: amx (default: the best available), avx512_fp32, avx512_bf16, portable, paged.");
   m.def("prefill_attention_path", &prefill_attention_path, "The prefill attention kernel's path in use.");
   m.def("set_decode_attention_path", &set_decode_attention_path, py::arg("name"),
-        "Cap the decode attention kernel's path: avx512_fp16 (default: the best available), avx512_bf16 or fp32.");
+        "Cap the decode attention kernel's path: avx512_fp16 (default: the best available), avx512_bf16, avx2 or fp32.");
   m.def("decode_attention_path", &decode_attention_path, "The decode attention kernel's path for bf16 q.");
   m.def("read_bandwidth", &read_bandwidth, py::arg("ptr"), py::arg("nbytes"), py::arg("stream") = 0,
         py::call_guard<py::gil_scoped_release>(),

@@ -26,10 +26,12 @@
 // materialised beyond one chunk of one row. fp32 throughout.
 //
 // Paths (chosen at compile time by the -march of the build, PYENGINE_CPU_ARCH):
-//   bf16 q with a bf16/fp8/int8 cache, head_dim 64/128, block size 8 or a multiple of 16,
-//     AVX512_BF16 and AVX512_VNNI: run_item_bf16 (vdpbf16ps, or vpdpbusd for int8, straight from the
-//     cache tiles; see its comment). This is the hot path of bf16 models.
-//   everything else (fp32/fp16, other head dims, no AVX512_BF16/VNNI): run_item, which dequantizes each K/V
+//   bf16 q with a bf16/fp8/int8 cache, head_dim 64/128, block size 8 or a multiple of 16:
+//     run_item_dot, dot products straight from the cache tiles, chunk by chunk (decode_tiles.h). With
+//     AVX512_BF16 and AVX512_VNNI its kernels are vdpbf16ps, or vpdpbusd for int8 (see their comment);
+//     with AVX2 and FMA, fp32 FMAs on the widened values, or vpmaddwd for int8 (decode_avx2.h). This
+//     is the hot path of bf16 models.
+//   everything else (fp32/fp16, other head dims, no AVX2): run_item, which dequantizes each K/V
 //     chunk once into fp32 scratch; AVX-512 intrinsics under __AVX512F__, AVX2 + FMA ones (8-float
 //     vectors, the same loops) under __AVX2__, otherwise portable loops in 16-lane strips. On an AVX2
 //     host (AMD Zen 3) the AVX2 loops took a 2,000-token fp32 prefill from 114 to 168 tok/s: the
@@ -49,6 +51,8 @@
 #include "pyengine/half_pairs.h"
 #include "pyengine/kv_layout.h"
 #include "pyengine/kv_quant.h"
+#include "decode_avx2.h"
+#include "decode_tiles.h"
 #include "prefill_attention.h"
 #include "pyengine/parallel.h"
 #include "pyengine/vec_exp.h"
@@ -65,6 +69,9 @@
 
 namespace pyengine {
 namespace {
+#if defined(__AVX2__)
+using namespace decode;
+#endif
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -72,9 +79,9 @@ constexpr int64_t kMinSplitTokens = 256;
 constexpr int32_t kMaxItemHeads = 8;  // kv heads one decode work item may span
 
 // The decode paths a build has, best first; set_decode_attention_path caps which one runs (tests:
-// a CPU without AVX512-BF16 runs the fp32 path, and one without AVX512-FP16 computes fp8 caches in
+// an AVX-512 CPU runs the AVX2 and fp32 paths too, and one without AVX512-FP16 computes fp8 caches in
 // bf16, which this host would otherwise never test). kAvx512Fp16 differs only for fp8 caches.
-enum class DecodePath { kAvx512Fp16, kAvx512Bf16, kFp32 };
+enum class DecodePath { kAvx512Fp16, kAvx512Bf16, kAvx2, kFp32 };
 std::atomic<DecodePath> g_decode_cap{DecodePath::kAvx512Fp16};
 
 // One step's arguments (AttentionStep, prefill_attention.h) and what the decode kernel derives from them.
@@ -98,10 +105,10 @@ struct Partials {
 
 struct Workspace {
   std::vector<float> qf, acc, m, l, kf, vf, sc;
-  std::vector<uint16_t> qb, pb;  // bf16 path: the q rows' operands, the weights' operands
-  std::vector<float> qs;         // bf16 path, int8 cache: the q rows' scales and code sums
+  std::vector<uint16_t> qb, pb;  // dot path: the q rows' operands, the weights' operands
+  std::vector<float> qs;         // dot path, int8 cache: the q rows' scales and code sums
   std::vector<int32_t> qsum;
-  std::vector<int64_t> row_end;  // bf16 path: each row's causal end (cache positions it sees: < row_end)
+  std::vector<int64_t> row_end;  // dot path: each row's causal end (cache positions it sees: < row_end)
   void fit(int64_t rows, int64_t Dp, int64_t chunk) {
     const int64_t chunk16 = (chunk + 15) / 16 * 16;
     if (static_cast<int64_t>(qf.size()) < rows * Dp) qf.resize(rows * Dp), acc.resize(rows * Dp);
@@ -464,35 +471,11 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
 // a tile spans two blocks) per online-softmax update.
 //
 // Operands names those choices; the decode path (set_decode_attention_path) picks fp8's.
-enum class Operands { kBf16, kFp8Bf16, kFp8Half, kInt8 };
-constexpr bool is_fp8(Operands O) { return O == Operands::kFp8Bf16 || O == Operands::kFp8Half; }
 // ---------------------------------------------------------------------------------------------
-// 64-token chunks: 128 measured 7% faster with the cache in L3 but 5-10% slower from DRAM (the
-// prefetch of the next chunk starts later and arrives in a longer burst).
-constexpr int kChunk = 64, kTiles = kChunk / 16, kGroup = 4;
 constexpr float kQ16 = 16255.0f, kU8Max = 255.0f;
-// Chunks between the one computed and the one prefetched: 2 measured no faster for int8/fp8 and
-// 1.2-1.5x slower for bf16 (2 threads, batch 8 x 2048, cold).
-constexpr int kAhead = 1;
-// The cache level those prefetches fill: L2 (T1), where L1's few fill buffers would cap the misses in
-// flight, except on Zen 5 (told at compile time by AVX512-VP2INTERSECT in the -march without AMX or
-// AVX512-FP16: Zen 4 and Intel's server cores lack it, Zen 5 has it), where T0 measured 5-25% faster
-// for all three caches (1 thread, CPU time from a cold cache, 2nd fastest of 12), e.g. batch 16 x 4000
-// bf16 2179 -> 1900 us, int8 1190 -> 1063, fp8 1112 -> 1024. T1 measured faster on an AMX host: 1.9 ->
-// 1.45 ms at batch 32 x 2048; on one with AVX512-FP16 but no AMX (2 threads, cold, the builds
-// alternating, 4 rounds) 5-15% for all three caches, e.g. batch 16 x 4096 bf16 3510 -> 3049 us, int8
-// 1880 -> 1689; on Zen 4 (EPYC, family 25 model 17; 2 threads, cold, 3 rounds alternating) 1.3-1.6x,
-// e.g. batch 32 x 8192 bf16 ~12.9 -> ~9.1 ms, int8 ~9.4 -> ~5.7 ms. There bench/scatter_read_probe.cpp
-// reads 2 KB shuffled tiles at ~8 GB/s a core with T0 prefetches 4-16 tiles ahead, ~15.5 with T1
-// (in order ~25).
-#if defined(__AVX512VP2INTERSECT__) && !defined(__AMX_TILE__) && !defined(__AVX512FP16__)
-constexpr _mm_hint kPrefetchLevel = _MM_HINT_T0;
-#else
-constexpr _mm_hint kPrefetchLevel = _MM_HINT_T1;
-#endif
+struct Avx512 {};  // the kernels' tag (the AVX2 ones take decode::Avx2)
 
-// Values per 32-bit lane of a line, and bytes of q (or of the weights) per line's dot product.
-constexpr int lane_of(Operands O) { return O == Operands::kBf16 ? 2 : 4; }
+// Bytes of q (or of the weights) per line's dot product.
 constexpr int operand_bytes(Operands O) { return is_fp8(O) ? 8 : 4; }
 
 // fp8 e4m3 codes (s eeee mmm) in the high byte of each 16-bit word -> bf16 of their values times 2^-8
@@ -500,7 +483,6 @@ constexpr int operand_bytes(Operands O) { return is_fp8(O) ? 8 : 4; }
 // copies of the sign on 15..11; clearing bits 14..11 (and 3..0) and setting the exponent's high bits
 // to 112 (e + 112: bias 7 -> 127, less 8) is one ternary-logic op. The scales take the 2^8 back
 // (exact: a power of two).
-constexpr float kFp8Unit = 1.0f / 256.0f;
 inline __m512i fp8_high_to_bf16(__m512i y) {
   return _mm512_ternarylogic_epi32(_mm512_srai_epi16(y, 4), _mm512_set1_epi16(static_cast<int16_t>(0x87f0)),
                                    _mm512_set1_epi16(112 << 7), 0xea);  // (a & b) | c
@@ -647,7 +629,7 @@ inline __m256i fp8_operand_order(__m256i x) {
 // One bf16 q row of D values -> the cache dtype's q operand at dst: bf16 as is, fp8 reordered,
 // int8 codes (returns the scale, 0 for a zero row, and their sum in *sum).
 template <Operands O>
-inline float stage_q(const uint16_t* q, int64_t D, char* dst, int32_t* sum) {
+inline float stage_q(Avx512, const uint16_t* q, int64_t D, char* dst, int32_t* sum) {
   if constexpr (O == Operands::kInt8) {
     __m512 amax = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(q + d)));
@@ -687,30 +669,6 @@ inline float stage_q(const uint16_t* q, int64_t D, char* dst, int32_t* sum) {
   }
 }
 
-// Where one chunk's data lives, per tile of 16 tokens: the K address of its first token in dims
-// group 0, the V address of its first token group and its scales (quantized caches), each for the
-// tile's first half and, with SPLIT (block size 8: a tile spans two blocks), its second half in *1;
-// without SPLIT the 16 tokens are consecutive slots of one block and *1 is unused.
-struct ChunkPtrs {
-  const char *k0[kTiles], *k1[kTiles], *v0[kTiles], *v1[kTiles];
-  const float *ks0[kTiles], *ks1[kTiles], *vs0[kTiles], *vs1[kTiles];
-  int n;  // tokens in the chunk
-};
-
-// The V line address of the chunk's token group p (tokens L p .. L p + L - 1) at dim 0.
-template <Operands O, bool SPLIT>
-inline const char* v_group(const ChunkPtrs& c, int p, int64_t group_bytes) {
-  constexpr int per_tile = 16 / lane_of(O), per_half = per_tile / 2;
-  const int tile = p / per_tile, q = p % per_tile;
-  if constexpr (SPLIT) return (q < per_half ? c.v0[tile] : c.v1[tile]) + (q % per_half) * group_bytes;
-  else return c.v0[tile] + q * group_bytes;
-}
-
-// Bits [0, n) of a chunk's token mask, n in [0, 64]. A tile's mask is then a shift of its chunk's:
-// tail_mask's branches per tile, in QK's epilogue, made GCC copy every QK accumulator to another
-// register and back around each dot product.
-inline uint64_t low_bits(int n) { return n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1; }
-
 // The scales of tile i's tokens; zero past the chunk's end (slots there may hold anything).
 template <bool SPLIT>
 inline __m512 tile_scales(const float* const* s0, const float* const* s1, int i, uint64_t chunk_valid) {
@@ -722,23 +680,11 @@ inline __m512 tile_scales(const float* const* s0, const float* const* s1, int i,
     return _mm512_maskz_loadu_ps(valid, s0[i]);
 }
 
-// The scale lines of a chunk (one line of 16 fp32 scales per tile for K and for V; with SPLIT, one
-// per half): scattered like the tiles, so no hardware prefetcher fetches them, and without this QK's
-// epilogue and the softmax wait on them from DRAM.
-template <bool SPLIT>
-inline void prefetch_scales(const ChunkPtrs& c) {
-  for (int i = 0; i < kTiles; ++i) {
-    _mm_prefetch(c.ks0[i], kPrefetchLevel);
-    _mm_prefetch(c.vs0[i], kPrefetchLevel);
-    if constexpr (SPLIT) _mm_prefetch(c.ks1[i], kPrefetchLevel), _mm_prefetch(c.vs1[i], kPrefetchLevel);
-  }
-}
-
 // QK of NR rows over the chunk's tiles, 4 tiles (NR x 4 accumulators) at a time:
 // sc[r * kChunk + t] = q_r . k_t * scale (log2 units). q: the rows' operands (q_bytes apart);
 // qs, qsum: the rows' q scales and code sums (int8 cache).
 template <Operands O, int NC32, int NR, bool SPLIT>
-inline void qk_group(const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_stride, const char* q, int64_t q_bytes,
+inline void qk_group(Avx512, const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_stride, const char* q, int64_t q_bytes,
                      const float* qs, const int32_t* qsum, float* sc, float scale) {
   constexpr int kLines = 32 * NC32 / lane_of(O);
   const int ntiles = (c.n + 15) / 16;
@@ -810,7 +756,7 @@ inline __m512 exp2_weights(__m512 x) {
 // not move, alpha is exactly 1 and the row needs no horizontal max, which at decode's 3 rows x 64
 // tokens per chunk was a large part of the softmax's time.
 template <Operands O, bool SPLIT>
-inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs& c, char* pw, float& m, float& l,
+inline float softmax_row(Avx512, const float* sc, int lo, int nv, int n, const ChunkPtrs& c, char* pw, float& m, float& l,
                          float& wscale) {
   wscale = 0.0f;
   if (nv <= lo) {
@@ -884,9 +830,9 @@ inline float softmax_row(const float* sc, int lo, int nv, int n, const ChunkPtrs
 }
 
 // acc_r = acc_r * alpha_r + sum_t w_rt V_t (times wscale_r for int8) for NR rows, 64 dims (4
-// vectors) at a time. pw: the rows' weights, kChunk * 2 bytes apart.
+// vectors) at a time. pw: the rows' weights, kWeightStride bytes apart.
 template <Operands O, int NC32, int NR, bool SPLIT>
-inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, const float* alpha,
+inline void pv_group(Avx512, const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, const float* alpha,
                      const float* wscale, float* acc, int maxnv) {
   constexpr int64_t D = 32 * NC32, group_bytes = D * 4;
   constexpr int L = lane_of(O);
@@ -912,7 +858,7 @@ inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, 
         __m512i raw = _mm512_loadu_si512(v_group<O, SPLIT>(c, p, group_bytes) + (d0 + 16 * k) * 4);
         if (keep != ~0ull) raw = _mm512_maskz_mov_epi8(keep, raw);
         const Line v = prepare_line<O, false>(raw);
-        for (int r = 0; r < NR; ++r) x[r][k] = line_dot<O, false>(x[r][k], v, w + r * kChunk * 2);
+        for (int r = 0; r < NR; ++r) x[r][k] = line_dot<O, false>(x[r][k], v, w + r * kWeightStride);
       }
     };
     if constexpr (O == Operands::kInt8) {  // integer products: a zero weight zeroes whatever a slot holds
@@ -939,6 +885,17 @@ inline void pv_group(const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, 
       }
   }
 }
+
+#endif  // AVX512-BF16 and VNNI
+
+#if defined(__AVX2__) && defined(__FMA__)
+// ---------------------------------------------------------------------------------------------
+// The driver of the dot-product kernels (Isa: Avx512 above, or decode::Avx2): an item's chunks in
+// order, each chunk's tiles prefetched one chunk ahead, its rows in groups that share every load.
+// ---------------------------------------------------------------------------------------------
+// Chunks between the one computed and the one prefetched: 2 measured no faster for int8/fp8 and
+// 1.2-1.5x slower for bf16 (2 threads, batch 8 x 2048, cold; AVX-512).
+constexpr int kAhead = 1;
 
 // The cache positions [kv_lo, kv_end) an item reads (its causal end, within its split).
 inline int64_t item_kv_end(const Args& a, const Item& it) {
@@ -987,8 +944,8 @@ inline ChunkPtrs head_shifted(const ChunkPtrs& c, int64_t h, int64_t tile_bytes,
   return s;
 }
 
-template <Operands O, int NC32, bool SPLIT>
-void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partials& parts, Workspace& ws) {
+template <class Isa, Operands O, int NC32, bool SPLIT>
+void run_item_dot(const Args& a, const Item& it, const Item* next_item, Partials& parts, Workspace& ws) {
   constexpr int64_t D = 32 * NC32;
   constexpr int64_t es = O == Operands::kBf16 ? 2 : 1;
   const int64_t G = a.G, nh = it.nkvh, tile_bytes = a.BS * D * es;
@@ -998,14 +955,14 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
   const int64_t head_rows = (it.tok1 - it.tok0) * G, rows = nh * head_rows;
   auto row_token = [&](int64_t r) { return q_start + it.tok0 + r % head_rows / G; };
   auto row_head = [&](int64_t r) { return (it.kvh + r / head_rows) * G + r % G; };
-  if (static_cast<int64_t>(ws.acc.size()) < rows * D) ws.acc.resize(rows * D), ws.qb.resize(rows * D);
+  if (static_cast<int64_t>(ws.acc.size()) < rows * D) ws.acc.resize(rows * D), ws.qb.resize(rows * D * 2);
   if (static_cast<int64_t>(ws.m.size()) < rows) ws.m.resize(rows), ws.l.resize(rows);
-  if (static_cast<int64_t>(ws.pb.size()) < kGroup * kChunk) ws.pb.resize(kGroup * kChunk);
+  if (static_cast<int64_t>(ws.pb.size()) < kGroup * kWeightStride / 2) ws.pb.resize(kGroup * kWeightStride / 2);
   if (static_cast<int64_t>(ws.qs.size()) < rows) ws.qs.resize(rows), ws.qsum.resize(rows), ws.row_end.resize(rows);
-  const int64_t q_bytes = 2 * D;  // a row's q operands
+  const int64_t q_bytes = 4 * D;  // a row's q operands (at most fp32)
   char* qbuf = reinterpret_cast<char*>(ws.qb.data());
   for (int64_t r = 0; r < rows; ++r) {
-    ws.qs[r] = stage_q<O>(static_cast<const uint16_t*>(a.q) + row_token(r) * a.q_stride + row_head(r) * D, D,
+    ws.qs[r] = stage_q<O>(Isa{}, static_cast<const uint16_t*>(a.q) + row_token(r) * a.q_stride + row_head(r) * D, D,
                            qbuf + r * q_bytes, ws.qsum.data() + r);
     std::fill(ws.acc.data() + r * D, ws.acc.data() + (r + 1) * D, 0.0f);
     ws.m[r] = kNegInf;
@@ -1059,7 +1016,7 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
   };
   auto qk = [&](int g, int64_t ci) {
     for_group(g, [&](auto nr, int64_t h, int64_t r0) {
-      qk_group<O, NC32, decltype(nr)::value, SPLIT>(ring[ci % kRing][h], ring[(ci + kAhead) % kRing][h], line_stride,
+      qk_group<O, NC32, decltype(nr)::value, SPLIT>(Isa{}, ring[ci % kRing][h], ring[(ci + kAhead) % kRing][h], line_stride,
                                                      qbuf + r0 * q_bytes, q_bytes, ws.qs.data() + r0,
                                                      ws.qsum.data() + r0, scores(g, ci), qscale);
     });
@@ -1086,12 +1043,12 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
         float alpha[NR], wscale[NR];
         int maxnv = 0;
         for (int r = 0; r < NR; ++r) {
-          alpha[r] = softmax_row<O, SPLIT>(sc + r * kChunk, lo[r], nv[r], c.n, c, pw + r * kChunk * 2,
+          alpha[r] = softmax_row<O, SPLIT>(Isa{}, sc + r * kChunk, lo[r], nv[r], c.n, c, pw + r * kWeightStride,
                                             ws.m[r0 + r], ws.l[r0 + r], wscale[r]);
           maxnv = std::max(maxnv, nv[r]);
         }
         if (ci + 1 < nchunks) qk(g, ci + 1);
-        pv_group<O, NC32, NR, SPLIT>(c, ring[(ci + kAhead) % kRing][h], pw, alpha, wscale, ws.acc.data() + r0 * D,
+        pv_group<O, NC32, NR, SPLIT>(Isa{}, c, ring[(ci + kAhead) % kRing][h], pw, alpha, wscale, ws.acc.data() + r0 * D,
                                       maxnv);
       });
   }
@@ -1101,45 +1058,55 @@ void run_item_bf16(const Args& a, const Item& it, const Item* next_item, Partial
 
 // Items go to the threads in runs of consecutive ones (so each knows the next item, to prefetch
 // its first chunk), small enough runs to keep the threads balanced.
-template <Operands O, int NC32>
-void run_all_bf16(const Args& a, const std::vector<Item>& items, Partials& parts) {
+template <class Isa, Operands O, int NC32>
+void run_all_dot(const Args& a, const std::vector<Item>& items, Partials& parts) {
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t run = std::max<int64_t>(1, n / (8 * ThreadPool::instance().num_threads()));
   ThreadPool::instance().parallel_for((n + run - 1) / run, [&](int64_t r) {
     thread_local Workspace ws;
     for (int64_t i = r * run; i < std::min(n, (r + 1) * run); ++i) {
       const Item* next = i + 1 < std::min(n, (r + 1) * run) ? &items[i + 1] : nullptr;
-      if (a.BS == 8) run_item_bf16<O, NC32, true>(a, items[i], next, parts, ws);
-      else run_item_bf16<O, NC32, false>(a, items[i], next, parts, ws);
+      if (a.BS == 8) run_item_dot<Isa, O, NC32, true>(a, items[i], next, parts, ws);
+      else run_item_dot<Isa, O, NC32, false>(a, items[i], next, parts, ws);
     }
   });
 }
 
-template <Operands O>
-bool bf16_head_dim(const Args& a, const std::vector<Item>& items, Partials& parts) {
-  if (a.D == 64) run_all_bf16<O, 2>(a, items, parts);
-  else if (a.D == 128) run_all_bf16<O, 4>(a, items, parts);
+template <class Isa, Operands O>
+bool dot_head_dim(const Args& a, const std::vector<Item>& items, Partials& parts) {
+  if (a.D == 64) run_all_dot<Isa, O, 2>(a, items, parts);
+  else if (a.D == 128) run_all_dot<Isa, O, 4>(a, items, parts);
   else return false;
   return true;
 }
 
-bool try_bf16_path(const Args& a, const std::vector<Item>& items, Partials& parts) {
-  if (g_decode_cap.load() == DecodePath::kFp32) return false;
+// The dot-product kernels, where the build, the cap, q's dtype, the block size and the options allow.
+bool try_dot_path(const Args& a, const std::vector<Item>& items, Partials& parts) {
+  const DecodePath cap = g_decode_cap.load();
+  if (cap == DecodePath::kFp32) return false;
   if (a.qdt != DType::kBFloat16 || (a.BS != 8 && a.BS % 16 != 0)) return false;  // tiles of 16 tokens
   if (a.softcap > 0.0f) return false;  // run_item has the cap
-  switch (a.cdt) {
-    case DType::kBFloat16: return bf16_head_dim<Operands::kBf16>(a, items, parts);
-    case DType::kFloat8E4M3:
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  if (cap != DecodePath::kAvx2) switch (a.cdt) {
+      case DType::kBFloat16: return dot_head_dim<Avx512, Operands::kBf16>(a, items, parts);
+      case DType::kFloat8E4M3:
 #if defined(__AVX512FP16__)
-      if (g_decode_cap.load() == DecodePath::kAvx512Fp16) return bf16_head_dim<Operands::kFp8Half>(a, items, parts);
+        if (cap == DecodePath::kAvx512Fp16) return dot_head_dim<Avx512, Operands::kFp8Half>(a, items, parts);
 #endif
-      return bf16_head_dim<Operands::kFp8Bf16>(a, items, parts);
-    case DType::kInt8: return bf16_head_dim<Operands::kInt8>(a, items, parts);
+        return dot_head_dim<Avx512, Operands::kFp8Bf16>(a, items, parts);
+      case DType::kInt8: return dot_head_dim<Avx512, Operands::kInt8>(a, items, parts);
+      default: return false;
+    }
+#endif
+  switch (a.cdt) {
+    case DType::kBFloat16: return dot_head_dim<decode::Avx2, Operands::kBf16>(a, items, parts);
+    case DType::kFloat8E4M3: return dot_head_dim<decode::Avx2, Operands::kFp8Bf16>(a, items, parts);
+    case DType::kInt8: return dot_head_dim<decode::Avx2, Operands::kInt8>(a, items, parts);
     default: return false;
   }
 }
 #else
-bool try_bf16_path(const Args&, const std::vector<Item>&, Partials&) { return false; }
+bool try_dot_path(const Args&, const std::vector<Item>&, Partials&) { return false; }
 #endif
 
 // Merge the split partials of one (token, q head) into the output row.
@@ -1224,7 +1191,7 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
   int64_t split_tokens = std::numeric_limits<int32_t>::max();
   if (split) {
     const int64_t want = std::max(kMinSplitTokens, (total_work + 8 * nthreads * nkvh - 1) / (8 * nthreads * nkvh));
-    split_tokens = (want + 63) / 64 * 64;  // whole 64-token chunks of the bf16 path
+    split_tokens = (want + 63) / 64 * 64;  // whole 64-token chunks of the dot path
   }
 
   std::vector<Item> items;
@@ -1249,7 +1216,7 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
     parts.acc.assign(a.T * a.H * parts.nsplit * a.Dp, 0.0f);
   }
 
-  if (!try_bf16_path(a, items, parts)) switch (cache_dtype) {
+  if (!try_dot_path(a, items, parts)) switch (cache_dtype) {
     case DType::kFloat32: dispatch_head_dim<DType::kFloat32>(a, items, parts); break;
     case DType::kBFloat16: dispatch_head_dim<DType::kBFloat16>(a, items, parts); break;
     case DType::kFloat16: dispatch_head_dim<DType::kFloat16>(a, items, parts); break;
@@ -1272,20 +1239,25 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
 void set_decode_attention_path(const std::string& name) {
   if (name == "avx512_fp16") g_decode_cap.store(DecodePath::kAvx512Fp16);
   else if (name == "avx512_bf16") g_decode_cap.store(DecodePath::kAvx512Bf16);
+  else if (name == "avx2") g_decode_cap.store(DecodePath::kAvx2);
   else if (name == "fp32") g_decode_cap.store(DecodePath::kFp32);
-  else throw std::invalid_argument("decode attention path must be avx512_fp16, avx512_bf16 or fp32, got " + name);
+  else throw std::invalid_argument("decode attention path must be avx512_fp16, avx512_bf16, avx2 or fp32, got " + name);
 }
 
 std::string decode_attention_path() {
   const DecodePath cap = g_decode_cap.load();
+  if (cap == DecodePath::kFp32) return "fp32";
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #if defined(__AVX512FP16__)
   if (cap == DecodePath::kAvx512Fp16) return "avx512_fp16";
 #endif
-  if (cap != DecodePath::kFp32) return "avx512_bf16";
+  if (cap != DecodePath::kAvx2) return "avx512_bf16";
 #endif
-  (void)cap;
+#if defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
   return "fp32";
+#endif
 }
 
 }  // namespace pyengine

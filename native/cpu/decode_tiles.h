@@ -1,0 +1,88 @@
+// The decode kernel's chunks of cache tiles: what its dot-product kernels (AVX-512 in attention.cpp,
+// AVX2 in decode_avx2.h) and the driver that runs them (attention.cpp, run_item_dot) share.
+//
+// A chunk is up to kChunk = 64 cache positions of one kv head: 4 tiles of 16 tokens, each one run of
+// slots of one block, or with block size 8 ("SPLIT") two whole blocks. Per chunk the driver runs, for
+// each group of up to kGroup rows (query tokens x the q heads of one kv head), QK into a row of
+// scores, an online-softmax step that turns the scores into PV's weights, and PV. The kernels read
+// the tiles in the CPU cache layout (kv_layout.h), L values per 32-bit lane.
+#pragma once
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace pyengine::decode {
+
+// The operands of the dot products, by cache dtype (each kernel's header comment says how it computes them):
+// bf16 codes as bf16; fp8 codes widened through bf16's bit layout, or (AVX512-FP16) fp16's; int8
+// codes as integers.
+enum class Operands { kBf16, kFp8Bf16, kFp8Half, kInt8 };
+constexpr bool is_fp8(Operands O) { return O == Operands::kFp8Bf16 || O == Operands::kFp8Half; }
+// Values per 32-bit lane of a tile (kv_lane).
+constexpr int lane_of(Operands O) { return O == Operands::kBf16 ? 2 : 4; }
+
+// 64-token chunks: 128 measured 7% faster with the cache in L3 but 5-10% slower from DRAM (the
+// prefetch of the next chunk starts later and arrives in a longer burst).
+constexpr int kChunk = 64, kTiles = kChunk / 16, kGroup = 4;
+// Bytes between two rows' PV weights (at most 4 bytes a token: fp32).
+constexpr int64_t kWeightStride = kChunk * 4;
+// fp8 codes widen to their values times 2^-8 (exactly: e4m3's exponent lands in the low bits of the
+// wider one's); the scales take the 2^8 back.
+constexpr float kFp8Unit = 1.0f / 256.0f;
+
+// The cache level the chunks' prefetches fill: L2 (T1), where L1's few fill buffers would cap the misses in
+// flight, except on Zen 5 (told at compile time by AVX512-VP2INTERSECT in the -march without AMX or
+// AVX512-FP16: Zen 4 and Intel's server cores lack it, Zen 5 has it), where T0 measured 5-25% faster
+// for all three caches (1 thread, CPU time from a cold cache, 2nd fastest of 12), e.g. batch 16 x 4000
+// bf16 2179 -> 1900 us, int8 1190 -> 1063, fp8 1112 -> 1024. T1 measured faster on an AMX host: 1.9 ->
+// 1.45 ms at batch 32 x 2048; on one with AVX512-FP16 but no AMX (2 threads, cold, the builds
+// alternating, 4 rounds) 5-15% for all three caches, e.g. batch 16 x 4096 bf16 3510 -> 3049 us, int8
+// 1880 -> 1689; on Zen 4 (EPYC, family 25 model 17; 2 threads, cold, 3 rounds alternating) 1.3-1.6x,
+// e.g. batch 32 x 8192 bf16 ~12.9 -> ~9.1 ms, int8 ~9.4 -> ~5.7 ms. There bench/scatter_read_probe.cpp
+// reads 2 KB shuffled tiles at ~8 GB/s a core with T0 prefetches 4-16 tiles ahead, ~15.5 with T1
+// (in order ~25).
+#if defined(__AVX512VP2INTERSECT__) && !defined(__AMX_TILE__) && !defined(__AVX512FP16__)
+constexpr _mm_hint kPrefetchLevel = _MM_HINT_T0;
+#else
+constexpr _mm_hint kPrefetchLevel = _MM_HINT_T1;
+#endif
+
+// Where one chunk's data lives, per tile of 16 tokens: the K address of its first token in dims
+// group 0, the V address of its first token group and its scales (quantized caches), each for the
+// tile's first half and, with SPLIT (block size 8: a tile spans two blocks), its second half in *1;
+// without SPLIT the 16 tokens are consecutive slots of one block and *1 is unused.
+struct ChunkPtrs {
+  const char *k0[kTiles], *k1[kTiles], *v0[kTiles], *v1[kTiles];
+  const float *ks0[kTiles], *ks1[kTiles], *vs0[kTiles], *vs1[kTiles];
+  int n;  // tokens in the chunk
+};
+
+// The V line address of the chunk's token group p (tokens L p .. L p + L - 1) at dim 0.
+template <Operands O, bool SPLIT>
+inline const char* v_group(const ChunkPtrs& c, int p, int64_t group_bytes) {
+  constexpr int per_tile = 16 / lane_of(O), per_half = per_tile / 2;
+  const int tile = p / per_tile, q = p % per_tile;
+  if constexpr (SPLIT) return (q < per_half ? c.v0[tile] : c.v1[tile]) + (q % per_half) * group_bytes;
+  else return c.v0[tile] + q * group_bytes;
+}
+
+// Bits [0, n) of a chunk's token mask, n in [0, 64]. A tile's mask is then a shift of its chunk's:
+// tail_mask's branches per tile, in QK's epilogue, made GCC copy every QK accumulator to another
+// register and back around each dot product.
+inline uint64_t low_bits(int n) { return n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1; }
+
+// The scale lines of a chunk (one line of 16 fp32 scales per tile for K and for V; with SPLIT, one
+// per half): scattered like the tiles, so no hardware prefetcher fetches them, and without this QK's
+// epilogue and the softmax wait on them from DRAM.
+template <bool SPLIT>
+inline void prefetch_scales(const ChunkPtrs& c) {
+  for (int i = 0; i < kTiles; ++i) {
+    _mm_prefetch(c.ks0[i], kPrefetchLevel);
+    _mm_prefetch(c.vs0[i], kPrefetchLevel);
+    if constexpr (SPLIT) _mm_prefetch(c.ks1[i], kPrefetchLevel), _mm_prefetch(c.vs1[i], kPrefetchLevel);
+  }
+}
+
+}  // namespace pyengine::decode
+#endif
