@@ -475,6 +475,11 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
 constexpr float kQ16 = 16255.0f, kU8Max = 255.0f;
 struct Avx512 {};  // the kernels' tag (the AVX2 ones take decode::Avx2)
 
+// Bytes of a row's q operands (bf16, fp8's bf16 reordered, or int8's two halves), and of its PV
+// weights over a chunk (bf16 or u8).
+constexpr int64_t q_row_bytes(Avx512, Operands, int64_t D) { return 2 * D; }
+constexpr int64_t weight_row_bytes(Avx512, Operands) { return kChunk * 2; }
+
 // Bytes of q (or of the weights) per line's dot product.
 constexpr int operand_bytes(Operands O) { return is_fp8(O) ? 8 : 4; }
 
@@ -830,7 +835,7 @@ inline float softmax_row(Avx512, const float* sc, int lo, int nv, int n, const C
 }
 
 // acc_r = acc_r * alpha_r + sum_t w_rt V_t (times wscale_r for int8) for NR rows, 64 dims (4
-// vectors) at a time. pw: the rows' weights, kWeightStride bytes apart.
+// vectors) at a time. pw: the rows' weights, weight_row_bytes apart.
 template <Operands O, int NC32, int NR, bool SPLIT>
 inline void pv_group(Avx512, const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, const float* alpha,
                      const float* wscale, float* acc, int maxnv) {
@@ -858,7 +863,7 @@ inline void pv_group(Avx512, const ChunkPtrs& c, const ChunkPtrs& next, const ch
         __m512i raw = _mm512_loadu_si512(v_group<O, SPLIT>(c, p, group_bytes) + (d0 + 16 * k) * 4);
         if (keep != ~0ull) raw = _mm512_maskz_mov_epi8(keep, raw);
         const Line v = prepare_line<O, false>(raw);
-        for (int r = 0; r < NR; ++r) x[r][k] = line_dot<O, false>(x[r][k], v, w + r * kWeightStride);
+        for (int r = 0; r < NR; ++r) x[r][k] = line_dot<O, false>(x[r][k], v, w + r * weight_row_bytes(Avx512{}, O));
       }
     };
     if constexpr (O == Operands::kInt8) {  // integer products: a zero weight zeroes whatever a slot holds
@@ -955,11 +960,12 @@ void run_item_dot(const Args& a, const Item& it, const Item* next_item, Partials
   const int64_t head_rows = (it.tok1 - it.tok0) * G, rows = nh * head_rows;
   auto row_token = [&](int64_t r) { return q_start + it.tok0 + r % head_rows / G; };
   auto row_head = [&](int64_t r) { return (it.kvh + r / head_rows) * G + r % G; };
-  if (static_cast<int64_t>(ws.acc.size()) < rows * D) ws.acc.resize(rows * D), ws.qb.resize(rows * D * 2);
+  const int64_t q_bytes = q_row_bytes(Isa{}, O, D), w_bytes = weight_row_bytes(Isa{}, O);
+  if (static_cast<int64_t>(ws.acc.size()) < rows * D) ws.acc.resize(rows * D);
+  if (static_cast<int64_t>(ws.qb.size()) < rows * q_bytes / 2) ws.qb.resize(rows * q_bytes / 2);
   if (static_cast<int64_t>(ws.m.size()) < rows) ws.m.resize(rows), ws.l.resize(rows);
-  if (static_cast<int64_t>(ws.pb.size()) < kGroup * kWeightStride / 2) ws.pb.resize(kGroup * kWeightStride / 2);
+  if (static_cast<int64_t>(ws.pb.size()) < kGroup * w_bytes / 2) ws.pb.resize(kGroup * w_bytes / 2);
   if (static_cast<int64_t>(ws.qs.size()) < rows) ws.qs.resize(rows), ws.qsum.resize(rows), ws.row_end.resize(rows);
-  const int64_t q_bytes = 4 * D;  // a row's q operands (at most fp32)
   char* qbuf = reinterpret_cast<char*>(ws.qb.data());
   for (int64_t r = 0; r < rows; ++r) {
     ws.qs[r] = stage_q<O>(Isa{}, static_cast<const uint16_t*>(a.q) + row_token(r) * a.q_stride + row_head(r) * D, D,
@@ -1043,7 +1049,7 @@ void run_item_dot(const Args& a, const Item& it, const Item* next_item, Partials
         float alpha[NR], wscale[NR];
         int maxnv = 0;
         for (int r = 0; r < NR; ++r) {
-          alpha[r] = softmax_row<O, SPLIT>(Isa{}, sc + r * kChunk, lo[r], nv[r], c.n, c, pw + r * kWeightStride,
+          alpha[r] = softmax_row<O, SPLIT>(Isa{}, sc + r * kChunk, lo[r], nv[r], c.n, c, pw + r * w_bytes,
                                             ws.m[r0 + r], ws.l[r0 + r], wscale[r]);
           maxnv = std::max(maxnv, nv[r]);
         }
