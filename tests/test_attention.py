@@ -144,13 +144,19 @@ def test_sliding_window_and_softcap(window, softcap, dtype, cache_dtype):
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_cache_matches_dequantized_reference(cache_dtype, dtype, block_size):
+def test_quantized_cache_matches_dequantized_reference(cache_dtype, dtype, block_size, decode_path):
+    """fp32 and bf16 q over int8/fp8 caches on every decode path (the AVX2 one takes fp32 q too). Its
+    int8 kernel rounds q and the weights to 15-bit codes for vpmaddwd: errors ~1e-4, a hundredth of the
+    int8 cache's own rounding, so fp32 q is held to 2e-4 there."""
     specs = [(1, 1), (200, 20), (1000, 1), (64, 3)]
     q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(specs, 6, 2, 64, block_size, dtype, cache_dtype=cache_dtype,
                                                   seed=2)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125, k_scales=ks, v_scales=vs)
     ref = reference(q, kc, vc, bt, sl, qsl, 0.125, ks, vs)
-    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    tol = TOL[dtype]
+    if decode_path == "avx2" and cache_dtype == torch.int8 and dtype == torch.float32:
+        tol = 2e-4
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])  # 16 with bf16 q: the bf16 path's own conversions

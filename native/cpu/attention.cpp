@@ -26,12 +26,13 @@
 // materialised beyond one chunk of one row. fp32 throughout.
 //
 // Paths (chosen at compile time by the -march of the build, PYENGINE_CPU_ARCH):
-//   bf16 q with a bf16/fp8/int8 cache, head_dim 64/128, block size 8 or a multiple of 16:
-//     run_item_dot, dot products straight from the cache tiles, chunk by chunk (decode_tiles.h). With
-//     AVX512_BF16 and AVX512_VNNI its kernels are vdpbf16ps, or vpdpbusd for int8 (see their comment);
-//     with AVX2 and FMA, fp32 FMAs on the widened values, or vpmaddwd for int8 (decode_avx2.h). This
-//     is the hot path of bf16 models.
-//   everything else (fp32/fp16, other head dims, no AVX2): run_item, which dequantizes each K/V
+//   a bf16/fp8/int8 cache, head_dim 64/128, block size 8 or a multiple of 16: run_item_dot, dot
+//     products straight from the cache tiles, chunk by chunk (decode_tiles.h). With AVX512_BF16 and
+//     AVX512_VNNI (bf16 q) its kernels are vdpbf16ps, or vpdpbusd for int8 (see their comment); with
+//     AVX2 and FMA but no AVX-512 (bf16 or fp32 q), fp32 FMAs on the widened values, or vpmaddwd for
+//     int8 (decode_avx2.h). This is the hot path of bf16 models, and on AVX2 CPUs of fp32 ones with a
+//     quantized cache.
+//   everything else (fp32/fp16 caches, fp16 q, other head dims, no AVX2): run_item, which dequantizes each K/V
 //     chunk once into fp32 scratch; AVX-512 intrinsics under __AVX512F__, AVX2 + FMA ones (8-float
 //     vectors, the same loops) under __AVX2__, otherwise portable loops in 16-lane strips. On an AVX2
 //     host (AMD Zen 3) the AVX2 loops took a 2,000-token fp32 prefill from 114 to 168 tok/s: the
@@ -631,10 +632,11 @@ inline __m256i fp8_operand_order(__m256i x) {
   return _mm256_shuffle_epi8(x, order);
 }
 
-// One bf16 q row of D values -> the cache dtype's q operand at dst: bf16 as is, fp8 reordered,
-// int8 codes (returns the scale, 0 for a zero row, and their sum in *sum).
+// One bf16 q row of D values (try_dot_path sends only bf16 q here) -> the cache dtype's q operand at
+// dst: bf16 as is, fp8 reordered, int8 codes (returns the scale, 0 for a zero row, and their sum in *sum).
 template <Operands O>
-inline float stage_q(Avx512, const uint16_t* q, int64_t D, char* dst, int32_t* sum) {
+inline float stage_q(Avx512, const void* qrow, DType, int64_t D, char* dst, int32_t* sum) {
+  const uint16_t* q = static_cast<const uint16_t*>(qrow);
   if constexpr (O == Operands::kInt8) {
     __m512 amax = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(q + d)));
@@ -968,8 +970,8 @@ void run_item_dot(const Args& a, const Item& it, const Item* next_item, Partials
   if (static_cast<int64_t>(ws.qs.size()) < rows) ws.qs.resize(rows), ws.qsum.resize(rows), ws.row_end.resize(rows);
   char* qbuf = reinterpret_cast<char*>(ws.qb.data());
   for (int64_t r = 0; r < rows; ++r) {
-    ws.qs[r] = stage_q<O>(Isa{}, static_cast<const uint16_t*>(a.q) + row_token(r) * a.q_stride + row_head(r) * D, D,
-                           qbuf + r * q_bytes, ws.qsum.data() + r);
+    const char* qrow = static_cast<const char*>(a.q) + (row_token(r) * a.q_stride + row_head(r) * D) * elem_size(a.qdt);
+    ws.qs[r] = stage_q<O>(Isa{}, qrow, a.qdt, D, qbuf + r * q_bytes, ws.qsum.data() + r);
     std::fill(ws.acc.data() + r * D, ws.acc.data() + (r + 1) * D, 0.0f);
     ws.m[r] = kNegInf;
     ws.l[r] = 0.0f;
@@ -1090,10 +1092,11 @@ bool dot_head_dim(const Args& a, const std::vector<Item>& items, Partials& parts
 bool try_dot_path(const Args& a, const std::vector<Item>& items, Partials& parts) {
   const DecodePath cap = g_decode_cap.load();
   if (cap == DecodePath::kFp32) return false;
-  if (a.qdt != DType::kBFloat16 || (a.BS != 8 && a.BS % 16 != 0)) return false;  // tiles of 16 tokens
+  if (a.BS != 8 && a.BS % 16 != 0) return false;  // tiles of 16 tokens
   if (a.softcap > 0.0f) return false;  // run_item has the cap
+  if (a.qdt != DType::kBFloat16 && a.qdt != DType::kFloat32) return false;
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  if (cap != DecodePath::kAvx2) switch (a.cdt) {
+  if (cap != DecodePath::kAvx2 && a.qdt == DType::kBFloat16) switch (a.cdt) {
       case DType::kBFloat16: return dot_head_dim<Avx512, Operands::kBf16>(a, items, parts);
       case DType::kFloat8E4M3:
 #if defined(__AVX512FP16__)
@@ -1103,6 +1106,12 @@ bool try_dot_path(const Args& a, const std::vector<Item>& items, Partials& parts
       case DType::kInt8: return dot_head_dim<Avx512, Operands::kInt8>(a, items, parts);
       default: return false;
     }
+#endif
+#if defined(__AVX512F__)
+  // An AVX-512 build runs the AVX2 kernels only when capped to them: what the AVX-512 ones do not take
+  // (fp32 q; CPUs without AVX512-BF16) keeps run_item's 16-lane loops, as the AVX2 kernels were
+  // measured only against run_item's AVX2 loops, on an AVX2 CPU.
+  if (cap != DecodePath::kAvx2) return false;
 #endif
   switch (a.cdt) {
     case DType::kBFloat16: return dot_head_dim<decode::Avx2, Operands::kBf16>(a, items, parts);

@@ -35,6 +35,7 @@
 
 #include "decode_tiles.h"
 #include "prefill_attention.h"
+#include "pyengine/dtype.h"
 #include "pyengine/vec_exp.h"
 #include "pyengine/vec_reduce.h"
 
@@ -113,30 +114,32 @@ inline void widen_int8(__m256i x, __m256i& lo, __m256i& hi) {
   hi = _mm256_srai_epi16(_mm256_unpackhi_epi8(x, x), 8);
 }
 
-inline __m256 load_bf16x8(const uint16_t* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+// q values d .. d + 7 of a bf16 or fp32 row, as fp32.
+inline __m256 load_q8(const void* q, DType qdt, int64_t d) {
+  if (qdt == DType::kFloat32) return _mm256_loadu_ps(static_cast<const float*>(q) + d);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(q) + d));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// One bf16 q row of D values -> its operands at dst: fp32, or for an int8 cache 15-bit int16 codes
-// (returns their scale, 0 for a zero row). *sum is unused (the AVX-512 int8 kernel's).
+// One q row of D values (bf16 or fp32) -> its operands at dst: fp32, or for an int8 cache 15-bit
+// int16 codes (returns their scale, 0 for a zero row). *sum is unused (the AVX-512 int8 kernel's).
 template <Operands O>
-inline float stage_q(Avx2, const uint16_t* q, int64_t D, char* dst, int32_t* sum) {
+inline float stage_q(Avx2, const void* q, DType qdt, int64_t D, char* dst, int32_t* sum) {
   *sum = 0;
   if constexpr (O == Operands::kInt8) {
     __m256 amax = _mm256_setzero_ps();
     const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int64_t d = 0; d < D; d += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(load_bf16x8(q + d), abs));
+    for (int64_t d = 0; d < D; d += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(load_q8(q, qdt, d), abs));
     const float m = hmax256(amax);
     const __m256 inv = _mm256_set1_ps(m > 0.0f ? kCode15 / m : 0.0f);
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(load_bf16x8(q + d), inv));  // nearest even
+      const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(load_q8(q, qdt, d), inv));  // nearest even
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * d),
                        _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)));
     }
     return m / kCode15;
   } else {
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(reinterpret_cast<float*>(dst) + d, load_bf16x8(q + d));
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(reinterpret_cast<float*>(dst) + d, load_q8(q, qdt, d));
     return 1.0f;
   }
 }
