@@ -741,18 +741,14 @@ inline void qk_group(Avx512, const ChunkPtrs& c, const ChunkPtrs& next, int64_t 
   }
 }
 
-// 2^x for x <= 0 to the precision of the weights it becomes (bf16 or u8 codes, 2^-9 relative or coarser):
-// a degree-4 polynomial of 2^f on [-0.5, 0.5] fitted to the relative error (2.8e-6; exact at f = 0, so a
-// row's top score still weighs exactly 1) instead of exp2_512's degree-6 Taylor one: two fewer FMAs
-// per 16 scores in a softmax that takes a fifth of decode's time.
+// 2^x for x <= 0 as the weights need it (kExp2Weights, vec_exp.h): two fewer FMAs per 16 scores than
+// exp2_512's degree-6 Taylor polynomial, in a softmax that takes a fifth of decode's time.
 inline __m512 exp2_weights(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.00958278402686119f), f, _mm512_set1_ps(0.055906277149915695f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099111557007f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931242346763611f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kExp2Weights[0]);
+  for (int i = 1; i < 5; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Weights[i]));
   return _mm512_scalef_ps(p, n);
 }
 

@@ -222,23 +222,19 @@ inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t li
   }
 }
 
-// 2^x for x <= 0, as exp2_weights (attention.cpp) computes it: a degree-4 polynomial of 2^f on
-// [-0.5, 0.5], exact at 0, relative error 2.8e-6.
+// 2^x for x <= 0 as the weights need it (kExp2Weights, vec_exp.h).
 inline __m256 exp2_weights(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
   const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(0.00958278402686119f), f, _mm256_set1_ps(0.055906277149915695f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24024099111557007f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931242346763611f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Weights[0]);
+  for (int i = 1; i < 5; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Weights[i]));
   return times_pow2_256(p, n);
 }
 
-// Online-softmax update of one row with the scores sc[lo, nv) (lo > 0: before its window): writes
-// PV's weights to pw[0, round_up(n, 8) tokens) (zeros outside [lo, nv)): fp32 (times the V scales
-// for fp8), or 15-bit codes of scale *wscale (int8); updates m and l; returns alpha for acc. The
-// running max lags the scores by up to kMaxSlack, as in the AVX-512 kernel.
+// attention.cpp's softmax_row in 8-lane vectors (the same lagging max): the weights of tokens
+// [0, round_up(n, 8)) go to pw as fp32 (times the V scales for fp8) or as 15-bit codes of scale
+// *wscale (int8).
 template <Operands O, bool SPLIT>
 inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const ChunkPtrs& c, char* pw, float& m,
                          float& l, float& wscale) {

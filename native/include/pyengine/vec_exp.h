@@ -43,6 +43,13 @@ inline __m512 exp2_512(__m512 x) {
 }
 #endif
 
+// 2^f on [-0.5, 0.5] to the precision of attention weights (rounded to bf16, u8 or 15-bit codes next,
+// 2^-9 relative or coarser): a degree-4 polynomial fitted to the relative error (2.8e-6), exact at f = 0
+// so a row's top score still weighs exactly 1; coefficients from the highest power. The decode
+// kernels' exp2_weights (attention.cpp, decode_avx2.h) evaluate it.
+constexpr float kExp2Weights[5] = {0.00958278402686119f, 0.055906277149915695f, 0.24024099111557007f,
+                                   0.6931242346763611f, 1.0f};
+
 #if defined(__AVX2__) && defined(__FMA__)
 // p * 2^n for whole n in [-127, 128]: n put in the exponent field (n = -127 gives 0).
 inline __m256 times_pow2_256(__m256 p, __m256 n) {
