@@ -1,6 +1,6 @@
 // The decode kernel's chunk steps (stage_q, qk_group, softmax_row, pv_group; attention.cpp's
-// run_item_dot drives them) for CPUs with AVX2 and FMA but no AVX512-BF16/VNNI: AMD Zen 2 and 3,
-// Intel cores before Sapphire Rapids. Same cache layouts (kv_layout.h) and chunks (decode_tiles.h)
+// run_item_dot drives them) for CPUs with AVX2 and FMA but no AVX-512: AMD Zen 2 and 3, Intel cores
+// without AVX-512 (AVX-512 builds run them only when capped to "avx2", as the tests do). Same cache layouts (kv_layout.h) and chunks (decode_tiles.h)
 // as the AVX-512 kernels, in 256-bit vectors: a half line is 32 bytes, 8 tokens of one K dims group
 // (QK: a token per lane) or 8 dims of one V token group (PV: a dim per lane), L values per 32-bit lane.
 //
@@ -78,7 +78,7 @@ inline __m256 lanes_in(int first, int lo, int hi) {
       _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(lo), idx), _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), idx)));
 }
 
-// The lanes of fp8 codes in v (as widen_fp8 made them) whose code in `sub` is subnormal: the lane's
+// The lanes of fp8 codes in v (as widen made them) whose code in `sub` is subnormal: the lane's
 // exponent 112 stood for the implicit 1 a subnormal lacks, and its exponent is 1 - 7, not 0 - 7, so
 // the value times 2^-8 is (v - sign * 2^-15) * 2.
 inline void fix_fp8_subnormals(__m256i sub, __m256* v) {
