@@ -18,8 +18,8 @@
 //         products per lane (QK at D = 128), each at most 2^15 * 2^7.
 // bf16 and fp8 go through dot_lanes: two half lines at a time share each broadcast of q (or of the
 // weights), and each half line's products chain in a register of their own before they join the
-// row's accumulator. On a Zen 2 core with the chunk in L1 (TSC ticks per q-head score, QK / softmax /
-// PV) that took bf16 from 13.8 / 3.2 / 8.5 (q and the weights stored broadcast, one vfmadd with a
+// row's accumulator. On a Zen 2 core with the chunk in L1 (bench/decode_avx2_probe.cpp: TSC ticks per
+// q-head score, QK / softmax / PV) that took bf16 from 13.8 / 3.2 / 8.5 (q and the weights stored broadcast, one vfmadd with a
 // memory operand per product: bound on loads) to 5.1 / 0.9 / 5.2; fp8 from 11.3 / 3.6 / 9.3 to
 // 7.6 / 1.1 / 8.1. int8 runs 4.3 / 1.8 / 4.3, bound on vpmaddwd.
 #pragma once
