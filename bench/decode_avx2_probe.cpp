@@ -28,9 +28,10 @@ template <Operands O>
 void fill(std::vector<char>& buf, uint32_t seed) {
   auto next = [&] { return (seed = seed * 1664525u + 1013904223u) >> 8; };
   for (size_t i = 0; i < buf.size(); ++i) {
-    if constexpr (O == Operands::kBf16) buf[i] = static_cast<char>(i % 2 ? 0x3f + next() % 2 + (next() % 2 ? 0x80 : 0) : next());
+    const uint32_t sign = next() % 2 ? 0x80 : 0;
+    if constexpr (O == Operands::kBf16) buf[i] = static_cast<char>(i % 2 ? 0x3f + next() % 2 + sign : next());
     else if constexpr (O == Operands::kInt8) buf[i] = static_cast<char>(next() % 255 - 127);
-    else buf[i] = static_cast<char>(0x30 + next() % 0x40 + (next() % 2 ? 0x80 : 0));
+    else buf[i] = static_cast<char>(0x30 + next() % 0x40 + sign);
   }
 }
 
@@ -53,15 +54,17 @@ void probe(const char* name) {
   std::vector<int32_t> qsum(kRows);
   float m[kRows] = {}, l[kRows] = {}, alpha[kRows], wscale[kRows];
   for (int r = 0; r < kRows; ++r)
-    qs[r] = stage_q<O>(Avx2{}, q_bf16.data() + r * kD, pyengine::DType::kBFloat16, kD, q.data() + r * q_bytes, &qsum[r]);
+    qs[r] = stage_q<O>(Avx2{}, q_bf16.data() + r * kD, pyengine::DType::kBFloat16, kD, q.data() + r * q_bytes,
+                       &qsum[r]);
   const uint64_t t0 = __rdtsc();
   for (int it = 0; it < kIters; ++it)
-    qk_group<O, kD / 32, kRows, false>(Avx2{}, c, c, kBlock * 4, q.data(), q_bytes, qs.data(), qsum.data(), sc.data(), 0.1f);
+    qk_group<O, kD / 32, kRows, false>(Avx2{}, c, c, kBlock * 4, q.data(), q_bytes, qs.data(), qsum.data(), sc.data(),
+                                       0.1f);
   const uint64_t t1 = __rdtsc();
   for (int it = 0; it < kIters; ++it)
     for (int r = 0; r < kRows; ++r)
-      alpha[r] = softmax_row<O, false>(Avx2{}, sc.data() + r * kChunk, 0, kChunk, kChunk, c, w.data() + r * w_bytes, m[r],
-                                       l[r], wscale[r]);
+      alpha[r] = softmax_row<O, false>(Avx2{}, sc.data() + r * kChunk, 0, kChunk, kChunk, c, w.data() + r * w_bytes,
+                                       m[r], l[r], wscale[r]);
   const uint64_t t2 = __rdtsc();
   for (int it = 0; it < kIters; ++it)
     pv_group<O, kD / 32, kRows, false>(Avx2{}, c, c, w.data(), alpha, wscale, acc.data(), kChunk);

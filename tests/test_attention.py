@@ -334,9 +334,9 @@ def decode_path(request):
                          [(3, 64, 16), (4, 128, 16), (3, 128, 8), (4, 64, 32), (3, 64, 64), (4, 128, 128)])
 @pytest.mark.parametrize("cache", list(CACHE_DTYPES))
 def test_decode_matches_reference(cache, gqa, head_dim, block_size, threads, decode_path):
-    """Every decode path of bf16 q (AVX-512 dot products, AVX2 FMAs and vpmaddwd, fp32; bf16, int8 and fp8 caches; GQA 3:1 and 4:1;
-    head_dim 64 and 128; block sizes 8 to 128; one thread and split over two) against the
-    dequantized reference."""
+    """Every decode path of bf16 q (AVX-512 dot products, AVX2 FMAs and vpmaddwd, fp32; bf16, int8 and
+    fp8 caches; GQA 3:1 and 4:1; head_dim 64 and 128; block sizes 8 to 128; one thread and split over two)
+    against the dequantized reference."""
     check_decode(DECODE, 2 * gqa, 2, head_dim, block_size, cache, threads, seed=4)
 
 

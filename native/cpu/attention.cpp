@@ -691,8 +691,8 @@ inline __m512 tile_scales(const float* const* s0, const float* const* s1, int i,
 // sc[r * kChunk + t] = q_r . k_t * scale (log2 units). q: the rows' operands (q_bytes apart);
 // qs, qsum: the rows' q scales and code sums (int8 cache).
 template <Operands O, int NC32, int NR, bool SPLIT>
-inline void qk_group(Avx512, const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_stride, const char* q, int64_t q_bytes,
-                     const float* qs, const int32_t* qsum, float* sc, float scale) {
+inline void qk_group(Avx512, const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_stride, const char* q,
+                     int64_t q_bytes, const float* qs, const int32_t* qsum, float* sc, float scale) {
   constexpr int kLines = 32 * NC32 / lane_of(O);
   const int ntiles = (c.n + 15) / 16;
   const uint64_t valid = low_bits(c.n);  // the chunk's tokens
@@ -759,8 +759,8 @@ inline __m512 exp2_weights(__m512 x) {
 // not move, alpha is exactly 1 and the row needs no horizontal max, which at decode's 3 rows x 64
 // tokens per chunk was a large part of the softmax's time.
 template <Operands O, bool SPLIT>
-inline float softmax_row(Avx512, const float* sc, int lo, int nv, int n, const ChunkPtrs& c, char* pw, float& m, float& l,
-                         float& wscale) {
+inline float softmax_row(Avx512, const float* sc, int lo, int nv, int n, const ChunkPtrs& c, char* pw, float& m,
+                         float& l, float& wscale) {
   wscale = 0.0f;
   if (nv <= lo) {
     std::memset(pw, 0, kChunk * 2);
@@ -1020,8 +1020,8 @@ void run_item_dot(const Args& a, const Item& it, const Item* next_item, Partials
   };
   auto qk = [&](int g, int64_t ci) {
     for_group(g, [&](auto nr, int64_t h, int64_t r0) {
-      qk_group<O, NC32, decltype(nr)::value, SPLIT>(Isa{}, ring[ci % kRing][h], ring[(ci + kAhead) % kRing][h], line_stride,
-                                                     qbuf + r0 * q_bytes, q_bytes, ws.qs.data() + r0,
+      qk_group<O, NC32, decltype(nr)::value, SPLIT>(Isa{}, ring[ci % kRing][h], ring[(ci + kAhead) % kRing][h],
+                                                     line_stride, qbuf + r0 * q_bytes, q_bytes, ws.qs.data() + r0,
                                                      ws.qsum.data() + r0, scores(g, ci), qscale);
     });
   };
@@ -1052,8 +1052,8 @@ void run_item_dot(const Args& a, const Item& it, const Item* next_item, Partials
           maxnv = std::max(maxnv, nv[r]);
         }
         if (ci + 1 < nchunks) qk(g, ci + 1);
-        pv_group<O, NC32, NR, SPLIT>(Isa{}, c, ring[(ci + kAhead) % kRing][h], pw, alpha, wscale, ws.acc.data() + r0 * D,
-                                      maxnv);
+        pv_group<O, NC32, NR, SPLIT>(Isa{}, c, ring[(ci + kAhead) % kRing][h], pw, alpha, wscale,
+                                      ws.acc.data() + r0 * D, maxnv);
       });
   }
   for (int64_t r = 0; r < rows; ++r)

@@ -1,8 +1,9 @@
 // The decode kernel's chunk steps (stage_q, qk_group, softmax_row, pv_group; attention.cpp's
 // run_item_dot drives them) for CPUs with AVX2 and FMA but no AVX-512: AMD Zen 2 and 3, Intel cores
-// without AVX-512 (AVX-512 builds run them only when capped to "avx2", as the tests do). Same cache layouts (kv_layout.h) and chunks (decode_tiles.h)
-// as the AVX-512 kernels, in 256-bit vectors: a half line is 32 bytes, 8 tokens of one K dims group
-// (QK: a token per lane) or 8 dims of one V token group (PV: a dim per lane), L values per 32-bit lane.
+// without AVX-512 (AVX-512 builds run them only when capped to "avx2", as the tests do). Same cache
+// layouts (kv_layout.h) and chunks (decode_tiles.h) as the AVX-512 kernels, in 256-bit vectors: a half
+// line is 32 bytes, 8 tokens of one K dims group (QK: a token per lane) or 8 dims of one V token group
+// (PV: a dim per lane), L values per 32-bit lane.
 //
 // Operands by cache dtype (the weight of token t is its probability times its V scale):
 //   bf16  a half line widens to L = 2 fp32 vectors, one per value of its lanes (the low value shifted
@@ -19,8 +20,9 @@
 // bf16 and fp8 go through dot_lanes: two half lines at a time share each broadcast of q (or of the
 // weights), and each half line's products chain in a register of their own before they join the
 // row's accumulator. On a Zen 2 core with the chunk in L1 (bench/decode_avx2_probe.cpp: TSC ticks per
-// q-head score, QK / softmax / PV) that took bf16 from 13.8 / 3.2 / 8.5 (q and the weights stored broadcast, one vfmadd with a
-// memory operand per product: bound on loads) to 5.1 / 0.9 / 5.2; fp8 from 11.3 / 3.6 / 9.3 to
+// q-head score, QK / softmax / PV) that took bf16 from 13.8 / 3.2 / 8.5 (q and the weights stored
+// broadcast, one vfmadd with a memory operand per product: bound on loads) to 5.1 / 0.9 / 5.2; fp8 from
+// 11.3 / 3.6 / 9.3 to
 // 7.6 / 1.1 / 8.1. int8 runs 4.3 / 1.8 / 4.3, bound on vpmaddwd.
 #pragma once
 #if defined(__AVX2__) && defined(__FMA__)
@@ -74,8 +76,8 @@ inline __m256i bcast64(const char* p) {
 // All-ones in lane i where first + i lies in [lo, hi).
 inline __m256 lanes_in(int first, int lo, int hi) {
   const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_castsi256_ps(
-      _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(lo), idx), _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), idx)));
+  const __m256i before = _mm256_cmpgt_epi32(_mm256_set1_epi32(lo), idx);
+  return _mm256_castsi256_ps(_mm256_andnot_si256(before, _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), idx)));
 }
 
 // The lanes of fp8 codes in v (as widen made them) whose code in `sub` is subnormal: the lane's

@@ -32,8 +32,8 @@ std::string prefill_attention_path();
 // "avx512_fp16" (as avx512_bf16, but fp8 caches in fp16 FMAs; builds for AVX512-FP16), "avx512_bf16"
 // (bf16 q: vdpbf16ps / vpdpbusd on the cache tiles), "avx2" (bf16 or fp32 q: fp32 FMAs / vpmaddwd on
 // the cache tiles; the best of builds for AVX2 and FMA without AVX-512, and AVX-512 ones have it for
-// tests) or "fp32" (each chunk dequantized to fp32; every build). set caps it (tests run each path; the default, "avx512_fp16", means the best there is); get
-// says which one runs for bf16 q.
+// tests) or "fp32" (each chunk dequantized to fp32; every build). set caps it (tests run each path;
+// the default, "avx512_fp16", means the best there is); get says which one runs for bf16 q.
 void set_decode_attention_path(const std::string& name);
 std::string decode_attention_path();
 
