@@ -25,7 +25,9 @@
 //     The prefill kernel's path for prompts (>= 16 query tokens of a bf16 step; native/cpu/
 //     prefill_attention.cpp): "amx", "avx512_bf16", "portable" or "paged" (none: prompts run on the
 //     decode kernel, the best an AVX2 build without AVX512-BF16 has). set caps it (tests run each path;
-//     default "amx": the best the build and machine have); get names the one that runs.
+//     default "amx": the best the build and machine have); get names the one that runs. fp32 steps over
+//     an fp32 cache: prefill_attention_path("float32") is "avx2_fp32" (native/cpu/prefill_fp32.cpp) on
+//     AVX2 + FMA builds, or "paged" (capped so, or no AVX2).
 //   set_decode_attention_path(name) -> None; decode_attention_path() -> str   (CPU only)
 //     The decode kernel's path (the other sequences of a step; native/cpu/attention.cpp):
 //     "avx512_fp16" (fp8 caches in fp16 FMAs; otherwise as avx512_bf16), "avx512_bf16" or "fp32",
@@ -164,7 +166,8 @@ void register_attention_ops(py::module_& m) {
       "Write K/V rows into the paged cache at slot_mapping.");
   m.def("set_prefill_attention_path", &set_prefill_attention_path, py::arg("name"),
         "Cap the prefill attention kernel's path: amx (default: the best available), avx512_fp32, avx512_bf16, portable, paged.");
-  m.def("prefill_attention_path", &prefill_attention_path, "The prefill attention kernel's path in use.");
+  m.def("prefill_attention_path", &prefill_attention_path, py::arg("q_dtype") = "bfloat16",
+        "The prefill attention kernel's path in use for prompts with q of q_dtype (bfloat16 or float32).");
   m.def("set_decode_attention_path", &set_decode_attention_path, py::arg("name"),
         "Cap the decode attention kernel's path: avx512_fp16 (default: the best available), avx512_bf16, avx2 or fp32.");
   m.def("decode_attention_path", &decode_attention_path, "The decode attention kernel's path for bf16 q.");

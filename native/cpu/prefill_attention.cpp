@@ -1335,11 +1335,13 @@ Path best_path() {
 }  // namespace
 
 bool prefill_attention_supports(const AttentionStep& a) {
+  if (a.qdt == DType::kFloat32) return prefill_fp32_supports(a) && g_cap.load() != Path::kPaged;
   const bool cache_ok = a.cdt == DType::kBFloat16 || a.cdt == DType::kFloat8E4M3 || a.cdt == DType::kInt8;
   return a.qdt == DType::kBFloat16 && cache_ok && a.D % 64 == 0 && a.D <= 256 && best_path() != Path::kPaged;
 }
 
 void prefill_attention_cpu(const AttentionStep& a, const int32_t* seqs, int64_t nseqs) {
+  if (a.qdt == DType::kFloat32) return prefill_fp32_cpu(a, seqs, nseqs);
   const Path path = best_path();
   std::vector<Packed> pairs;
   for (int64_t i = 0; i < nseqs; ++i) {
@@ -1372,7 +1374,14 @@ void set_prefill_attention_path(const std::string& name) {
       "prefill attention path must be amx, avx512_fp16, avx512_fp32, avx512_bf16, portable or paged, got " + name);
 }
 
-std::string prefill_attention_path() {
+std::string prefill_attention_path(const std::string& q_dtype) {
+  if (q_dtype == "float32") {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (g_cap.load() != Path::kPaged) return "avx2_fp32";  // prefill_fp32.cpp
+#endif
+    return "paged";
+  }
+  if (q_dtype != "bfloat16") throw std::invalid_argument("q_dtype must be bfloat16 or float32, got " + q_dtype);
   switch (best_path()) {
     case Path::kAmx: return "amx";
     case Path::kAvx512Half: return "avx512_fp16";

@@ -38,10 +38,16 @@ constexpr int64_t kPrefillMinQueries = 16;
 // and the probabilities stay <= 2^kMaxSlack (harmless in fp32, bf16 and int8's per-chunk u8 scale).
 constexpr float kMaxSlack = 8.0f;
 
-// bf16 q over a bf16, fp8 or int8 cache, head_dim a multiple of 64 (<= 256).
+// bf16 q over a bf16, fp8 or int8 cache, head_dim a multiple of 64 (<= 256); or fp32 q over an fp32
+// cache (prefill_fp32 below). Neither when capped to "paged" (set_prefill_attention_path).
 bool prefill_attention_supports(const AttentionStep& a);
 
 // Attention of the sequences seqs[0, nseqs) of a validated step (the others are not touched).
 void prefill_attention_cpu(const AttentionStep& a, const int32_t* seqs, int64_t nseqs);
+
+// fp32 q over an fp32 cache in fp32 FMAs (prefill_fp32.cpp): builds with AVX2 and FMA, head_dim a
+// multiple of 8 (<= 256), no soft-cap. prefill_attention_cpu routes fp32 steps there.
+bool prefill_fp32_supports(const AttentionStep& a);
+void prefill_fp32_cpu(const AttentionStep& a, const int32_t* seqs, int64_t nseqs);
 
 }  // namespace pyengine

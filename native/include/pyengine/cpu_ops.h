@@ -25,9 +25,11 @@ void attention_step_cpu(void* out, const void* q, const void* k_cache, const voi
                         DType cache_dtype, int64_t window = 0, float softcap = 0.0f);
 // The prefill kernel's path: "amx", "avx512_bf16", "portable" or "paged" (prompts on the decode kernel;
 // prefill_attention.cpp). set caps it
-// (tests run each path; the default, "amx", means the best there is); get says which one runs.
+// (tests run each path; the default, "amx", means the best there is); get says which one runs for
+// prompts with q of q_dtype: "bfloat16" (the paths above), or "float32" (fp32 caches: "avx2_fp32",
+// prefill_fp32.cpp, unless capped to "paged" or built without AVX2 and FMA).
 void set_prefill_attention_path(const std::string& name);
-std::string prefill_attention_path();
+std::string prefill_attention_path(const std::string& q_dtype = "bfloat16");
 // The decode kernel's path (attention.cpp; the sequences below the prefill kernel's cut):
 // "avx512_fp16" (as avx512_bf16, but fp8 caches in fp16 FMAs; builds for AVX512-FP16), "avx512_bf16"
 // (bf16 q: vdpbf16ps / vpdpbusd on the cache tiles), "avx2" (bf16 or fp32 q: fp32 FMAs / vpmaddwd on
