@@ -7,7 +7,8 @@
     python bench/bench_prefill_vllm.py [--vllm-python /tmp/vllm_venv/bin/python] [--threads 2] [--rounds 3]
 
 Weights: the default GGUF dequantized by transformers into a bf16 HF folder (written once, under the
-temp dir, or --model), which both engines load: pyengine with dtype bfloat16, vLLM with dtype bfloat16.
+temp dir, or --model), which both engines load in --dtype (bfloat16 unless told; float32 is what both
+run by default on a CPU without AVX512-BF16).
 Nothing comes from a hub (HF_HUB_OFFLINE=1).
 Each engine runs with its own default scheduling (pyengine: a prompt alone is chunked by
 solo_prefill_tokens, or --prefill-chunk; vLLM-CPU: its max_num_batched_tokens) and prefix caching off. A point is one prompt of L - 1 random token ids and
@@ -49,11 +50,11 @@ PAUSE_S = 2.0
 # The vLLM side: this file run by the vLLM venv's python with --vllm-worker. It imports nothing of
 # pyengine: it reads one JSON list of token ids per line and answers the seconds generate took.
 # ---------------------------------------------------------------------------------------------
-def vllm_worker(model: str, max_len: int) -> None:
+def vllm_worker(model: str, max_len: int, dtype: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model, dtype="bfloat16", max_model_len=max_len, enable_prefix_caching=False, max_num_seqs=16)
+    llm = LLM(model, dtype=dtype, max_model_len=max_len, enable_prefix_caching=False, max_num_seqs=16)
     config = llm.llm_engine.vllm_config
     print(json.dumps({"ready": True, "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
                       "block_size": config.cache_config.block_size}), flush=True)
@@ -68,11 +69,11 @@ def vllm_worker(model: str, max_len: int) -> None:
 class VllmProcess:
     """vLLM-CPU in its venv, as a subprocess answering prefill timings over stdin/stdout."""
 
-    def __init__(self, python: str, model: str, max_len: int, threads: int, kv_gib: int) -> None:
+    def __init__(self, python: str, model: str, max_len: int, dtype: str, threads: int, kv_gib: int) -> None:
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                    VLLM_CPU_KVCACHE_SPACE=str(kv_gib), OMP_NUM_THREADS=str(threads))
         env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--vllm-worker", model, str(max_len)],
+        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--vllm-worker", model, str(max_len), dtype],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      cwd=tempfile.gettempdir())
         self.info = self._read()
@@ -131,36 +132,37 @@ def profile(llm, n: int, chunk: int, rounds: int) -> dict:
     from engine_common import min_time
     from pyengine.ops.attention import paged_attention, to_cache_layout
 
-    model = llm.engine.model
+    model, dt = llm.engine.model, llm.engine.dtype
     cfg = model.cfg
     H, KVH, D, BS = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, llm.engine.config.block_size
     g = torch.Generator().manual_seed(0)
     nb = -(-n // BS)
-    kc, vc = to_cache_layout(torch.randn(nb, KVH, BS, D, generator=g).bfloat16(),
-                             torch.randn(nb, KVH, BS, D, generator=g).bfloat16(), "cpu")
+    kc, vc = to_cache_layout(torch.randn(nb, KVH, BS, D, generator=g).to(dt),
+                             torch.randn(nb, KVH, BS, D, generator=g).to(dt), "cpu")
     bt = torch.randperm(nb, generator=g).int().view(1, nb)
-    q = torch.randn(n, H, D, generator=g).bfloat16()
+    q = torch.randn(n, H, D, generator=g).to(dt)
     steps = []
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
         steps.append((q[start:end], torch.tensor([end], dtype=torch.int32),
-                      torch.tensor([0, end - start], dtype=torch.int32), torch.empty(end - start, H, D).bfloat16()))
+                      torch.tensor([0, end - start], dtype=torch.int32), torch.empty(end - start, H, D).to(dt)))
 
     def attention():
         for qq, sl, qsl, out in steps:
             paged_attention(qq, kc, vc, bt, sl, qsl, D**-0.5, max_seq_len=n, out=out)
 
     m = min(chunk, n)
-    x = torch.randn(m, cfg.hidden_size, generator=g).bfloat16()
-    lin = model.linears[0]
-    xi = torch.randn(m, lin.down.in_features, generator=g).bfloat16()
+    hidden, inter, lin = cfg.hidden_size, cfg.intermediate_size, model.linears[0]
+    x, xa, xi = (torch.randn(m, k, generator=g).to(dt) for k in (hidden, H * D, inter))
 
     def gemms():
         for _ in range(len(steps)):
-            lin.qkv(x), lin.o(x[:, :lin.o.in_features]), lin.gate_up(x), lin.down(xi)
+            lin.qkv(x), lin.o(xa), lin.gate_up(x), lin.down(xi)
 
     attn_flops = 4 * H * D * n * (n + 1) / 2
-    gemm_flops = 2 * n * sum(p.in_features * p.out_features for p in (lin.qkv, lin.o, lin.gate_up, lin.down))
+    # (in, out) of qkv, o, gate_up and down: from the config, as a layer may be a PackedLinear or a function
+    shapes = ((hidden, (H + 2 * KVH) * D), (H * D, hidden), (hidden, 2 * inter), (inter, hidden))
+    gemm_flops = 2 * n * sum(k * o for k, o in shapes)
     return {"attn_s": min_time(attention, rounds, warmup=1), "attn_flops": attn_flops,
             "gemm_s": min_time(gemms, rounds, warmup=1), "gemm_flops": gemm_flops, "layers": cfg.num_hidden_layers}
 
@@ -169,6 +171,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-python", default="/tmp/vllm_venv/bin/python")
     ap.add_argument("--model", default=None, help="bf16 HF folder (default: written from the default GGUF)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="both engines' activations")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
@@ -187,8 +190,8 @@ def main() -> None:
 
     model = hf_folder(args.model)
     max_len = max(args.lengths)
-    vllm = None if args.no_vllm else VllmProcess(args.vllm_python, model, max_len, args.threads, args.kv_gib)
-    llm = LLM(model, dtype="bfloat16", num_threads=args.threads, enable_prefix_caching=False, max_model_len=max_len,
+    vllm = None if args.no_vllm else VllmProcess(args.vllm_python, model, max_len, args.dtype, args.threads, args.kv_gib)
+    llm = LLM(model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False, max_model_len=max_len,
               long_prefill_tokens=args.prefill_chunk, solo_prefill_tokens=args.prefill_chunk, block_size=args.block_size)
     params = SamplingParams(max_tokens=1)
 
@@ -213,7 +216,7 @@ def main() -> None:
         vllm.close()
 
     chunk = llm.engine.scheduler.solo_prefill_tokens or llm.engine.config.max_num_batched_tokens
-    print(f"\nprefill tok/s (L - 1 prompt tokens / best of {args.rounds} rounds), bf16 weights, "
+    print(f"\nprefill tok/s (L - 1 prompt tokens / best of {args.rounds} rounds), {args.dtype}, "
           f"{args.threads} threads, load average {os.getloadavg()[0]:.1f}; pyengine chunks of {chunk}, "
           f"KV blocks of {args.block_size}"
           + ("" if vllm is None else f"; vLLM max_num_batched_tokens {vllm.info['max_num_batched_tokens']}, "
@@ -238,7 +241,7 @@ def main() -> None:
               f"{e2e:>7.3f} {attn:>7.3f} {gemm:>7.3f} {e2e - attn - gemm:>7.3f}")
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--vllm-worker":
-        vllm_worker(sys.argv[2], int(sys.argv[3]))
+    if len(sys.argv) == 5 and sys.argv[1] == "--vllm-worker":
+        vllm_worker(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     else:
         main()
