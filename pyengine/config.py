@@ -95,11 +95,11 @@ class EngineConfig:
     # runs or waits, solo_prefill_tokens applies instead.
     long_prefill_tokens: int | None = None
     # The chunk of a prompt that has the engine to itself (the only request running or waiting), never below
-    # long_prefill_tokens; None: 256 on CPU (engine.SOLO_PREFILL_TOKENS_CPU), long_prefill_tokens on CUDA. It
+    # long_prefill_tokens; None: 512 on CPU (engine.SOLO_PREFILL_TOKENS_CPU), long_prefill_tokens on CUDA. It
     # stalls nobody's decodes, and larger chunks run faster (a lone 2k prompt, bf16, 2 threads of a Zen 4 host:
-    # 1,184 tok/s in chunks of 64, 1,303 in 256). A request that arrives meanwhile (AsyncLLM, the server)
-    # interrupts the chunk before the model's next layer (pyengine/interrupt.py), so it waits about one layer of
-    # it; the prompt computes that chunk again.
+    # 1,184 tok/s in chunks of 64, 1,303 in 256, 1,321 in 512; fp32 on a Zen 2 host: 325 in 256, 359 in 512). A
+    # request that arrives meanwhile (AsyncLLM, the server) interrupts the chunk before the model's next layer
+    # (pyengine/interrupt.py), so it waits about one layer of it; the prompt computes that chunk again.
     solo_prefill_tokens: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     num_threads: int | None = None  # CPU threads for torch and the native kernels

@@ -249,7 +249,7 @@ def test_children_queue_behind_earlier_arrivals():
     assert_all_free(engine)
 
 
-@pytest.mark.parametrize("solo, first_chunk", [(None, 256), (64, 64), (512, 512)])
+@pytest.mark.parametrize("solo, first_chunk", [(None, 512), (64, 64), (256, 256)])
 def test_a_lone_prompt_is_chunked_by_solo_prefill_tokens(solo, first_chunk):
     engine = fake_engine(max_num_batched_tokens=2048, long_prefill_tokens=64, solo_prefill_tokens=solo)
     big = prompts_of([700], seed=7)[0]
