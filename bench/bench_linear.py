@@ -1,5 +1,6 @@
 """PackedLinear (the native bf16 linear) vs torch F.linear in bf16 and fp32, at the SmolLM2-135M
-decode shapes, 2 threads.
+decode shapes, 2 threads; with --fp32, Fp32Linear (the native fp32 linear of AVX2 builds) vs torch's
+fp32 F.linear, from decode to prefill rows.
 
 Weights are streamed from memory, not cache: each call uses the next of enough copies of the weight
 to overflow the L3 (>= 256 MB), as in a real decode step where ~270 MB of weights pass once per token.
@@ -7,6 +8,7 @@ to overflow the L3 (>= 256 MB), as in a real decode step where ~270 MB of weight
 distinct weights) and reports what that alone allows in tokens/s.
 
     PYTHONPATH=. python bench/bench_linear.py    # table: min time, GB/s of weights (M=1, 4, 16, 64)
+    PYTHONPATH=. python bench/bench_linear.py --fp32    # GFLOP/s, M=1 .. 512, the two alternating
     python -m pytest bench/bench_linear.py --benchmark-group-by=param:shape,param:rows \
         --benchmark-columns=min,median,rounds
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 from typing import Callable
 
 import pyengine  # noqa: F401  (first: sets libgomp's spin count before torch loads it, as the engine does)
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 
 from engine_common import min_time
 from pyengine import _C
-from pyengine.ops.linear import PackedLinear
+from pyengine.ops.linear import Fp32Linear, PackedLinear
 
 HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
 SHAPES = {  # name: (N, K)
@@ -35,6 +38,8 @@ SHAPES = {  # name: (N, K)
 }
 ROWS = [1, 4, 16, 64]
 IMPLS = ["pyengine", "torch_bf16", "torch_fp32"]
+IMPLS_FP32 = ["pyengine_fp32", "torch_fp32"]
+ROWS_FP32 = [1, 4, 16, 64, 256, 512]
 COLD_BYTES = 256 << 20
 
 
@@ -52,6 +57,9 @@ def make_calls(impl: str, weights: list[torch.Tensor], x: torch.Tensor) -> list[
         return [lambda w=w: F.linear(x, w) for w in weights]
     xf = x.float()
     wf = [w.float() for w in weights]
+    if impl == "pyengine_fp32":
+        lins = [Fp32Linear(w) for w in wf]
+        return [lambda lin=lin: lin(xf) for lin in lins]
     return [lambda w=w: F.linear(xf, w) for w in wf]
 
 
@@ -120,8 +128,33 @@ def read_bandwidth() -> float:
     return x.numel() * 4 / min_time(x.sum, 10) / 1e9
 
 
+def main_fp32() -> None:
+    """GFLOP/s of Fp32Linear and torch's fp32 F.linear per shape and M, alternating in rounds (weights
+    cold at decode sizes, where they bound the call, as in the bf16 table)."""
+    print(f"threads: torch {torch.get_num_threads()}, pyengine {_C.num_threads()}; fp32 weights and x; best of "
+          "5 rounds, the two alternating")
+    header = f"{'shape':>8} {'N x K':>11} {'M':>4} |" + "|".join(f"{i:^14}" for i in IMPLS_FP32) + "| ratio"
+    print(header)
+    print("-" * len(header))
+    for shape, (n, k) in SHAPES.items():
+        for rows in ROWS_FP32:
+            fns = {impl: shape_calls(impl, shape, rows)[0] for impl in IMPLS_FP32}
+            best = {impl: float("inf") for impl in IMPLS_FP32}
+            reps = max(2, min(200, int(2e9 / (2 * rows * n * k))))
+            for r in range(5):
+                for impl in IMPLS_FP32 if r % 2 == 0 else IMPLS_FP32[::-1]:
+                    best[impl] = min(best[impl], min_time(fns[impl], reps))
+            cells = [f"{2 * rows * n * k / best[i] / 1e9:8.1f} GF/s" for i in IMPLS_FP32]
+            print(f"{shape:>8} {f'{n}x{k}':>11} {rows:>4} |" + "|".join(f"{c:^14}" for c in cells)
+                  + f"| {best['torch_fp32'] / best['pyengine_fp32']:4.2f}x")
+            cold_weights.cache_clear()
+
+
 def main() -> None:
     set_threads(2)
+    if "--fp32" in sys.argv:
+        main_fp32()
+        return
     print(f"threads: torch {torch.get_num_threads()}, pyengine {_C.num_threads()}; min time over reps, "
           "weights cold (rotating copies >= 256 MB); GB/s = bf16 weight bytes / time")
     print(f"plain 2-thread read (torch sum, 256 MB): {read_bandwidth():.1f} GB/s")

@@ -92,8 +92,9 @@ def test_gguf_of_tiny_llama_matches_safetensors(tiny_llama, tmp_path):
 def test_load_dtypes_and_weight_bytes(tiny_llama, dtype):
     cfg, model = load_model(tiny_llama, dtype, "cpu")
     assert model.embed.dtype == dtype
-    # bf16 on a CPU with bf16 dot products: the projections live only as PackedLinear's packed copies
-    packed = dtype == torch.bfloat16 and model.linears[0].qkv.packed is not None
+    # bf16 on a CPU with bf16 dot products, fp32 on an AVX2 build without AVX-512: the projections live only as
+    # the packed copies of PackedLinear / Fp32Linear
+    packed = getattr(model.linears[0].qkv, "packed", None) is not None
     proj = model.linears[0].qkv.packed if packed else model.layers[0].qkv
     assert proj.dtype == torch.bfloat16 if dtype == torch.bfloat16 else proj.dtype == dtype
     assert model.cos_sin_cache.dtype == torch.float32

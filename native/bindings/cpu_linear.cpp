@@ -1,4 +1,4 @@
-// pybind11 binding of the CPU bf16 linear kernel (native/cpu/linear.cpp).
+// pybind11 bindings of the CPU linear kernels: bf16 (native/cpu/linear.cpp) and fp32 (native/cpu/linear_fp32.cpp).
 // Pointers are tensor.data_ptr() values; the out dtype code follows pyengine/ops/_common.py DTYPE_CODES;
 // the trailing `stream` is the CUDA stream handle, ignored on the CPU.
 #include <cstdint>
@@ -20,6 +20,18 @@ void register_linear_ops(py::module_& m) {
       py::arg("out_dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
       "out[M, N] = x[M, K] @ W^T + bias; x bf16, W packed [ceil(N/16), ceil(K/2), 16, 2] bf16 (64-byte "
       "aligned), bias fp32 [N] or 0, out bf16 or fp32.");
+  m.def(
+      "linear_fp32",
+      [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, int64_t M, int64_t N, int64_t K) {
+        pyengine::cpu::linear_fp32(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(packed),
+                                   reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(out), M, N, K);
+      },
+      py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out"), py::arg("M"), py::arg("N"), py::arg("K"),
+      py::call_guard<py::gil_scoped_release>(),
+      "out[M, N] = x[M, K] @ W^T + bias, all fp32; W packed [ceil(N/16), K, 16] (64-byte aligned), bias [N] or 0. "
+      "Only where linear_fp32_available().");
+  m.def("linear_fp32_available", &pyengine::cpu::linear_fp32_available,
+        "Whether this build has linear_fp32's kernel (AVX2 and FMA).");
   m.def("set_linear_path", &pyengine::cpu::set_linear_path, py::arg("name"),
         "amx (default: AMX tiles where the build and CPU have them, for K % 32 == 0, else the better "
         "AVX-512 kernel for this build), avx512_fp32 (bf16 weights widened to fp32 FMAs) or avx512_bf16 "

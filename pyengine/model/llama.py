@@ -35,7 +35,7 @@ from pyengine.ops._common import DTYPE_CODES, check_tensor
 from pyengine.ops.attention import check_kv_cache, paged_attention
 from pyengine.ops.cache import reshape_and_cache
 from pyengine.ops.layers import add_rms_norm, hadamard_heads, rms_norm, rotary_embedding, silu_and_mul
-from pyengine.ops.linear import PackedLinear
+from pyengine.ops.linear import Fp32Linear, PackedLinear
 from pyengine.ops.huge_pages import HugePageArena
 from pyengine.ops.qlinear import QuantLinear
 
@@ -152,19 +152,24 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torc
                 arena: HugePageArena | None = None) -> Linear:
     """bf16 weights on the CPU: PackedLinear, whose native kernel streams the weight at memory bandwidth
     for decode-sized batches (2x torch's bf16 GEMM at M=1, bench/bench_linear.py) and hands larger
-    batches to torch. Anything else: torch's F.linear. `out_dtype` (fp32 for the lm_head) is the result type;
-    `arena` holds the packed copy."""
+    batches to torch. fp32 weights on AVX2 CPUs without AVX-512: Fp32Linear (its GEMM ~1.4x torch's there).
+    Anything else: torch's F.linear. `out_dtype` (fp32 for the lm_head) is the result type; `arena` holds the
+    packed copy."""
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
         return PackedLinear(weight, bias, out_dtype=out_dtype or torch.bfloat16, arena=arena)
+    if (weight.dtype == torch.float32 and weight.device.type == "cpu" and out_dtype in (None, torch.float32)
+            and (bias is None or bias.dtype == torch.float32) and Fp32Linear.runs_here()):
+        return Fp32Linear(weight, bias, arena=arena)
     if out_dtype is None or out_dtype == weight.dtype:
         return lambda x: F.linear(x, weight, bias)
     return lambda x: F.linear(x, weight, bias).to(out_dtype)
 
 
 def _holds_weights(linear: Linear) -> bool:
-    """A QuantLinear, or a PackedLinear with a packed copy of its weight (on the CPU): the original
-    need not be kept."""
-    return isinstance(linear, QuantLinear) or (isinstance(linear, PackedLinear) and linear.packed is not None)
+    """A QuantLinear or Fp32Linear, or a PackedLinear with a packed copy of its weight (on the CPU): the
+    original need not be kept."""
+    return (isinstance(linear, (QuantLinear, Fp32Linear))
+            or (isinstance(linear, PackedLinear) and linear.packed is not None))
 
 
 class LayerLinears(NamedTuple):

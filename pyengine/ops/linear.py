@@ -1,4 +1,4 @@
-"""Linear layers on bf16 weights, fast for decode.
+"""Linear layers on bf16 weights, fast for decode; and on fp32 weights for CPUs with AVX2 but no AVX-512.
 
 At a decode step each weight is used by only a few token rows, and the time is the stream of weight
 bytes; torch's bf16 GEMM reaches a fraction of the memory bandwidth there. PackedLinear repacks the
@@ -6,6 +6,8 @@ weight once (at load) into 16-output x 2-k tiles for the CPU kernel (native/cpu/
 each weight byte once per call for all rows, and serves prefill rows too (at the bf16 dot-product peak,
 within ~10% of torch's GEMM), so the original weight is not kept: one copy of the weights in memory.
 On CUDA, and on CPUs without bf16 dot products, every call goes to torch.
+Fp32Linear (at the end) packs an fp32 weight in 16-output panels for native/cpu/linear_fp32.cpp, where
+torch's fp32 GEMM lags the FMA peak (AVX2 CPUs without AVX-512, which run fp32 models by default).
 """
 from __future__ import annotations
 
@@ -105,3 +107,63 @@ def _check_out_dtype(dtype: object) -> torch.dtype:
     if dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {dtype!r}")
     return dtype
+
+
+def pack_weight_fp32(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/16), K, 16] fp32, zero padded: packed[p, k, j] = W[16p + j, k] (linear_fp32's panels)."""
+    n, k = weight.shape
+    nb = -(-n // TILE_N)
+    padded = F.pad(weight.float(), (0, 0, 0, nb * TILE_N - n))
+    return padded.view(nb, TILE_N, k).transpose(1, 2).contiguous()
+
+
+class Fp32Linear:
+    """y = x @ weight.T + bias in fp32 on CPUs with AVX2 but no AVX-512, through the native kernel
+    (native/cpu/linear_fp32.cpp): there torch's fp32 GEMM (MKL) ran at 55-65% of the FMA peak, this one
+    at 80-85% for prefill-sized batches, and ahead at decode sizes too (bench/bench_linear.py --fp32).
+    Holds only the packed copy of the weight. `runs_here()` says whether a CPU build should use it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 arena: HugePageArena | None = None) -> None:
+        check_tensor("weight", weight, dtypes=(torch.float32,), ndim=2, device=torch.device("cpu"), contiguous=False)
+        if weight.shape[0] == 0 or weight.shape[1] == 0:
+            raise ValueError(f"weight must be non-empty, got shape {list(weight.shape)}")
+        if bias is not None:
+            check_tensor("bias", bias, dtypes=(torch.float32,), shape=(weight.shape[0],), device=weight.device,
+                         contiguous=False)
+        self.out_features, self.in_features = weight.shape
+        self.device = weight.device
+        packed = pack_weight_fp32(weight)
+        self.packed = arena.zeros(tuple(packed.shape), torch.float32).copy_(packed) if arena is not None else packed
+        if self.packed.data_ptr() % 64:
+            # torch's CPU allocator aligns to 64 bytes; an arena hands out page-aligned runs
+            raise RuntimeError("packed weight is not 64-byte aligned (unexpected allocator alignment)")
+        self.bias = None if bias is None else bias.contiguous()
+        self._bias_ptr = 0 if self.bias is None else self.bias.data_ptr()
+        self._kernel = native(self.device).linear_fp32
+
+    @staticmethod
+    def runs_here() -> bool:
+        """An AVX2 build without AVX-512 (where MKL's sgemm lags; on AVX-512 it is left to torch)."""
+        _C = native(torch.device("cpu"))
+        return _C.isa() == "avx2" and _C.linear_fp32_available()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight (and bias) this layer holds."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.bias) if t is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 contiguous -> [M, N] fp32."""
+        if not (isinstance(x, torch.Tensor) and x.dtype is torch.float32 and x.dim() == 2
+                and x.shape[1] == self.in_features and x.device == self.device and x.is_contiguous()):
+            check_tensor("x", x, dtypes=(torch.float32,), shape=(None, self.in_features), device=self.device)
+        m = x.shape[0]
+        out = torch.empty(m, self.out_features, dtype=torch.float32)
+        self._kernel(x.data_ptr(), self.packed.data_ptr(), self._bias_ptr, out.data_ptr(), m, self.out_features,
+                     self.in_features)
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Fp32Linear(in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None})")

@@ -62,6 +62,10 @@ void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, i
                  int out_dtype);
 void set_linear_path(const std::string& name);  // "amx" (the best available), "avx512_fp32" or "avx512_bf16" (tests)
 std::string linear_path(int64_t K);  // the path linear_bf16 takes for a weight of K columns (any M)
+// fp32 out[M, N] = x[M, K] @ W^T + bias (or null) on AVX2 + FMA builds (linear_fp32.cpp), W packed
+// [ceil(N/16)][K][16] fp32, 64-byte aligned; linear_fp32_available() is false on builds without them.
+bool linear_fp32_available();
+void linear_fp32(const float* x, const float* packed, const float* bias, float* out, int64_t M, int64_t N, int64_t K);
 // Quantized weights (qlinear.cpp; types and layout in ggml_blocks.h).
 int64_t qpacked_bytes(int type, int64_t N, int64_t K);
 void qpack(int type, uintptr_t src, int64_t N, int64_t K, uintptr_t dst);
