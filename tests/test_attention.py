@@ -73,6 +73,19 @@ def make_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, *, c
     return q, k_cache, v_cache, block_tables, seq_lens, qsl, scales
 
 
+def poison_unowned_slots(k_cache, v_cache, block_tables, specs, block_size):
+    """The caches with NaN in every slot no sequence of specs [(seq_len, q_len)] owns (partial last
+    blocks, spare blocks): kernels that read past a sequence's end would carry it into the output."""
+    k, v = from_cache_layout(k_cache, v_cache)
+    owned = torch.zeros(k.shape[0], block_size, dtype=torch.bool)
+    for s, (L, _) in enumerate(specs):
+        for pos in range(L):
+            owned[block_tables[s, pos // block_size], pos % block_size] = True
+    k[~owned[:, None, :, None].expand_as(k)] = float("nan")
+    v[~owned[:, None, :, None].expand_as(v)] = float("nan")
+    return to_cache_layout(k, v, "cpu")
+
+
 # A mixed step: decodes (one at 3000 tokens), a full prompt, prompt chunks with partial last blocks,
 # a chunk ending exactly on a block boundary, and a sequence with no query this step.
 MIXED = [(1, 1), (17, 17), (50, 1), (3000, 1), (300, 37), (48, 16), (33, 5), (10, 0), (129, 1)]
@@ -257,14 +270,7 @@ def test_slots_past_each_sequence_are_never_read(dtype, block_size):
     """NaN in every cache slot no sequence owns (partial last blocks, spare blocks) must not leak."""
     specs = [(1, 1), (37, 5), (130, 1), (61, 61)]
     q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 6, 2, 64, block_size, dtype, seed=5)
-    k, v = from_cache_layout(kc, vc)
-    owned = torch.zeros(k.shape[0], block_size, dtype=torch.bool)
-    for s, (L, _) in enumerate(specs):
-        for pos in range(L):
-            owned[bt[s, pos // block_size], pos % block_size] = True
-    k[~owned[:, None, :, None].expand_as(k)] = float("nan")
-    v[~owned[:, None, :, None].expand_as(v)] = float("nan")
-    kc, vc = to_cache_layout(k, v, "cpu")
+    kc, vc = poison_unowned_slots(kc, vc, bt, specs, block_size)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
     ref = reference(q, kc.nan_to_num(), vc.nan_to_num(), bt, sl, qsl, 0.125)
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])

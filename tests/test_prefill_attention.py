@@ -13,7 +13,7 @@ import torch
 
 from pyengine import _C
 from pyengine.ops.attention import from_cache_layout, paged_attention, to_cache_layout
-from tests.test_attention import make_batch, reference
+from tests.test_attention import make_batch, poison_unowned_slots, reference
 
 PATHS = ["amx", "avx512_fp16", "avx512_fp32", "avx512_bf16", "portable", "paged"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,14 +82,7 @@ def test_long_prompt_and_nan_in_unowned_slots(path, block_size):
     the block holding a sequence's last position also holds slots past its end)."""
     specs = [(2048, 2048), (1100, 100), (70, 37)]
     q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, block_size, torch.bfloat16, seed=4)
-    k, v = from_cache_layout(kc, vc)
-    owned = torch.zeros(k.shape[0], block_size, dtype=torch.bool)
-    for s, (L, _) in enumerate(specs):
-        for pos in range(L):
-            owned[bt[s, pos // block_size], pos % block_size] = True
-    k[~owned[:, None, :, None].expand_as(k)] = float("nan")
-    v[~owned[:, None, :, None].expand_as(v)] = float("nan")
-    kc, vc = to_cache_layout(k, v, "cpu")
+    kc, vc = poison_unowned_slots(kc, vc, bt, specs, block_size)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
     ref = reference(q, kc.nan_to_num(), vc.nan_to_num(), bt, sl, qsl, 0.125)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
@@ -226,7 +219,7 @@ def test_a_fresh_threads_first_item_stays_inside_its_scratch(path_name):
 import pyengine, torch
 from pyengine import _C
 from pyengine.ops.attention import paged_attention
-from tests.test_attention import make_batch, reference
+from tests.test_attention import make_batch, poison_unowned_slots, reference
 _C.set_prefill_attention_path({path_name!r})
 _C.set_num_threads(1)
 if _C.prefill_attention_path() != {path_name!r}:

@@ -9,7 +9,7 @@ import torch
 
 from pyengine import _C
 from pyengine.ops.attention import from_cache_layout, paged_attention, to_cache_layout
-from tests.test_attention import make_batch, reference
+from tests.test_attention import make_batch, poison_unowned_slots, reference
 from tests.test_prefill_attention import PROMPTS
 
 TOL = dict(atol=2e-5, rtol=1e-4)  # fp32 throughout: only the summation order differs
@@ -81,14 +81,7 @@ def test_long_prompt_and_nan_in_unowned_slots(path, block_size):
     a sequence's last position also holds slots past its end)."""
     specs = [(2048, 2048), (1100, 100), (70, 37)]
     q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, block_size, torch.float32, seed=4)
-    k, v = from_cache_layout(kc, vc)
-    owned = torch.zeros(k.shape[0], block_size, dtype=torch.bool)
-    for s, (L, _) in enumerate(specs):
-        for pos in range(L):
-            owned[bt[s, pos // block_size], pos % block_size] = True
-    k[~owned[:, None, :, None].expand_as(k)] = float("nan")
-    v[~owned[:, None, :, None].expand_as(v)] = float("nan")
-    kc, vc = to_cache_layout(k, v, "cpu")
+    kc, vc = poison_unowned_slots(kc, vc, bt, specs, block_size)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
     torch.testing.assert_close(out, reference(q, kc.nan_to_num(), vc.nan_to_num(), bt, sl, qsl, 0.125), **TOL)
 
