@@ -88,21 +88,29 @@ def test_long_prompt_and_nan_in_unowned_slots(path, block_size):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_running_max_rising_through_the_prompt(path):
-    """Scores that grow with the position (keys along q, scaled up by the position): the running max
-    passes the old one by far more than the kernels' slack in every chunk, so each row is rescaled
-    again and again, on full rows (the common row of the vectorized softmax) and on the causal edge."""
+def rising_score_batch(dtype):
+    """A prompt of 1,024 tokens and a 40-token chunk at 700 (2 kv heads, GQA 3:1, head_dim 64, blocks of
+    16) whose keys lie along q and grow with the position: ~1.3 log2 units of score per token at scale
+    0.125. Returns q, k_cache, v_cache, block_tables, seq_lens, query_start_loc."""
     specs = [(1024, 1024), (700, 40)]
-    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 6, 2, 64, 16, torch.bfloat16, seed=7)
+    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 6, 2, 64, 16, dtype, seed=7)
     k, v = from_cache_layout(kc, vc)
     g = torch.Generator().manual_seed(8)
     for s, (L, _) in enumerate(specs):
         pos = torch.arange(L)
         blocks, slots = bt[s, pos // 16].long(), pos % 16
-        ramp = (pos.float() / 48)[:, None, None]  # ~1.3 log2 units of score per token at scale 0.125
+        ramp = (pos.float() / 48)[:, None, None]
         k[blocks, :, slots] = (ramp + 0.3 * torch.randn(L, 2, 64, generator=g)).to(k.dtype)
     q = (1 + 0.3 * torch.randn(q.shape, generator=g)).to(q.dtype)
     kc, vc = to_cache_layout(k, v, "cpu")
+    return q, kc, vc, bt, sl, qsl
+
+
+def test_running_max_rising_through_the_prompt(path):
+    """Scores that grow with the position (keys along q, scaled up by the position): the running max
+    passes the old one by far more than the kernels' slack in every chunk, so each row is rescaled
+    again and again, on full rows (the common row of the vectorized softmax) and on the causal edge."""
+    q, kc, vc, bt, sl, qsl = rising_score_batch(torch.bfloat16)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
     torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.125), atol=2e-2, rtol=2e-2)
 
@@ -219,7 +227,7 @@ def test_a_fresh_threads_first_item_stays_inside_its_scratch(path_name):
 import pyengine, torch
 from pyengine import _C
 from pyengine.ops.attention import paged_attention
-from tests.test_attention import make_batch, poison_unowned_slots, reference
+from tests.test_attention import make_batch, reference
 _C.set_prefill_attention_path({path_name!r})
 _C.set_num_threads(1)
 if _C.prefill_attention_path() != {path_name!r}:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pyengine import _C
-from pyengine.ops.attention import from_cache_layout, paged_attention, to_cache_layout
+from pyengine.ops.attention import paged_attention
 from tests.test_attention import make_batch, poison_unowned_slots, reference
-from tests.test_prefill_attention import PROMPTS
+from tests.test_prefill_attention import PROMPTS, rising_score_batch
 
 TOL = dict(atol=2e-5, rtol=1e-4)  # fp32 throughout: only the summation order differs
 
@@ -89,16 +89,7 @@ def test_long_prompt_and_nan_in_unowned_slots(path, block_size):
 def test_scores_rising_through_the_prompt(path):
     """Scores that grow with the position by ~1.3 log2 units a token: the running max rises in every
     chunk, and each row's sum is rescaled again and again."""
-    specs = [(1024, 1024), (700, 40)]
-    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 6, 2, 64, 16, torch.float32, seed=7)
-    k, v = from_cache_layout(kc, vc)
-    g = torch.Generator().manual_seed(8)
-    for s, (L, _) in enumerate(specs):
-        pos = torch.arange(L)
-        k[bt[s, pos // 16].long(), :, pos % 16] = (pos.float() / 48)[:, None, None] + 0.3 * torch.randn(L, 2, 64,
-                                                                                                       generator=g)
-    q = 1 + 0.3 * torch.randn(q.shape, generator=g)
-    kc, vc = to_cache_layout(k, v, "cpu")
+    q, kc, vc, bt, sl, qsl = rising_score_batch(torch.float32)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
     # scores reach ~200: an fp32 rounding of one (~1e-5) moves its probability as much, on both paths
     torch.testing.assert_close(out, reference(q, kc, vc, bt, sl, qsl, 0.125), atol=2e-4, rtol=1e-3)

@@ -33,6 +33,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "decode_avx2.h"  // lanes_in
 #include "pyengine/vec_exp.h"
 #include "pyengine/vec_reduce.h"
 #endif
@@ -168,13 +169,6 @@ void qk(const float* q, int64_t D, const Chunk& c, int ngroups, float* s) {
   }
 }
 
-// Lanes of the 8 tokens from t0 that lie in [lo, hi): all ones, else zero.
-inline __m256 lanes_in(int t0, int lo, int hi) {
-  const __m256i t = _mm256_add_epi32(_mm256_set1_epi32(t0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256i ge = _mm256_cmpgt_epi32(t, _mm256_set1_epi32(lo - 1)), lt = _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), t);
-  return _mm256_castsi256_ps(_mm256_and_si256(ge, lt));
-}
-
 // One row's online softmax over the chunk: scores s of the visible tokens [lo, hi) in the log2 domain
 // (scale2 = scale * log2 e), running max m and sum l updated, probabilities to p for the first nvec
 // vectors (zero outside [lo, hi)). Returns alpha, the factor for the row's accumulator.
@@ -186,7 +180,7 @@ float softmax_row(const float* s, int lo, int hi, int nvec, float scale2, float&
   __m256 x[kGroups], keep[kGroups], vmax = _mm256_set1_ps(kNegInf);
   const __m256 vs = _mm256_set1_ps(scale2);
   for (int g = 0; g < nvec; ++g) {
-    keep[g] = lanes_in(8 * g, lo, hi);
+    keep[g] = decode::lanes_in(8 * g, lo, hi);
     x[g] = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_mul_ps(_mm256_loadu_ps(s + 8 * g), vs), keep[g]);
     vmax = _mm256_max_ps(vmax, x[g]);
   }
