@@ -706,8 +706,8 @@ inline void qk_group(Avx512, const ChunkPtrs& c, const ChunkPtrs& next, int64_t 
       // so every other one
       if (!SPLIT || j % 2 == 0)
         for (int i = i0; i < i0 + kT; ++i) {
-          _mm_prefetch(next.k0[i] + j * line_stride, kPrefetchLevel);
-          if constexpr (SPLIT) _mm_prefetch(next.k1[i] + j * line_stride, kPrefetchLevel);
+          prefetch<kPrefetchLevel>(next.k0[i] + j * line_stride);
+          if constexpr (SPLIT) prefetch<kPrefetchLevel>(next.k1[i] + j * line_stride);
         }
       for (int i = 0; i < kT; ++i) {  // tiles past the chunk's end read valid lines; their scores go unstored
         const Line k = prepare_line<O, true>(
@@ -851,10 +851,9 @@ inline void pv_group(Avx512, const ChunkPtrs& c, const ChunkPtrs& next, const ch
       }
     // token group p of the chunk; keep: the bytes of its lanes that hold tokens of the chunk
     auto group = [&](int p, __mmask64 keep) {
-      if (d0 == 0) {  // the next chunk's V group p (its address outside the call: at -O0 _mm_prefetch is a
-                      // macro, and the comma of v_group<O, SPLIT> would split its arguments)
+      if (d0 == 0) {  // the next chunk's V group p
         const char* nv = v_group<O, SPLIT>(next, p, group_bytes);
-        for (int64_t b = 0; b < group_bytes; b += 64) _mm_prefetch(nv + b, kPrefetchLevel);
+        for (int64_t b = 0; b < group_bytes; b += 64) prefetch<kPrefetchLevel>(nv + b);
       }
       const char* w = pw + p * operand_bytes(O);
       for (int k = 0; k < 4; ++k) {

@@ -29,6 +29,7 @@
 #include "pyengine/kv_layout.h"
 #include "pyengine/kv_quant.h"
 #include "pyengine/parallel.h"
+#include "pyengine/prefetch.h"
 #include "pyengine/simd_transpose.h"
 #include "pyengine/vec_reduce.h"
 
@@ -425,9 +426,9 @@ void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, vo
       const char* kd = static_cast<const char*>(k_cache) + (blk * num_kv_heads + h) * tile_bytes;
       const char* vd = static_cast<const char*>(v_cache) + (blk * num_kv_heads + h) * tile_bytes;
       for (int64_t j = 0; j < head_dim; j += lane)
-        __builtin_prefetch(kd + kv_k_offset(off, j, block_size, lane) * cache_es, 1);
+        prefetch_for_write(kd + kv_k_offset(off, j, block_size, lane) * cache_es);
       for (int64_t d = 0; d < head_dim * lane; d += line_elems)
-        __builtin_prefetch(vd + (kv_v_offset(off, 0, head_dim, lane) + d) * cache_es, 1);
+        prefetch_for_write(vd + (kv_v_offset(off, 0, head_dim, lane) + d) * cache_es);
     }
   };
   // A block's 16 tokens at a time where a chunk holds them in a row (write_group16): prompt chunks run

@@ -178,8 +178,8 @@ inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t li
     else return _mm256_mul_ps(s, _mm256_loadu_ps(scales_half<SPLIT>(c.ks0, c.ks1, h)));
   };
   // the next chunk's K of half h, each 64-byte line once: a line holds two halves, or (SPLIT) two dims groups
-  auto prefetch = [&](int h, int j) {
-    if (SPLIT ? j % 2 == 0 : h % 2 == 0) _mm_prefetch(k_half<SPLIT>(next, h) + j * line_stride, kPrefetchLevel);
+  auto prefetch_k = [&](int h, int j) {
+    if (SPLIT ? j % 2 == 0 : h % 2 == 0) prefetch<kPrefetchLevel>(k_half<SPLIT>(next, h) + j * line_stride);
   };
   if constexpr (O == Operands::kInt8) {
     for (int h = 0; h < (c.n + 7) / 8; ++h) {
@@ -187,7 +187,7 @@ inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t li
       __m256i lo[NR], hi[NR];
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
       for (int j = 0; j < kLines; ++j) {
-        prefetch(h, j);
+        prefetch_k(h, j);
         __m256i a, b;
         widen_int8(load256(k + j * line_stride), a, b);
         for (int r = 0; r < NR; ++r) {
@@ -209,8 +209,8 @@ inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t li
       __m256 acc[NR][2];
       for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
       for (int j = 0; j < kLines; ++j) {
-        prefetch(2 * i, j);
-        if constexpr (SPLIT) prefetch(2 * i + 1, j);
+        prefetch_k(2 * i, j);
+        if constexpr (SPLIT) prefetch_k(2 * i + 1, j);
         __m256 v[2][L];
         widen<O>(load256(k0 + j * line_stride), v[0]);
         widen<O>(load256(k1 + j * line_stride), v[1]);
@@ -315,15 +315,15 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
   const int full = O == Operands::kInt8 ? ngroups : std::min(ngroups, c.n / L);
   const __m256i tail = _mm256_set1_epi32(static_cast<int32_t>((1u << ((c.n % L) * es * 8)) - 1));
   auto pass = [&](int64_t d0, auto first) {
-    auto prefetch = [&](int p) {
+    auto prefetch_v = [&](int p) {
       if constexpr (decltype(first)::value)
-        for (int64_t b = 0; b < group_bytes; b += 64) _mm_prefetch(gn[p] + b, kPrefetchLevel);
+        for (int64_t b = 0; b < group_bytes; b += 64) prefetch<kPrefetchLevel>(gn[p] + b);
     };
     if constexpr (O == Operands::kInt8) {
       __m256i lo[NR], hi[NR];
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
       for (int p = 0; p < ngroups; ++p) {  // integer products: a zero weight zeroes whatever a slot holds
-        prefetch(p);
+        prefetch_v(p);
         __m256i a, b;
         widen_int8(load256(gp[p] + d0 * 4), a, b);
         for (int r = 0; r < NR; ++r) {
@@ -344,7 +344,7 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
         for (int i = 0; i < NH; ++i)
           x[r][i] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d0 + 8 * i), _mm256_set1_ps(alpha[r]));
       auto group = [&](int p, auto masked) {
-        prefetch(p);
+        prefetch_v(p);
         __m256 v[NH][L];
         for (int i = 0; i < NH; ++i) {
           __m256i raw = load256(gp[p] + d0 * L * es + 32 * i);

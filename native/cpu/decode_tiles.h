@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "pyengine/prefetch.h"
+
 namespace pyengine::decode {
 
 // The operands of the dot products, by cache dtype (each kernel's header comment says how it computes them):
@@ -76,9 +78,9 @@ inline uint64_t low_bits(int n) { return n >= 64 ? ~uint64_t{0} : (uint64_t{1} <
 template <bool SPLIT>
 inline void prefetch_scales(const ChunkPtrs& c) {
   for (int i = 0; i < kTiles; ++i) {
-    _mm_prefetch(c.ks0[i], kPrefetchLevel);
-    _mm_prefetch(c.vs0[i], kPrefetchLevel);
-    if constexpr (SPLIT) _mm_prefetch(c.ks1[i], kPrefetchLevel), _mm_prefetch(c.vs1[i], kPrefetchLevel);
+    prefetch<kPrefetchLevel>(c.ks0[i]);
+    prefetch<kPrefetchLevel>(c.vs0[i]);
+    if constexpr (SPLIT) prefetch<kPrefetchLevel>(c.ks1[i]), prefetch<kPrefetchLevel>(c.vs1[i]);
   }
 }
 

@@ -64,6 +64,7 @@
 #include "pyengine/cpu_ops.h"
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
+#include "pyengine/prefetch.h"
 #include "pyengine/simd_transpose.h"
 #include "linear.h"
 
@@ -175,7 +176,7 @@ void tile_block(const Args& a, const uint32_t* xp, int64_t ld, int64_t r0, int64
   for (int64_t kp = 0; kp < a.KP; ++kp, xp += ld) {
     __m512i wv[NT];
     for (int t = 0; t < NT; ++t) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + t * tile_stride + (kp + prefetch_lines) * kTileLine), _MM_HINT_T1);
+      prefetch<_MM_HINT_T1>(w + t * tile_stride + (kp + prefetch_lines) * kTileLine);
       wv[t] = _mm512_load_si512(w + t * tile_stride + kp * kTileLine);
     }
     if constexpr (WIDE) {

@@ -65,6 +65,7 @@
 #include "pyengine/kv_layout.h"
 #include "pyengine/kv_quant.h"
 #include "pyengine/parallel.h"
+#include "pyengine/prefetch.h"
 #include "pyengine/vec_exp.h"
 
 #if defined(__AVX512F__)
@@ -323,8 +324,8 @@ void prefetch_chunk(const AttentionStep& a, const Packed& P, int64_t c0) {
   const int64_t len = a.seq_lens[P.seq], D = a.D;
   for (int64_t pos = c0; pos < std::min(len, c0 + kChunk); pos += 16) {
     const auto [k, v] = cache_group(a, P, pos);
-    for (int64_t j = 0; j < D / 2; ++j) __builtin_prefetch(k + j * 2 * a.BS);
-    for (int64_t i = 0; i < 16 * D; i += 32) __builtin_prefetch(v + i);
+    for (int64_t j = 0; j < D / 2; ++j) prefetch<_MM_HINT_T0>(k + j * 2 * a.BS);
+    for (int64_t i = 0; i < 16 * D; i += 32) prefetch<_MM_HINT_T0>(v + i);
   }
 }
 

@@ -29,6 +29,7 @@
 #include "prefill_attention.h"
 #include "pyengine/kv_layout.h"
 #include "pyengine/parallel.h"
+#include "pyengine/prefetch.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -139,8 +140,8 @@ void prefetch_chunk(const AttentionStep& a, int32_t seq, int32_t kvh, int64_t c0
     const int64_t at = tile_of(a, seq, kvh, pos0) * a.BS * D, off = pos0 % a.BS;
     const float* k = static_cast<const float*>(a.k) + at + off * 2;
     const float* v = static_cast<const float*>(a.v) + at + off * D;
-    for (int64_t j = 0; j < D / 2; ++j) _mm_prefetch(reinterpret_cast<const char*>(k + j * 2 * a.BS), _MM_HINT_T0);
-    for (int64_t i = 0; i < 8 * D; i += 16) _mm_prefetch(reinterpret_cast<const char*>(v + i), _MM_HINT_T0);
+    for (int64_t j = 0; j < D / 2; ++j) prefetch<_MM_HINT_T0>(k + j * 2 * a.BS);
+    for (int64_t i = 0; i < 8 * D; i += 16) prefetch<_MM_HINT_T0>(v + i);
   }
 }
 

@@ -46,6 +46,7 @@
 #include "pyengine/dtype.h"
 #include "pyengine/ggml_blocks.h"
 #include "pyengine/parallel.h"
+#include "pyengine/prefetch.h"
 #include "pyengine/vec_reduce.h"
 #include "qtiles.h"
 
@@ -227,7 +228,7 @@ inline void prefetch_ahead(const uint8_t* at, int64_t stride, int nt) {
   constexpr int64_t step = layout(T).record_bytes() / layout(T).groups();
   for (int t = 0; t < nt; ++t)
     for (int64_t off = 0; off < step; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(at + (nt + t) * stride + off), _MM_HINT_T1);
+      prefetch<_MM_HINT_T1>(at + (nt + t) * stride + off);
 }
 
 // Rows [r0, r0 + MR) x tiles [t0, t0 + NT).
@@ -267,7 +268,7 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
         __m512i lo[NT], hi[NT];
         for (int t = 0; t < NT; ++t) {
           if constexpr (L.lines == 8)
-            _mm_prefetch(reinterpret_cast<const char*>(grp + t * stride + 64 * i + 8 * L.group_bytes()), _MM_HINT_T0);
+            prefetch<_MM_HINT_T0>(grp + t * stride + 64 * i + 8 * L.group_bytes());
           vnni_line<T, i>(grp + t * stride, lo[t], hi[t]);
         }
         for (int m = 0; m < MR; ++m) {

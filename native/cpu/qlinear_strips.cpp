@@ -20,6 +20,7 @@
 #include "pyengine/cpu_ops.h"
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
+#include "pyengine/prefetch.h"
 #include "qtiles.h"
 
 namespace pyengine::cpu {
@@ -136,7 +137,7 @@ void dequantize_strip(const uint8_t* w, int64_t KB, int64_t begin, int64_t end, 
     for (int64_t b = 0; b < KB; ++b, out += kBlock / 2 * 32) {
       const uint8_t* rec = w + tile * stride + b / L.groups() * L.record_bytes();
       const char* ahead = reinterpret_cast<const char*>(w + tile * stride + b * group_bytes) + kPrefetchBytes;
-      for (int64_t o = 0; o < group_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+      for (int64_t o = 0; o < group_bytes; o += 64) prefetch<_MM_HINT_T0>(ahead + o);
       const int64_t g = b % L.groups();
       const uint8_t* grp = rec + g * L.group_bytes();
       const LineScales s0 = half_scales<T>(rec, g, 0), s1 = L.halves == 2 ? half_scales<T>(rec, g, 1) : s0;
