@@ -303,22 +303,25 @@ def test_quantized_slots_past_each_sequence_are_never_read(cache, block_size):
 # Decode steps (one query token per sequence) of ragged lengths: shorter than a block, exactly one,
 # partial last blocks, a 64-token chunk and one past it, and long ones (split over the threads).
 DECODE = [(1, 1), (7, 1), (16, 1), (33, 1), (64, 1), (65, 1), (250, 1), (1000, 1), (2100, 1)]
-CACHE_DTYPES = {"bf16": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+CACHE_DTYPES = {"bf16": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp32": None}
 
 
 def check_decode(specs, num_heads, kv_heads, head_dim, block_size, cache, threads, seed):
-    """One decode step of bf16 q over `specs` on `threads` kernel threads, against the dequantized reference."""
+    """One decode step over `specs` on `threads` kernel threads, against the dequantized reference: bf16
+    q, or for the fp32 cache fp32 q (an fp32 model's decode)."""
+    dtype = torch.float32 if cache == "fp32" else torch.bfloat16
     saved = _C.num_threads()
     _C.set_num_threads(threads)
     try:
-        q, kc, vc, bt, sl, qsl, scales = make_batch(specs, num_heads, kv_heads, head_dim, block_size, torch.bfloat16,
+        q, kc, vc, bt, sl, qsl, scales = make_batch(specs, num_heads, kv_heads, head_dim, block_size, dtype,
                                                     cache_dtype=CACHE_DTYPES[cache], seed=seed)
         ks, vs = scales or (None, None)
         out = paged_attention(q, kc, vc, bt, sl, qsl, head_dim**-0.5, k_scales=ks, v_scales=vs)
     finally:
         _C.set_num_threads(saved)
     ref = reference(q, kc, vc, bt, sl, qsl, head_dim**-0.5, ks, vs)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    tol = 1e-4 if cache == "fp32" else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
 @pytest.fixture(params=["avx512_fp16", "avx512_bf16", "avx2", "fp32"])
@@ -390,14 +393,15 @@ def test_decode_scores_rising_through_the_context(cache, decode_path):
     slack, so this checks that the max does move (a stuck max overflows exp2 into inf/NaN) and that
     the weights computed against a max a few units low come out right."""
     L, D, gqa = 2000, 64, 3
-    q, kc, vc, bt, sl, qsl, scales = make_batch([(L, 1)], gqa, 1, D, 16, torch.bfloat16, seed=6)
+    dtype = torch.float32 if cache == "fp32" else torch.bfloat16
+    q, kc, vc, bt, sl, qsl, scales = make_batch([(L, 1)], gqa, 1, D, 16, dtype, seed=6)
     k, v = from_cache_layout(kc, vc)
     pos = torch.zeros(k.shape[0], 16)
     nblocks = (L + 15) // 16
     pos[bt[0, :nblocks].long()] = torch.arange(nblocks * 16, dtype=torch.float32).view(nblocks, 16)
     ramp = pos * 0.06 + (pos >= 1500) * 28.0  # natural-log units: 0.06 / token, +28 at position 1500
     unit = q[0, 0].float() / q[0, 0].float().norm() ** 2 / D**-0.5  # k = ramp * unit: score = ramp for head 0
-    k = (k.float() * 0.05 + ramp[:, None, :, None] * unit).to(torch.bfloat16)
+    k = (k.float() * 0.05 + ramp[:, None, :, None] * unit).to(dtype)
     ks = vs = None
     if CACHE_DTYPES[cache] is not None:
         qmax = 448.0 if cache == "fp8" else 127.0

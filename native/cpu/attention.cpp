@@ -721,7 +721,7 @@ inline void qk_group(Avx512, const ChunkPtrs& c, const ChunkPtrs& next, int64_t 
     }
     for (int i = 0; i < kT && i0 + i < ntiles; ++i) {
       __m512 s = _mm512_set1_ps(is_fp8(O) ? scale / kFp8Unit : scale);
-      if constexpr (O != Operands::kBf16) s = _mm512_mul_ps(s, tile_scales<SPLIT>(c.ks0, c.ks1, i0 + i, valid));
+      if constexpr (has_scales(O)) s = _mm512_mul_ps(s, tile_scales<SPLIT>(c.ks0, c.ks1, i0 + i, valid));
       for (int r = 0; r < NR; ++r) {
         __m512 dot;
         if constexpr (O == Operands::kInt8) {  // sum (k + 128) q = q.k + 128 sum(q)
@@ -839,7 +839,7 @@ inline void pv_group(Avx512, const ChunkPtrs& c, const ChunkPtrs& next, const ch
                      const float* wscale, float* acc, int maxnv) {
   constexpr int64_t D = 32 * NC32, group_bytes = D * 4;
   constexpr int L = lane_of(O);
-  constexpr int64_t es = O == Operands::kBf16 ? 2 : 1;
+  constexpr int64_t es = elem_bytes(O);
   const int ngroups = (maxnv + L - 1) / L;
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     DotAcc<O> x[NR][4];
@@ -910,17 +910,17 @@ inline int64_t item_kv_end(const Args& a, const Item& it) {
 template <Operands O, int NC32, bool SPLIT>
 void fill_chunk(const Args& a, const Item& it, int64_t c0, int64_t kv_end, ChunkPtrs& c) {
   constexpr int64_t D = 32 * NC32;
-  constexpr int64_t es = O == Operands::kBf16 ? 2 : 1;
+  constexpr int64_t es = elem_bytes(O);
   const int64_t tile_bytes = a.BS * D * es;
   const int32_t* table = a.block_tables + it.seq * a.MB;
   c.n = static_cast<int>(std::min<int64_t>(kChunk, kv_end - c0));
   // the half-tile (8 tokens with SPLIT, else 16) at position pos: its K (dims group 0) and V
-  // addresses (4 bytes per token in a K line, D * 4 per V token group), scales
+  // addresses (lane_bytes per token in a K line, D * lane_bytes per V token group), scales
   auto half = [&](int64_t pos, const char*& k, const char*& v, const float*& ks, const float*& vs) {
     const int64_t off = pos % a.BS, tile = static_cast<int64_t>(table[pos / a.BS]) * a.KVH + it.kvh;
-    k = static_cast<const char*>(a.k) + tile * tile_bytes + off * 4;
+    k = static_cast<const char*>(a.k) + tile * tile_bytes + off * lane_bytes(O);
     v = static_cast<const char*>(a.v) + tile * tile_bytes + off * D * es;
-    if constexpr (O != Operands::kBf16) ks = a.ks + tile * a.BS + off, vs = a.vs + tile * a.BS + off;
+    if constexpr (has_scales(O)) ks = a.ks + tile * a.BS + off, vs = a.vs + tile * a.BS + off;
     else ks = vs = nullptr;
   };
   const int ntiles = (c.n + 15) / 16;
@@ -949,7 +949,7 @@ inline ChunkPtrs head_shifted(const ChunkPtrs& c, int64_t h, int64_t tile_bytes,
 template <class Isa, Operands O, int NC32, bool SPLIT>
 void run_item_dot(const Args& a, const Item& it, const Item* next_item, Partials& parts, Workspace& ws) {
   constexpr int64_t D = 32 * NC32;
-  constexpr int64_t es = O == Operands::kBf16 ? 2 : 1;
+  constexpr int64_t es = elem_bytes(O);
   const int64_t G = a.G, nh = it.nkvh, tile_bytes = a.BS * D * es;
   const int64_t q_start = a.qsl[it.seq], q_len = a.qsl[it.seq + 1] - q_start;
   const int64_t first_pos = a.seq_lens[it.seq] - q_len;
@@ -973,7 +973,7 @@ void run_item_dot(const Args& a, const Item& it, const Item* next_item, Partials
     ws.row_end[r] = first_pos + (row_token(r) - q_start) + 1;
   }
   const float qscale = a.scale * kLog2e;
-  const int64_t line_stride = a.BS * 4;  // bytes between a token's K dims groups
+  const int64_t line_stride = a.BS * lane_bytes(O);  // bytes between a token's K dims groups
   const int64_t kv_end = item_kv_end(a, it);
   // with a window, from the 16-token tile holding the first row's window start (tiles stay aligned)
   const int64_t kv_start =
@@ -995,7 +995,7 @@ void run_item_dot(const Args& a, const Item& it, const Item* next_item, Partials
     else if (next_item && next_pos < next_end) fill_chunk<O, NC32, SPLIT>(a, *next_item, next_pos, next_end, c[0]);
     else c[0] = ring[0][0];
     for (int64_t h = 1; h < nh; ++h) c[h] = head_shifted(c[0], h, tile_bytes, a.BS);
-    if constexpr (O != Operands::kBf16)
+    if constexpr (has_scales(O))
       for (int64_t h = 0; h < nh; ++h) prefetch_scales<SPLIT>(c[h]);
   };
   // Row groups of up to kGroup rows of one kv head share each K/V load. Each group's QK runs one
@@ -1112,6 +1112,7 @@ bool try_dot_path(const Args& a, const std::vector<Item>& items, Partials& parts
     case DType::kBFloat16: return dot_head_dim<decode::Avx2, Operands::kBf16>(a, items, parts);
     case DType::kFloat8E4M3: return dot_head_dim<decode::Avx2, Operands::kFp8Bf16>(a, items, parts);
     case DType::kInt8: return dot_head_dim<decode::Avx2, Operands::kInt8>(a, items, parts);
+    case DType::kFloat32: return dot_head_dim<decode::Avx2, Operands::kFp32>(a, items, parts);
     default: return false;
   }
 }

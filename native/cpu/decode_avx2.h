@@ -12,6 +12,11 @@
 //         masked, and given the exponent's high bits 112 is the fp32 of its value times 2^-8
 //         (kFp8Unit), exact for normal codes; a half line with subnormal codes (zero among them)
 //         fixes those lanes on a slower branch.
+//   fp32  (fp32 models keep an fp32 cache by default, and these CPUs run fp32 models by default.) A
+//         lane is a pair of values (8 bytes): a K half line holds 4 tokens x 2 dims, a V one 4 dims x
+//         2 tokens, the FMAs take q (QK) or the weights (PV) a pair at a time (vbroadcastsd), and
+//         each dot product's two halves stay apart in the accumulators until one vhaddps and one
+//         vpermpd join them, per 8 tokens (QK) or 8 dims (PV).
 //   int8  integer products (vpmaddwd: two int16 products per int32 lane): the codes widen to int16
 //         (unpack, shift), q is rounded per row to 15-bit codes (scale absmax / 32767), the weights per
 //         row and chunk to 15-bit codes (scale max / 32767). A horizontal add (vphaddd) of the two
@@ -53,10 +58,10 @@ constexpr int64_t weight_row_bytes(Avx2, Operands O) { return O == Operands::kIn
 
 // Half h of a chunk's tiles (tokens 8 h .. 8 h + 7: tile h / 2, its first or second 8): the address of
 // its K in dims group 0, and of its K or V scales.
-template <bool SPLIT>
+template <Operands O, bool SPLIT>
 inline const char* k_half(const ChunkPtrs& c, int h) {
   if constexpr (SPLIT) return h % 2 ? c.k1[h / 2] : c.k0[h / 2];
-  else return c.k0[h / 2] + 32 * (h % 2);
+  else return c.k0[h / 2] + 8 * lane_bytes(O) * (h % 2);
 }
 template <bool SPLIT>
 inline const float* scales_half(const float* const* s0, const float* const* s1, int h) {
@@ -65,6 +70,16 @@ inline const float* scales_half(const float* const* s0, const float* const* s1, 
 }
 
 inline __m256i load256(const char* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// The fp32 pair at p in every 64-bit lane.
+inline __m256 bcast_pair(const char* p) {
+  return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(p)));
+}
+
+// lo and hi hold the two halves of 4 sums each (lane pairs: lo sums 0-3, hi sums 4-7): the 8 sums in order.
+inline __m256 join_pairs(__m256 lo, __m256 hi) {
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(lo, hi)), 0xD8));
+}
 
 // Four int16 at p, in every 64-bit lane.
 inline __m256i bcast64(const char* p) {
@@ -174,16 +189,34 @@ inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t li
   // the scale of half h's scores (log2 units; the K scales of its tokens for quantized caches)
   auto half_scale = [&](int h) {
     const __m256 s = _mm256_set1_ps(is_fp8(O) ? scale / kFp8Unit : scale);
-    if constexpr (O == Operands::kBf16) return s;
+    if constexpr (!has_scales(O)) return s;
     else return _mm256_mul_ps(s, _mm256_loadu_ps(scales_half<SPLIT>(c.ks0, c.ks1, h)));
   };
   // the next chunk's K of half h, each 64-byte line once: a line holds two halves, or (SPLIT) two dims groups
   auto prefetch_k = [&](int h, int j) {
-    if (SPLIT ? j % 2 == 0 : h % 2 == 0) prefetch<kPrefetchLevel>(k_half<SPLIT>(next, h) + j * line_stride);
+    if (SPLIT ? j % 2 == 0 : h % 2 == 0) prefetch<kPrefetchLevel>(k_half<O, SPLIT>(next, h) + j * line_stride);
   };
-  if constexpr (O == Operands::kInt8) {
+  if constexpr (O == Operands::kFp32) {
+    for (int h = 0; h < (c.n + 7) / 8; ++h) {  // a half's dims pair j is one 64-byte line
+      const char* k = k_half<O, SPLIT>(c, h);
+      __m256 lo[NR], hi[NR];  // tokens 0-3 and 4-7 of the half, a token's two dims in a lane pair
+      for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+      for (int j = 0; j < kLines; ++j) {
+        prefetch<kPrefetchLevel>(k_half<O, SPLIT>(next, h) + j * line_stride);
+        const __m256 a = _mm256_loadu_ps(reinterpret_cast<const float*>(k + j * line_stride));
+        const __m256 b = _mm256_loadu_ps(reinterpret_cast<const float*>(k + j * line_stride + 32));
+        for (int r = 0; r < NR; ++r) {
+          const __m256 qp = bcast_pair(q + r * q_bytes + 8 * j);
+          lo[r] = _mm256_fmadd_ps(a, qp, lo[r]);
+          hi[r] = _mm256_fmadd_ps(b, qp, hi[r]);
+        }
+      }
+      const __m256 s = half_scale(h);
+      for (int r = 0; r < NR; ++r) _mm256_storeu_ps(sc + r * kChunk + 8 * h, _mm256_mul_ps(join_pairs(lo[r], hi[r]), s));
+    }
+  } else if constexpr (O == Operands::kInt8) {
     for (int h = 0; h < (c.n + 7) / 8; ++h) {
-      const char* k = k_half<SPLIT>(c, h);
+      const char* k = k_half<O, SPLIT>(c, h);
       __m256i lo[NR], hi[NR];
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
       for (int j = 0; j < kLines; ++j) {
@@ -204,8 +237,8 @@ inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t li
     }
   } else {
     for (int i = 0; i < (c.n + 15) / 16; ++i) {  // a tile's second half past the chunk's end reads valid slots
-      const char* k0 = k_half<SPLIT>(c, 2 * i);
-      const char* k1 = k_half<SPLIT>(c, 2 * i + 1);
+      const char* k0 = k_half<O, SPLIT>(c, 2 * i);
+      const char* k1 = k_half<O, SPLIT>(c, 2 * i + 1);
       __m256 acc[NR][2];
       for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
       for (int j = 0; j < kLines; ++j) {
@@ -273,7 +306,7 @@ inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const Chu
       vsum = _mm256_add_ps(vsum, p);
       w[g] = p;
       // scales past the chunk's end may be anything: the mask after the product zeroes NaN too
-      if constexpr (O != Operands::kBf16)
+      if constexpr (has_scales(O))
         w[g] = _mm256_and_ps(_mm256_mul_ps(p, _mm256_loadu_ps(scales_half<SPLIT>(c.vs0, c.vs1, g))), keep[g]);
       if constexpr (is_fp8(O)) w[g] = _mm256_mul_ps(w[g], _mm256_set1_ps(1.0f / kFp8Unit));
       if constexpr (O == Operands::kInt8) wmax = _mm256_max_ps(wmax, w[g]);
@@ -307,9 +340,9 @@ inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const Chu
 template <Operands O, int NC32, int NR, bool SPLIT>
 inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, const float* alpha,
                      const float* wscale, float* acc, int maxnv) {
-  constexpr int64_t D = 32 * NC32, group_bytes = D * 4, w_bytes = weight_row_bytes(Avx2{}, O);
-  constexpr int L = lane_of(O), NH = O == Operands::kInt8 ? 1 : 2, DB = 8 * NH;
-  constexpr int64_t es = O == Operands::kBf16 ? 2 : 1;
+  constexpr int64_t D = 32 * NC32, group_bytes = D * lane_bytes(O), w_bytes = weight_row_bytes(Avx2{}, O);
+  constexpr int L = lane_of(O), NH = O == Operands::kInt8 || O == Operands::kFp32 ? 1 : 2, DB = 8 * NH;
+  constexpr int64_t es = elem_bytes(O);
   const int ngroups = (maxnv + L - 1) / L;
   const char* gp[kChunk / 2];  // the chunk's V groups at dim 0 (at most 32: bf16's pairs)
   const char* gn[kChunk / 2];  // the next chunk's
@@ -317,7 +350,9 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
     gp[p] = v_group<O, SPLIT>(c, p, group_bytes), gn[p] = v_group<O, SPLIT>(next, p, group_bytes);
   // the tokens of a part group past the chunk's end may be any slot: zero them (0 * NaN is NaN)
   const int full = O == Operands::kInt8 ? ngroups : std::min(ngroups, c.n / L);
-  const __m256i tail = _mm256_set1_epi32(static_cast<int32_t>((1u << ((c.n % L) * es * 8)) - 1));
+  const __m256i tail = O == Operands::kFp32  // fp32: each pair's first token
+                           ? _mm256_set1_epi64x(0xffffffffLL)
+                           : _mm256_set1_epi32(static_cast<int32_t>((1u << ((c.n % L) * es * 8)) - 1));
   constexpr int kPasses = static_cast<int>(D / DB), kGroupLines = static_cast<int>(group_bytes / 64);
   constexpr int kPerPass = std::max(1, kGroupLines / kPasses);
   auto pass = [&](int64_t d0) {
@@ -325,7 +360,26 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
     auto prefetch_v = [&](int p) {
       for (int i = 0; i < kPerPass; ++i) prefetch<kPrefetchLevel>(gn[p] + share + 64 * i);
     };
-    if constexpr (O == Operands::kInt8) {
+    if constexpr (O == Operands::kFp32) {
+      __m256 lo[NR], hi[NR];  // dims 0-3 and 4-7 of the pass, a dim's two tokens in a lane pair
+      for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+      auto group = [&](int p, auto masked) {
+        prefetch_v(p);
+        __m256i a = load256(gp[p] + d0 * 8), b = load256(gp[p] + d0 * 8 + 32);
+        if constexpr (decltype(masked)::value) a = _mm256_and_si256(a, tail), b = _mm256_and_si256(b, tail);
+        for (int r = 0; r < NR; ++r) {
+          const __m256 wp = bcast_pair(pw + r * w_bytes + 8 * p);
+          lo[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(a), wp, lo[r]);
+          hi[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(b), wp, hi[r]);
+        }
+      };
+      for (int p = 0; p < full; ++p) group(p, std::false_type{});
+      if (full < ngroups) group(full, std::true_type{});
+      for (int r = 0; r < NR; ++r) {
+        float* o = acc + r * D + d0;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(alpha[r]), join_pairs(lo[r], hi[r])));
+      }
+    } else if constexpr (O == Operands::kInt8) {
       __m256i lo[NR], hi[NR];
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
       for (int p = 0; p < ngroups; ++p) {  // integer products: a zero weight zeroes whatever a slot holds

@@ -18,11 +18,15 @@ namespace pyengine::decode {
 
 // The operands of the dot products, by cache dtype (each kernel's header comment says how it computes them):
 // bf16 codes as bf16; fp8 codes widened through bf16's bit layout, or (AVX512-FP16) fp16's; int8
-// codes as integers.
-enum class Operands { kBf16, kFp8Bf16, kFp8Half, kInt8 };
+// codes as integers; fp32 as they are (the AVX2 kernels only).
+enum class Operands { kBf16, kFp8Bf16, kFp8Half, kInt8, kFp32 };
 constexpr bool is_fp8(Operands O) { return O == Operands::kFp8Bf16 || O == Operands::kFp8Half; }
-// Values per 32-bit lane of a tile (kv_lane).
-constexpr int lane_of(Operands O) { return O == Operands::kBf16 ? 2 : 4; }
+// Quantized caches: an fp32 scale per (token, kv head) beside the codes.
+constexpr bool has_scales(Operands O) { return O == Operands::kInt8 || is_fp8(O); }
+// Values per lane of a tile (kv_lane), bytes per value, and bytes per lane: 4, but fp32's pairs take 8.
+constexpr int lane_of(Operands O) { return O == Operands::kFp32 || O == Operands::kBf16 ? 2 : 4; }
+constexpr int64_t elem_bytes(Operands O) { return O == Operands::kFp32 ? 4 : O == Operands::kBf16 ? 2 : 1; }
+constexpr int64_t lane_bytes(Operands O) { return lane_of(O) * elem_bytes(O); }
 
 // 64-token chunks: 128 measured 7% faster with the cache in L3 but 5-10% slower from DRAM (the
 // prefetch of the next chunk starts later and arrives in a longer burst).
