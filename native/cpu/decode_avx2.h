@@ -72,13 +72,14 @@ inline const float* scales_half(const float* const* s0, const float* const* s1, 
 inline __m256i load256(const char* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // The fp32 pair at p in every 64-bit lane.
-inline __m256 bcast_pair(const char* p) {
-  return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(p)));
+inline __m256 bcast_pair(const void* p) {
+  return _mm256_castpd_ps(_mm256_broadcast_sd(static_cast<const double*>(p)));
 }
 
-// lo and hi hold the two halves of 4 sums each (lane pairs: lo sums 0-3, hi sums 4-7): the 8 sums in order.
+// lo and hi hold two halves of 4 sums each, in lane pairs (lo: sums 0-3, hi: 4-7): the 8 sums in order
+// (vhaddps leaves them 0, 1, 4, 5 | 2, 3, 6, 7).
 inline __m256 join_pairs(__m256 lo, __m256 hi) {
-  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(lo, hi)), 0xD8));
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(lo, hi)), _MM_SHUFFLE(3, 1, 2, 0)));
 }
 
 // Four int16 at p, in every 64-bit lane.

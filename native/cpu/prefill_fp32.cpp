@@ -146,8 +146,6 @@ void prefetch_chunk(const AttentionStep& a, int32_t seq, int32_t kvh, int64_t c0
   }
 }
 
-inline __m256 bcast_pair(const float* x) { return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x))); }
-
 // s[r][8 g .. 8 g + 7] = q_r . k_t for the kRows rows (q rows D apart) and the first ngroups groups.
 void qk(const float* q, int64_t D, const Chunk& c, int ngroups, float* s) {
   for (int g = 0; g < ngroups; ++g) {
@@ -158,16 +156,12 @@ void qk(const float* q, int64_t D, const Chunk& c, int ngroups, float* s) {
     for (int64_t j = 0; j < D / 2; ++j) {
       const __m256 k0 = _mm256_loadu_ps(k + j * ld), k1 = _mm256_loadu_ps(k + j * ld + 8);
       for (int r = 0; r < kRows; ++r) {
-        const __m256 qb = bcast_pair(q + r * D + 2 * j);
+        const __m256 qb = decode::bcast_pair(q + r * D + 2 * j);
         acc[r][0] = _mm256_fmadd_ps(k0, qb, acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(k1, qb, acc[r][1]);
       }
     }
-    for (int r = 0; r < kRows; ++r) {  // hadd: tokens (0, 1, 4, 5 | 2, 3, 6, 7); the permute puts them in order
-      const __m256 t = _mm256_hadd_ps(acc[r][0], acc[r][1]);
-      _mm256_storeu_ps(s + r * kChunk + 8 * g,
-                       _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(t), _MM_SHUFFLE(3, 1, 2, 0))));
-    }
+    for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(s + r * kChunk + 8 * g, decode::join_pairs(acc[r][0], acc[r][1]));
   }
 }
 
@@ -213,7 +207,7 @@ void pv(const float* p, const Chunk& c, int64_t D, int npairs, const float* alph
     for (int i = 0; i < npairs; ++i) {
       const __m256 v0 = _mm256_loadu_ps(c.v[i] + d0), v1 = _mm256_loadu_ps(c.v[i] + d0 + 8);
       for (int r = 0; r < kRows; ++r) {
-        const __m256 pb = bcast_pair(p + r * kChunk + 2 * i);
+        const __m256 pb = decode::bcast_pair(p + r * kChunk + 2 * i);
         acc[r][0] = _mm256_fmadd_ps(v0, pb, acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(v1, pb, acc[r][1]);
       }
