@@ -7,16 +7,18 @@ Run: python -m pytest bench/bench_attention.py -q --benchmark-columns=min,mean,r
 
 Decode.
 Shape: 9 q heads, 3 kv heads, head_dim 64, block 16 (BENCH_ATTENTION_BLOCK=N for another), bf16 q;
-KV cache bf16, int8 and fp8 (one fp32 scale per token and kv head); batch 8/32 x context 2k/8k and
+KV cache bf16, int8 and fp8 (one fp32 scale per token and kv head), and fp32 with fp32 q (an fp32
+model's decode: what CPUs without AVX512-BF16 run by default); batch 8/32 x context 2k/8k and
 batch 1 x 8k by default, batch 1/8/32/64 x context 512/2k/8k/32k with BENCH_ATTENTION_FULL=1; 2 threads
 for pyengine and torch.
 Per point, in the same run:
-  bf16, int8, fp8  pyengine paged_attention over a shuffled paged cache (one decode token per sequence)
+  bf16, int8, fp8, fp32  pyengine paged_attention over a shuffled paged cache (one decode token per
+                   sequence)
   fp8@bf16         the fp8 cache on the avx512_bf16 decode path (codes widened to bf16, vdpbf16ps),
                    where the build's best, avx512_fp16, computes it in fp16 FMAs (skipped elsewhere)
-  read2, read1     pyengine read_bandwidth over a buffer of as many bytes as the bf16 (read2) or the
-                   int8/fp8 (read1: codes and scales) kernel reads
-  scat2, scat1     pyengine read_tiles over the same bytes as tiles, one per block of K and of V (each
+  read2, read1, read4  pyengine read_bandwidth over a buffer of as many bytes as the bf16 (read2), the
+                   int8/fp8 (read1: codes and scales) or the fp32 (read4) kernel reads
+  scat2, scat1, scat4  pyengine read_tiles over the same bytes as tiles, one per block of K and of V (each
                    kv block's share), in a shuffled block table's order, sequence by sequence, each
                    block's K tile then its V tile: a plain read of the bytes where the kernel meets them
   sdpa             torch scaled_dot_product_attention (enable_gqa) on already-gathered contiguous bf16 K/V
@@ -62,9 +64,9 @@ if os.environ.get("BENCH_ATTENTION_FULL") == "1":
     POINTS = [(b, c) for b in (1, 8, 32, 64) for c in (512, 2048, 8192, 32768)]
 else:
     POINTS = [(1, 8192), (8, 2048), (8, 8192), (32, 2048), (32, 8192)]
-CACHES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
-READ_OF = {"bf16": "read2", "int8": "read1", "fp8": "read1", "fp8@bf16": "read1"}
-SCAT_OF = {"bf16": "scat2", "int8": "scat1", "fp8": "scat1", "fp8@bf16": "scat1"}
+CACHES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
+READ_OF = {"bf16": "read2", "int8": "read1", "fp8": "read1", "fp8@bf16": "read1", "fp32": "read4"}
+SCAT_OF = {"bf16": "scat2", "int8": "scat1", "fp8": "scat1", "fp8@bf16": "scat1", "fp32": "scat4"}
 RESULTS: dict[tuple[int, int, str], float] = {}
 PAIRED: dict[tuple[int, int, str], float] = {}  # (batch, ctx, kernel kind): paired_read_share
 PROMPTS = (512, 2048, 8192)
@@ -74,8 +76,10 @@ GATE_UP = (3072, 576)
 
 
 def kv_bytes(batch: int, ctx: int, kind: str) -> int:
-    """Bytes of K and V the kernel reads: bf16 elements, or 1-byte codes plus an fp32 scale per row."""
+    """Bytes of K and V the kernel reads: bf16 or fp32 elements, or 1-byte codes plus an fp32 scale per row."""
     rows = 2 * batch * ctx * KVH
+    if kind in ("fp32", "read4", "scat4"):
+        return rows * D * 4
     return rows * D * 2 if kind in ("bf16", "read2", "scat2", "sdpa") else rows * (D + 4)
 
 
@@ -88,11 +92,11 @@ def two_threads_and_table(request):
     torch.set_num_threads(threads[0])
     _C.set_num_threads(threads[1])
     kinds = [k for k in (*CACHES, *CAPPED) if any(key[2] == k for key in RESULTS)]
-    reads = ("read2", "scat2", "read1", "scat1")
+    reads = ("read2", "scat2", "read1", "scat1", "read4", "scat4")
     head = f"{'batch':>5} {'ctx':>5} " + " ".join(f"{r + ' GB/s':>10}" for r in reads)
     for c in kinds:
         head += f" | {c + ' us':>11} {'GB/s':>5} {'%read':>5} {'%pair':>5} {'%scat':>5}"
-    lines = ["", f"decode attention (9/3 heads, D 64, block {BS}, bf16 q, 2 threads): min us, GB/s of K/V read, "
+    lines = ["", f"decode attention (9/3 heads, D 64, block {BS}, bf16 q (fp32: fp32 q), 2 threads): min us, GB/s of K/V read, "
              "% of a plain read of the same bytes, in order and as scattered tiles",
              head + f" | {'sdpa us':>8} {'bf16 x':>6}"]
     for b, c in POINTS:
@@ -129,7 +133,9 @@ def decode_batch(batch: int, ctx: int, cache: str):
     k_cache = torch.randn(batch * nb, KVH, BS, D, generator=g, dtype=torch.bfloat16)
     v_cache = torch.randn(batch * nb, KVH, BS, D, generator=g, dtype=torch.bfloat16)
     scales = None
-    if cache != "bf16":  # per (block, head, token) row, as the engine's cache writes do
+    if cache == "fp32":
+        k_cache, v_cache = k_cache.float(), v_cache.float()
+    elif cache != "bf16":  # per (block, head, token) row, as the engine's cache writes do
         qmax = 127.0 if cache == "int8" else 448.0
         scales = [c.float().abs().amax(-1) / qmax for c in (k_cache, v_cache)]
         codes = [c.float() / s[..., None] for c, s in zip((k_cache, v_cache), scales)]
@@ -137,7 +143,7 @@ def decode_batch(batch: int, ctx: int, cache: str):
     block_tables = torch.randperm(batch * nb, generator=g).int().view(batch, nb)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    q = torch.randn(batch, H, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(batch, H, D, generator=g).to(torch.float32 if cache == "fp32" else torch.bfloat16)
     return q, k_cache, v_cache, scales, block_tables, seq_lens, qsl
 
 
@@ -182,7 +188,8 @@ def sdpa_call(batch: int, ctx: int):
 
 # kind varies fastest, so the measurements of a point run back to back (the machine's memory
 # bandwidth drifts over minutes on a shared host)
-@pytest.mark.parametrize("kind", ["bf16", "read2", "scat2", "int8", "fp8", "fp8@bf16", "read1", "scat1", "sdpa"])
+@pytest.mark.parametrize("kind", ["bf16", "read2", "scat2", "int8", "fp8", "fp8@bf16", "read1", "scat1", "fp32",
+                                  "read4", "scat4", "sdpa"])
 @pytest.mark.parametrize("batch,ctx", POINTS)
 def test_decode_attention(benchmark, kind, batch, ctx):
     path = _C.decode_attention_path()
