@@ -1,15 +1,15 @@
 // Standalone probe: the AVX2 decode kernels' compute alone (native/cpu/decode_avx2.h), one core, one
 // 64-token chunk of the default model's shape (D 64, 3 rows: the q heads of one kv head) held in L1,
 // so no memory wait counts. Prints TSC ticks per q-head score of QK, the softmax step and PV for the
-// bf16, int8 and fp8 caches (a score: one q row against one cached token, 64 products each way).
+// bf16, int8, fp8 and fp32 caches (a score: one q row against one cached token, 64 products each way).
 //
 //   g++ -O3 -march=native -std=c++17 -Inative/cpu -Inative/include bench/decode_avx2_probe.cpp \
 //       -o /tmp/decode_avx2_probe && /tmp/decode_avx2_probe
 //
 // Against bench_attention's decode times (cold, from memory) it says how much of a call is compute.
 // Measured on an AMD EPYC (Zen 2, family 23 model 49, TSC 2.245 GHz, cores ~2.8 GHz), QK / softmax / PV:
-// bf16 5.0 / 0.8 / 5.0, int8 4.0 / 1.8 / 4.2, fp8 7.3 / 1.1 / 7.8; from memory, 2 threads, the kernels
-// take about three times that.
+// bf16 5.0 / 0.8 / 5.0, int8 4.0 / 1.8 / 4.2, fp8 7.3 / 1.1 / 7.8, fp32 5.3 / 0.9 / 5.5; from memory, 2
+// threads, the kernels take about twice that (bench_attention, batch 32 x 2,048: bf16 27, int8 18).
 #include <x86intrin.h>
 
 #include <cstdio>
@@ -23,13 +23,15 @@ namespace {
 
 constexpr int kRows = 3, kD = 64, kBlock = 16, kIters = 20000;
 
-// Random codes of the cache dtype whose values are normal numbers of a few units (bf16: |x| in [0.5, 4)).
+// Random codes of the cache dtype whose values are normal numbers of a few units (bf16, fp32: |x| in
+// [0.5, 4)).
 template <Operands O>
 void fill(std::vector<char>& buf, uint32_t seed) {
   auto next = [&] { return (seed = seed * 1664525u + 1013904223u) >> 8; };
   for (size_t i = 0; i < buf.size(); ++i) {
     const uint32_t sign = next() % 2 ? 0x80 : 0;
-    if constexpr (O == Operands::kBf16) buf[i] = static_cast<char>(i % 2 ? 0x3f + next() % 2 + sign : next());
+    if constexpr (O == Operands::kFp32) buf[i] = static_cast<char>(i % 4 == 3 ? 0x3f + next() % 2 + sign : next());
+    else if constexpr (O == Operands::kBf16) buf[i] = static_cast<char>(i % 2 ? 0x3f + next() % 2 + sign : next());
     else if constexpr (O == Operands::kInt8) buf[i] = static_cast<char>(next() % 255 - 127);
     else buf[i] = static_cast<char>(0x30 + next() % 0x40 + sign);
   }
@@ -37,7 +39,7 @@ void fill(std::vector<char>& buf, uint32_t seed) {
 
 template <Operands O>
 void probe(const char* name) {
-  constexpr int64_t es = O == Operands::kBf16 ? 2 : 1, tile_bytes = kBlock * kD * es;
+  constexpr int64_t tile_bytes = kBlock * kD * elem_bytes(O);
   std::vector<char> k(kTiles * tile_bytes), v(kTiles * tile_bytes);
   fill<O>(k, 1), fill<O>(v, 2);
   std::vector<float> scales(kTiles * kBlock, 0.01f);
@@ -58,7 +60,7 @@ void probe(const char* name) {
                        &qsum[r]);
   const uint64_t t0 = __rdtsc();
   for (int it = 0; it < kIters; ++it)
-    qk_group<O, kD / 32, kRows, false>(Avx2{}, c, c, kBlock * 4, q.data(), q_bytes, qs.data(), qsum.data(), sc.data(),
+    qk_group<O, kD / 32, kRows, false>(Avx2{}, c, c, kBlock * lane_bytes(O), q.data(), q_bytes, qs.data(), qsum.data(), sc.data(),
                                        0.1f);
   const uint64_t t1 = __rdtsc();
   for (int it = 0; it < kIters; ++it)
@@ -80,4 +82,5 @@ int main() {
   probe<Operands::kBf16>("bf16");
   probe<Operands::kInt8>("int8");
   probe<Operands::kFp8Bf16>("fp8");
+  probe<Operands::kFp32>("fp32");
 }

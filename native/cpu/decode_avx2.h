@@ -180,9 +180,9 @@ inline void dot_lanes(const __m256 (*v)[L], const float* w, __m256* acc) {
 }
 
 // QK of NR rows over the chunk: sc[r * kChunk + t] = q_r . k_t * scale (log2 units). q: the rows'
-// operands (q_bytes apart); qs: the rows' q scales (int8 cache). fp32 kinds go a tile (16 tokens) at
-// a time, sharing each broadcast of q between its halves; int8 a half (8 tokens) at a time, whose
-// two accumulators per row would not fit 16 registers for a tile at 4 rows.
+// operands (q_bytes apart); qs: the rows' q scales (int8 cache). bf16 and fp8 go a tile (16 tokens)
+// at a time, sharing each broadcast of q between its halves; int8 and fp32 a half (8 tokens) at a
+// time, whose two accumulators per row would not fit 16 registers for a tile at 4 rows.
 template <Operands O, int NC32, int NR, bool SPLIT>
 inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_stride, const char* q,
                      int64_t q_bytes, const float* qs, const int32_t*, float* sc, float scale) {
@@ -330,8 +330,8 @@ inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const Chu
 }
 
 // acc_r = acc_r * alpha_r + sum_t w_rt V_t (times wscale_r for int8) for NR rows, in passes of DB
-// dims (16: two half lines; 8 for int8, whose two accumulators a dim needs would not fit 16
-// registers at 4 rows). pw: the rows' weights, weight_row_bytes apart. The group addresses are
+// dims (16: two half lines; 8 for int8 and fp32, whose two accumulators a dim group needs would not
+// fit 16 registers at 4 rows). pw: the rows' weights, weight_row_bytes apart. The group addresses are
 // worked out once, and the loops carry no branch (the masked part group goes last), so the
 // accumulators stay in registers. Each pass prefetches its share of the next chunk's V lines, one
 // per group (int8's 8 passes ask for each of its 4 lines twice: a second prefetch of a line in flight
