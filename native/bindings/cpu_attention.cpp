@@ -30,8 +30,9 @@
 //     AVX2 + FMA builds, or "paged" (capped so, or no AVX2).
 //   set_decode_attention_path(name) -> None; decode_attention_path() -> str   (CPU only)
 //     The decode kernel's path (the other sequences of a step; native/cpu/attention.cpp):
-//     "avx512_fp16" (fp8 caches in fp16 FMAs; otherwise as avx512_bf16), "avx512_bf16" or "fp32",
-//     capped the same way (default "avx512_fp16": the best the build has).
+//     "avx512_fp16" (fp8 caches in fp16 FMAs; otherwise as avx512_bf16), "avx512_bf16", "avx2" (bf16,
+//     fp8, int8 and fp32 caches read in place with AVX2 FMAs / vpmaddwd) or "fp32", capped the same way
+//     (default "avx512_fp16": the best the build has).
 //
 //   read_bandwidth(ptr, nbytes, stream) -> int       (CPU only: benchmark probe)
 //     Reads nbytes (a multiple of 64) once with the thread pool; returns a checksum.
