@@ -19,7 +19,7 @@ import pyengine  # noqa: F401  (before torch: it sets the OpenMP spin policy)
 import torch
 
 import pyengine.ops.attention as attention_ops
-from ab_builds import load_build
+from ab_builds import load_builds
 from bench_attention import WARM_CTX, cold_operands, kv_bytes, paged_call
 
 
@@ -32,10 +32,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
-    builds = [load_build(path, i) for i, path in enumerate(args.builds)]
-    for b in builds:
-        b.set_num_threads(args.threads)
-    torch.set_num_threads(args.threads)
+    builds = load_builds(args.builds, args.threads)
     for point in args.points.split(","):
         batch, ctx = map(int, point.split("x"))
         for cache in args.caches.split(","):

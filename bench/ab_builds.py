@@ -41,6 +41,15 @@ def load_build(path: str, index: int):
     return module
 
 
+def load_builds(paths: list[str], threads: int) -> list:
+    """The builds in `paths` (each under a name of its own), their thread pools and torch's at `threads`."""
+    builds = [load_build(path, i) for i, path in enumerate(paths)]
+    for b in builds:
+        b.set_num_threads(threads)
+    torch.set_num_threads(threads)
+    return builds
+
+
 def use(build, layers) -> None:
     for layer in layers:
         layer._kernel = getattr(build, layer._kernel.__name__)
@@ -55,10 +64,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args()
 
-    builds = [load_build(path, i) for i, path in enumerate(args.builds)]
-    for b in builds:
-        b.set_num_threads(args.threads)
-    torch.set_num_threads(args.threads)
+    builds = load_builds(args.builds, args.threads)
     _, model = load_model(resolve_model_path(None), torch.bfloat16, torch.device("cpu"), weights=args.weights)
     step = [getattr(layer, name) for layer in model.linears for name in PROJECTIONS]
     hot = {name: getattr(model.linears[0], name) for name in PROJECTIONS} | {"lm_head": model.lm_head_linear}
