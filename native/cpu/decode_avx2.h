@@ -366,7 +366,7 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
       auto group = [&](int p, auto masked) {
         prefetch_v(p);
-        __m256i a = load256(gp[p] + d0 * 8), b = load256(gp[p] + d0 * 8 + 32);
+        __m256i a = load256(gp[p] + d0 * lane_bytes(O)), b = load256(gp[p] + d0 * lane_bytes(O) + 32);
         if constexpr (decltype(masked)::value) a = _mm256_and_si256(a, tail), b = _mm256_and_si256(b, tail);
         for (int r = 0; r < NR; ++r) {
           const __m256 wp = bcast_pair(pw + r * w_bytes + 8 * p);
@@ -386,7 +386,7 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
       for (int p = 0; p < ngroups; ++p) {  // integer products: a zero weight zeroes whatever a slot holds
         prefetch_v(p);
         __m256i a, b;
-        widen_int8(load256(gp[p] + d0 * 4), a, b);
+        widen_int8(load256(gp[p] + d0 * lane_bytes(O)), a, b);
         for (int r = 0; r < NR; ++r) {
           const __m256i wv = bcast64(pw + r * w_bytes + 8 * p);
           lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(a, wv));
@@ -408,7 +408,7 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
         prefetch_v(p);
         __m256 v[NH][L];
         for (int i = 0; i < NH; ++i) {
-          __m256i raw = load256(gp[p] + d0 * L * es + 32 * i);
+          __m256i raw = load256(gp[p] + d0 * lane_bytes(O) + 32 * i);
           if constexpr (decltype(masked)::value) raw = _mm256_and_si256(raw, tail);
           widen<O>(raw, v[i]);
         }
