@@ -73,14 +73,20 @@ def make_batch(specs, num_heads, num_kv_heads, head_dim, block_size, dtype, *, c
     return q, k_cache, v_cache, block_tables, seq_lens, qsl, scales
 
 
+def owned_slots(block_tables, specs, num_blocks, block_size):
+    """[num_blocks, block_size] bool: the cache slots some sequence of specs [(seq_len, q_len)] owns."""
+    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for s, (L, _) in enumerate(specs):
+        for pos in range(L):
+            owned[block_tables[s, pos // block_size], pos % block_size] = True
+    return owned
+
+
 def poison_unowned_slots(k_cache, v_cache, block_tables, specs, block_size):
     """The caches with NaN in every slot no sequence of specs [(seq_len, q_len)] owns (partial last
     blocks, spare blocks): kernels that read past a sequence's end would carry it into the output."""
     k, v = from_cache_layout(k_cache, v_cache)
-    owned = torch.zeros(k.shape[0], block_size, dtype=torch.bool)
-    for s, (L, _) in enumerate(specs):
-        for pos in range(L):
-            owned[block_tables[s, pos // block_size], pos % block_size] = True
+    owned = owned_slots(block_tables, specs, k.shape[0], block_size)
     k[~owned[:, None, :, None].expand_as(k)] = float("nan")
     v[~owned[:, None, :, None].expand_as(v)] = float("nan")
     return to_cache_layout(k, v, "cpu")
@@ -287,10 +293,7 @@ def test_quantized_slots_past_each_sequence_are_never_read(cache, block_size):
     q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(specs, 6, 2, 64, block_size, torch.bfloat16,
                                                   cache_dtype=cache_dtype, seed=6)
     k, v = from_cache_layout(kc, vc)
-    owned = torch.zeros(k.shape[0], block_size, dtype=torch.bool)
-    for s, (L, _) in enumerate(specs):
-        for pos in range(L):
-            owned[bt[s, pos // block_size], pos % block_size] = True
+    owned = owned_slots(bt, specs, k.shape[0], block_size)
     for x in (k, v):  # 0x7f: NaN in fp8, the largest code in int8
         x.view(torch.uint8)[~owned[:, None, :, None].expand_as(x)] = 0x7F
     ref = reference(q, *to_cache_layout(k, v, "cpu"), bt, sl, qsl, 0.125, ks, vs)  # reads owned slots only
