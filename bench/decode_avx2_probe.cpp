@@ -8,7 +8,7 @@
 //
 // Against bench_attention's decode times (cold, from memory) it says how much of a call is compute.
 // Measured on an AMD EPYC (Zen 2, family 23 model 49, TSC 2.245 GHz, cores ~2.8 GHz), QK / softmax / PV:
-// bf16 5.0 / 0.8 / 5.0, int8 4.0 / 1.8 / 4.2, fp8 7.3 / 1.1 / 7.8, fp32 5.3 / 0.9 / 5.5; from memory, 2
+// bf16 5.0 / 0.8 / 5.0, int8 4.0 / 1.8 / 4.2, fp8 6.1 / 1.1 / 6.2, fp32 5.3 / 0.9 / 5.5; from memory, 2
 // threads, the kernels take about twice that (bench_attention, batch 32 x 2,048: bf16 27, int8 18).
 #include <x86intrin.h>
 
@@ -81,6 +81,6 @@ void probe(const char* name) {
 int main() {
   probe<Operands::kBf16>("bf16");
   probe<Operands::kInt8>("int8");
-  probe<Operands::kFp8Bf16>("fp8");
+  probe<Operands::kFp8Half>("fp8");
   probe<Operands::kFp32>("fp32");
 }

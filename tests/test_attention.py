@@ -183,7 +183,7 @@ def test_quantized_cache_matches_dequantized_reference(cache_dtype, dtype, block
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_quantized_code_decodes_exactly(cache_dtype, dtype, block_size, decode_path):
     """With one cached token the output is that token's V row: every code (x 0.5) must come back exactly,
-    subnormal fp8 codes (which each dot-product path widens on a branch of its own) among them."""
+    subnormal fp8 codes (which the AVX-512 paths widen on a branch of their own) among them."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     if cache_dtype == torch.float8_e4m3fn:
         codes[(codes & 0x7F) == 0x7F] = 0  # NaN codes are never written

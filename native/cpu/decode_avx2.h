@@ -8,10 +8,11 @@
 // Operands by cache dtype (the weight of token t is its probability times its V scale):
 //   bf16  a half line widens to L = 2 fp32 vectors, one per value of its lanes (the low value shifted
 //         up, the high one masked); fp32 FMAs against q in fp32 (QK) or the fp32 weights (PV).
-//   fp8   the same with L = 4: a code moved to its lane's top byte, shifted right by 4 (arithmetic),
-//         masked, and given the exponent's high bits 112 is the fp32 of its value times 2^-8
-//         (kFp8Unit), exact for normal codes; a half line with subnormal codes (zero among them)
-//         fixes those lanes on a slower branch.
+//   fp8   (e4m3) L = 4, widened by F16C: a code's sign moved to bit 15 of a 16-bit lane and its
+//         exponent and mantissa to bits 13..7 is the fp16 of its value times 2^-8 (kFp8Unit), exact
+//         for subnormal codes too; vcvtph2ps makes fp32 of 8 of them. Then the same pairs as fp32's
+//         (below): a half line (8 lanes x 4 codes) gives each lane's values 0, 2 as one pair and 1, 3
+//         as another, and q (QK) or the weights (PV) are staged in that order (0, 2, 1, 3).
 //   fp32  (fp32 models keep an fp32 cache by default, and these CPUs run fp32 models by default.) A
 //         lane is a pair of values (8 bytes): a K half line holds 4 tokens x 2 dims, a V one 4 dims x
 //         2 tokens, the FMAs take q (QK) or the weights (PV) a pair at a time (vbroadcastsd), and
@@ -22,15 +23,22 @@
 //         row and chunk to 15-bit codes (scale max / 32767). A horizontal add (vphaddd) of the two
 //         accumulators puts the sums back in token (QK) or dim (PV) order. No overflow: at most 64
 //         products per lane (QK at D = 128), each at most 2^15 * 2^7.
-// bf16 and fp8 go through dot_lanes: two half lines at a time share each broadcast of q (or of the
+// bf16 goes through dot_lanes: two half lines at a time share each broadcast of q (or of the
 // weights), and each half line's products chain in a register of their own before they join the
 // row's accumulator. On a Zen 2 core with the chunk in L1 (bench/decode_avx2_probe.cpp: TSC ticks per
 // q-head score, QK / softmax / PV) that took bf16 from 13.8 / 3.2 / 8.5 (q and the weights stored
-// broadcast, one vfmadd with a memory operand per product: bound on loads) to 5.1 / 0.9 / 5.2; fp8 from
-// 11.3 / 3.6 / 9.3 to
-// 7.6 / 1.1 / 8.1. int8 runs 4.3 / 1.8 / 4.3, bound on vpmaddwd.
+// broadcast, one vfmadd with a memory operand per product: bound on loads) to 5.1 / 0.9 / 5.2. int8
+// runs 4.3 / 1.8 / 4.3, bound on vpmaddwd. fp8 ran 6.9 / 1.0 / 7.2 widened through fp32's exponent
+// (4 shifts and masks per fp32 vector, and a branch for subnormal codes) and runs 6.1 / 1.1 / 6.2 by
+// F16C (from DRAM, 2 threads, batch 8-32 x 2-8k: 1.10-1.18x), bound on vcvtph2ps (two cycles of
+// one pipe on Zen 2) and on its accumulators' FMA chains (2 FMAs per half line each). Pairs apart
+// in accumulators of their own would not fit 16 registers (12 at 3 rows: one spilled, 1.0x); their
+// products summed apart (vmulps, vfmadd, vaddps) ran 8.9, the adds on the pipes vcvtph2ps needs.
 #pragma once
 #if defined(__AVX2__) && defined(__FMA__)
+#if !defined(__F16C__)
+#error "the AVX2 decode kernels need F16C (every AVX2 CPU has it): build with -march=native or x86-64-v3"
+#endif
 #include <immintrin.h>
 
 #include <algorithm>
@@ -96,32 +104,31 @@ inline __m256 lanes_in(int first, int lo, int hi) {
   return _mm256_castsi256_ps(_mm256_andnot_si256(before, _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), idx)));
 }
 
-// The lanes of fp8 codes in v (as widen made them) whose code in `sub` is subnormal: the lane's
-// exponent 112 stood for the implicit 1 a subnormal lacks, and its exponent is 1 - 7, not 0 - 7, so
-// the value times 2^-8 is (v - sign * 2^-15) * 2.
-inline void fix_fp8_subnormals(__m256i sub, __m256* v) {
-  const __m256 lead = _mm256_set1_ps(0x1p-15f), sign = _mm256_set1_ps(-0.0f), two = _mm256_set1_ps(2.0f);
-  for (int k = 0; k < 4; ++k) {
-    const __m256 lanes = _mm256_castsi256_ps(_mm256_srai_epi32(_mm256_slli_epi32(sub, 24 - 8 * k), 24));
-    const __m256 fixed = _mm256_mul_ps(_mm256_sub_ps(v[k], _mm256_or_ps(_mm256_and_ps(v[k], sign), lead)), two);
-    v[k] = _mm256_blendv_ps(v[k], fixed, lanes);
-  }
+// A bf16 half line as 2 fp32 vectors, v[k] holding value k of each lane.
+inline void widen_bf16(__m256i x, __m256* v) {
+  v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  v[1] = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))));
 }
 
-// A half line as L fp32 vectors, v[k] holding value k of each lane: bf16 exactly, fp8 times kFp8Unit.
-template <Operands O>
-inline void widen(__m256i x, __m256* v) {
-  if constexpr (O == Operands::kBf16) {
-    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-    v[1] = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+// A half line of fp32 or fp8 operands (8 lanes of one K dims group or V token group) as pairs of fp32:
+// lo[s] holds pair s of lanes 0-3, hi[s] of lanes 4-7, each lane's pair in a 64-bit lane. fp32: the
+// lane is the pair. fp8: pair 0 holds values 0 and 2 of the lane, pair 1 values 1 and 3, times kFp8Unit.
+// MASKED: the codes are anded with `tail` first.
+template <Operands O, bool MASKED>
+inline void load_pairs(const char* p, __m256i tail, __m256* lo, __m256* hi) {
+  if constexpr (O == Operands::kFp32) {
+    __m256i a = load256(p), b = load256(p + 32);
+    if constexpr (MASKED) a = _mm256_and_si256(a, tail), b = _mm256_and_si256(b, tail);
+    lo[0] = _mm256_castsi256_ps(a), hi[0] = _mm256_castsi256_ps(b);
   } else {
-    const __m256i keep = _mm256_set1_epi32(static_cast<int32_t>(0x87f00000u)), exponent = _mm256_set1_epi32(112 << 23);
-    for (int k = 0; k < 4; ++k) {
-      const __m256i top = _mm256_slli_epi32(x, 24 - 8 * k);  // code k on bits 31..24
-      v[k] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(_mm256_srai_epi32(top, 4), keep), exponent));
-    }
-    const __m256i sub = _mm256_cmpeq_epi8(_mm256_and_si256(x, _mm256_set1_epi8(0x78)), _mm256_setzero_si256());
-    if (__builtin_expect(!_mm256_testz_si256(sub, sub), 0)) fix_fp8_subnormals(sub, v);
+    __m256i x = load256(p);
+    if constexpr (MASKED) x = _mm256_and_si256(x, tail);
+    // the codes of bytes 1, 3 (odd) and 0, 2 (even) of each 32-bit lane, as fp16 in 16-bit lanes
+    const __m256i keep = _mm256_set1_epi16(static_cast<int16_t>(0xbf80));
+    const __m256i odd = _mm256_and_si256(_mm256_srai_epi16(x, 1), keep);
+    const __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1), keep);
+    lo[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(even)), hi[0] = _mm256_cvtph_ps(_mm256_extracti128_si256(even, 1));
+    lo[1] = _mm256_cvtph_ps(_mm256_castsi256_si128(odd)), hi[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(odd, 1));
   }
 }
 
@@ -140,7 +147,8 @@ inline __m256 load_q8(const void* q, DType qdt, int64_t d) {
 }
 
 // One q row of D values (bf16 or fp32) -> its operands at dst: fp32, or for an int8 cache 15-bit
-// int16 codes (returns their scale, 0 for a zero row). *sum is unused (the AVX-512 int8 kernel's).
+// int16 codes (returns their scale, 0 for a zero row); fp8 in pair order (0, 2, 1, 3 of each 4). *sum
+// is unused (the AVX-512 int8 kernel's).
 template <Operands O>
 inline float stage_q(Avx2, const void* q, DType qdt, int64_t D, char* dst, int32_t* sum) {
   *sum = 0;
@@ -157,7 +165,11 @@ inline float stage_q(Avx2, const void* q, DType qdt, int64_t D, char* dst, int32
     }
     return m / kCode15;
   } else {
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(reinterpret_cast<float*>(dst) + d, load_q8(q, qdt, d));
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 x = load_q8(q, qdt, d);
+      if constexpr (is_fp8(O)) x = _mm256_permute_ps(x, _MM_SHUFFLE(3, 1, 2, 0));
+      _mm256_storeu_ps(reinterpret_cast<float*>(dst) + d, x);
+    }
     return 1.0f;
   }
 }
@@ -179,10 +191,21 @@ inline void dot_lanes(const __m256 (*v)[L], const float* w, __m256* acc) {
   acc[1] = _mm256_add_ps(acc[1], t1);
 }
 
+// lo += sum_i a[i] w_i and hi += sum_i b[i] w_i: load_pairs' operands (a: lanes 0-3, b: 4-7) times
+// w's pairs (QK: q, PV: the weights; pair i at w + 8 i, in every 64-bit lane).
+template <int P>
+inline void dot_pairs(const __m256* a, const __m256* b, const char* w, __m256& lo, __m256& hi) {
+  for (int i = 0; i < P; ++i) {
+    const __m256 wp = bcast_pair(w + 8 * i);
+    lo = _mm256_fmadd_ps(a[i], wp, lo);
+    hi = _mm256_fmadd_ps(b[i], wp, hi);
+  }
+}
+
 // QK of NR rows over the chunk: sc[r * kChunk + t] = q_r . k_t * scale (log2 units). q: the rows'
-// operands (q_bytes apart); qs: the rows' q scales (int8 cache). bf16 and fp8 go a tile (16 tokens)
-// at a time, sharing each broadcast of q between its halves; int8 and fp32 a half (8 tokens) at a
-// time, whose two accumulators per row would not fit 16 registers for a tile at 4 rows.
+// operands (q_bytes apart); qs: the rows' q scales (int8 cache). bf16 goes a tile (16 tokens) at a
+// time, sharing each broadcast of q between its halves; the others a half (8 tokens) at a time, whose
+// two accumulators per row would not fit 16 registers for a tile at 4 rows.
 template <Operands O, int NC32, int NR, bool SPLIT>
 inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_stride, const char* q,
                      int64_t q_bytes, const float* qs, const int32_t*, float* sc, float scale) {
@@ -197,20 +220,19 @@ inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t li
   auto prefetch_k = [&](int h, int j) {
     if (SPLIT ? j % 2 == 0 : h % 2 == 0) prefetch<kPrefetchLevel>(k_half<O, SPLIT>(next, h) + j * line_stride);
   };
-  if constexpr (O == Operands::kFp32) {
-    for (int h = 0; h < (c.n + 7) / 8; ++h) {  // a half's dims pair j is one 64-byte line
+  if constexpr (O == Operands::kFp32 || is_fp8(O)) {
+    constexpr int P = L / 2;  // pairs per lane
+    for (int h = 0; h < (c.n + 7) / 8; ++h) {
       const char* k = k_half<O, SPLIT>(c, h);
       __m256 lo[NR], hi[NR];  // tokens 0-3 and 4-7 of the half, a token's two dims in a lane pair
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
       for (int j = 0; j < kLines; ++j) {
-        prefetch<kPrefetchLevel>(k_half<O, SPLIT>(next, h) + j * line_stride);
-        const __m256 a = _mm256_loadu_ps(reinterpret_cast<const float*>(k + j * line_stride));
-        const __m256 b = _mm256_loadu_ps(reinterpret_cast<const float*>(k + j * line_stride + 32));
-        for (int r = 0; r < NR; ++r) {
-          const __m256 qp = bcast_pair(q + r * q_bytes + 8 * j);
-          lo[r] = _mm256_fmadd_ps(a, qp, lo[r]);
-          hi[r] = _mm256_fmadd_ps(b, qp, hi[r]);
-        }
+        if constexpr (O == Operands::kFp32)  // a half's dims pair is a whole line
+          prefetch<kPrefetchLevel>(k_half<O, SPLIT>(next, h) + j * line_stride);
+        else prefetch_k(h, j);
+        __m256 a[P], b[P];
+        load_pairs<O, false>(k + j * line_stride, __m256i{}, a, b);
+        for (int r = 0; r < NR; ++r) dot_pairs<P>(a, b, q + r * q_bytes + 8 * P * j, lo[r], hi[r]);
       }
       const __m256 s = half_scale(h);
       for (int r = 0; r < NR; ++r) _mm256_storeu_ps(sc + r * kChunk + 8 * h, _mm256_mul_ps(join_pairs(lo[r], hi[r]), s));
@@ -246,8 +268,8 @@ inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t li
         prefetch_k(2 * i, j);
         if constexpr (SPLIT) prefetch_k(2 * i + 1, j);
         __m256 v[2][L];
-        widen<O>(load256(k0 + j * line_stride), v[0]);
-        widen<O>(load256(k1 + j * line_stride), v[1]);
+        widen_bf16(load256(k0 + j * line_stride), v[0]);
+        widen_bf16(load256(k1 + j * line_stride), v[1]);
         for (int r = 0; r < NR; ++r) dot_lanes<L>(v, reinterpret_cast<const float*>(q + r * q_bytes) + L * j, acc[r]);
       }
       for (int hh = 0; hh < 2; ++hh) {
@@ -269,8 +291,8 @@ inline __m256 exp2_weights(__m256 x) {
 }
 
 // attention.cpp's softmax_row in 8-lane vectors (the same lagging max): the weights of tokens
-// [0, round_up(n, 8)) go to pw as fp32 (times the V scales for fp8) or as 15-bit codes of scale
-// *wscale (int8).
+// [0, round_up(n, 8)) go to pw as fp32 (times the V scales for fp8, in pair order: 0, 2, 1, 3 of
+// each 4) or as 15-bit codes of scale *wscale (int8).
 template <Operands O, bool SPLIT>
 inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const ChunkPtrs& c, char* pw, float& m,
                          float& l, float& wscale) {
@@ -309,7 +331,8 @@ inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const Chu
       // scales past the chunk's end may be anything: the mask after the product zeroes NaN too
       if constexpr (has_scales(O))
         w[g] = _mm256_and_ps(_mm256_mul_ps(p, _mm256_loadu_ps(scales_half<SPLIT>(c.vs0, c.vs1, g))), keep[g]);
-      if constexpr (is_fp8(O)) w[g] = _mm256_mul_ps(w[g], _mm256_set1_ps(1.0f / kFp8Unit));
+      if constexpr (is_fp8(O))
+        w[g] = _mm256_permute_ps(_mm256_mul_ps(w[g], _mm256_set1_ps(1.0f / kFp8Unit)), _MM_SHUFFLE(3, 1, 2, 0));
       if constexpr (O == Operands::kInt8) wmax = _mm256_max_ps(wmax, w[g]);
     }
     if constexpr (O != Operands::kInt8) _mm256_storeu_ps(reinterpret_cast<float*>(pw) + 8 * g, w[g]);
@@ -330,8 +353,8 @@ inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const Chu
 }
 
 // acc_r = acc_r * alpha_r + sum_t w_rt V_t (times wscale_r for int8) for NR rows, in passes of DB
-// dims (16: two half lines; 8 for int8 and fp32, whose two accumulators a dim group needs would not
-// fit 16 registers at 4 rows). pw: the rows' weights, weight_row_bytes apart. The group addresses are
+// dims (bf16: 16, two half lines; 8 for the others, whose two accumulators a dim group needs would
+// not fit 16 registers at 4 rows). pw: the rows' weights, weight_row_bytes apart. The group addresses are
 // worked out once, and the loops carry no branch (the masked part group goes last), so the
 // accumulators stay in registers. Each pass prefetches its share of the next chunk's V lines, one
 // per group (int8's 8 passes ask for each of its 4 lines twice: a second prefetch of a line in flight
@@ -342,7 +365,7 @@ template <Operands O, int NC32, int NR, bool SPLIT>
 inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, const float* alpha,
                      const float* wscale, float* acc, int maxnv) {
   constexpr int64_t D = 32 * NC32, group_bytes = D * lane_bytes(O), w_bytes = weight_row_bytes(Avx2{}, O);
-  constexpr int L = lane_of(O), NH = O == Operands::kInt8 || O == Operands::kFp32 ? 1 : 2, DB = 8 * NH;
+  constexpr int L = lane_of(O), NH = O == Operands::kBf16 ? 2 : 1, DB = 8 * NH;
   constexpr int64_t es = elem_bytes(O);
   const int ngroups = (maxnv + L - 1) / L;
   const char* gp[kChunk / 2];  // the chunk's V groups at dim 0 (at most 32: bf16's pairs)
@@ -361,18 +384,15 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
     auto prefetch_v = [&](int p) {
       for (int i = 0; i < kPerPass; ++i) prefetch<kPrefetchLevel>(gn[p] + share + 64 * i);
     };
-    if constexpr (O == Operands::kFp32) {
+    if constexpr (O == Operands::kFp32 || is_fp8(O)) {
+      constexpr int P = L / 2;  // pairs per lane
       __m256 lo[NR], hi[NR];  // dims 0-3 and 4-7 of the pass, a dim's two tokens in a lane pair
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
       auto group = [&](int p, auto masked) {
         prefetch_v(p);
-        __m256i a = load256(gp[p] + d0 * lane_bytes(O)), b = load256(gp[p] + d0 * lane_bytes(O) + 32);
-        if constexpr (decltype(masked)::value) a = _mm256_and_si256(a, tail), b = _mm256_and_si256(b, tail);
-        for (int r = 0; r < NR; ++r) {
-          const __m256 wp = bcast_pair(pw + r * w_bytes + 8 * p);
-          lo[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(a), wp, lo[r]);
-          hi[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(b), wp, hi[r]);
-        }
+        __m256 a[P], b[P];
+        load_pairs<O, decltype(masked)::value>(gp[p] + d0 * lane_bytes(O), tail, a, b);
+        for (int r = 0; r < NR; ++r) dot_pairs<P>(a, b, pw + r * w_bytes + 8 * P * p, lo[r], hi[r]);
       };
       for (int p = 0; p < full; ++p) group(p, std::false_type{});
       if (full < ngroups) group(full, std::true_type{});
@@ -410,7 +430,7 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
         for (int i = 0; i < NH; ++i) {
           __m256i raw = load256(gp[p] + d0 * lane_bytes(O) + 32 * i);
           if constexpr (decltype(masked)::value) raw = _mm256_and_si256(raw, tail);
-          widen<O>(raw, v[i]);
+          widen_bf16(raw, v[i]);
         }
         for (int r = 0; r < NR; ++r)
           dot_lanes<L>(v, reinterpret_cast<const float*>(pw + r * w_bytes) + L * p, x[r]);

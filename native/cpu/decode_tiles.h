@@ -17,8 +17,8 @@
 namespace pyengine::decode {
 
 // The operands of the dot products, by cache dtype (each kernel's header comment says how it computes them):
-// bf16 codes as bf16; fp8 codes widened through bf16's bit layout, or (AVX512-FP16) fp16's; int8
-// codes as integers; fp32 as they are (the AVX2 kernels only).
+// bf16 codes as bf16; fp8 codes widened through bf16's bit layout, or (AVX512-FP16; AVX2 by F16C)
+// fp16's; int8 codes as integers; fp32 as they are (the AVX2 kernels only).
 enum class Operands { kBf16, kFp8Bf16, kFp8Half, kInt8, kFp32 };
 constexpr bool is_fp8(Operands O) { return O == Operands::kFp8Bf16 || O == Operands::kFp8Half; }
 // Quantized caches: an fp32 scale per (token, kv head) beside the codes.
