@@ -227,8 +227,10 @@ inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t li
       __m256 lo[NR], hi[NR];  // tokens 0-3 and 4-7 of the half, a token's two dims in a lane pair
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
       for (int j = 0; j < kLines; ++j) {
-        if constexpr (O == Operands::kFp32)  // a half's dims pair is a whole line
+        if constexpr (O == Operands::kFp32 && SPLIT)  // a half's dims pair is a whole line
           prefetch<kPrefetchLevel>(k_half<O, SPLIT>(next, h) + j * line_stride);
+        else if constexpr (O == Operands::kFp32)  // the tile's lines in address order (its halves interleave)
+          prefetch<kPrefetchLevel>(next.k0[h / 2] + 64 * ((h % 2) * kLines + j));
         else prefetch_k(h, j);
         __m256 a[P], b[P];
         load_pairs<O, false>(k + j * line_stride, __m256i{}, a, b);
@@ -356,11 +358,13 @@ inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const Chu
 // dims (bf16: 16, two half lines; 8 for the others, whose two accumulators a dim group needs would
 // not fit 16 registers at 4 rows). pw: the rows' weights, weight_row_bytes apart. The group addresses are
 // worked out once, and the loops carry no branch (the masked part group goes last), so the
-// accumulators stay in registers. Each pass prefetches its share of the next chunk's V lines, one
-// per group (int8's 8 passes ask for each of its 4 lines twice: a second prefetch of a line in flight
-// costs a load slot, not a miss). All of them in the first pass, where its loads queued behind them,
-// was slower on Zen 2 (2 threads, cold, batch 8-32 x 2-8k): bf16 1.10-1.17x, int8 1.16-1.22x, fp8
-// up to 1.08x.
+// accumulators stay in registers. Each pass prefetches its share of the next chunk's V lines, spread
+// over its groups, in address order: pass k the k-th run of them. All of them in the first pass,
+// where its loads queued behind them, was slower on Zen 2 (2 threads, cold, batch 8-32 x 2-8k): bf16
+// 1.10-1.17x, int8 1.16-1.22x, fp8 up to 1.08x. So was pass k asking for line k of every group (the
+// order the passes read them: a stride of a group's bytes): fp32 1.10-1.23x, bf16 1.01-1.07x, int8
+// and fp8 0.96-1.00x (the same A/B). Read without software prefetches, 2 KB tiles in address order
+// came at ~16.5 GB/s a core, in the passes' order at ~11.5 (a probe with no arithmetic).
 template <Operands O, int NC32, int NR, bool SPLIT>
 inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, const float* alpha,
                      const float* wscale, float* acc, int maxnv) {
@@ -378,11 +382,12 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
                            ? _mm256_set1_epi64x(0xffffffffLL)
                            : _mm256_set1_epi32(static_cast<int32_t>((1u << ((c.n % L) * es * 8)) - 1));
   constexpr int kPasses = static_cast<int>(D / DB), kGroupLines = static_cast<int>(group_bytes / 64);
-  constexpr int kPerPass = std::max(1, kGroupLines / kPasses);
   auto pass = [&](int64_t d0) {
-    const int64_t share = d0 / DB * kGroupLines / kPasses * 64;  // this pass's first line of a group
+    const int call0 = static_cast<int>(d0 / DB) * ngroups;
     auto prefetch_v = [&](int p) {
-      for (int i = 0; i < kPerPass; ++i) prefetch<kPrefetchLevel>(gn[p] + share + 64 * i);
+      const int c = call0 + p;
+      for (int n = c * kGroupLines / kPasses; n < (c + 1) * kGroupLines / kPasses; ++n)
+        prefetch<kPrefetchLevel>(gn[n / kGroupLines] + 64 * (n % kGroupLines));
     };
     if constexpr (O == Operands::kFp32 || is_fp8(O)) {
       constexpr int P = L / 2;  // pairs per lane
