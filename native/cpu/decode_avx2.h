@@ -359,12 +359,14 @@ inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const Chu
 // not fit 16 registers at 4 rows). pw: the rows' weights, weight_row_bytes apart. The group addresses are
 // worked out once, and the loops carry no branch (the masked part group goes last), so the
 // accumulators stay in registers. Each pass prefetches its share of the next chunk's V lines, spread
-// over its groups, in address order: pass k the k-th run of them. All of them in the first pass,
-// where its loads queued behind them, was slower on Zen 2 (2 threads, cold, batch 8-32 x 2-8k): bf16
-// 1.10-1.17x, int8 1.16-1.22x, fp8 up to 1.08x. So was pass k asking for line k of every group (the
-// order the passes read them: a stride of a group's bytes): fp32 1.10-1.23x, bf16 1.01-1.07x, int8
-// and fp8 0.96-1.00x (the same A/B). Read without software prefetches, 2 KB tiles in address order
-// came at ~16.5 GB/s a core, in the passes' order at ~11.5 (a probe with no arithmetic).
+// over its groups. All of them in the first pass, where its loads queued behind them, was slower on
+// Zen 2 (2 threads, cold, batch 8-32 x 2-8k): bf16 1.10-1.17x, int8 1.16-1.22x, fp8 up to 1.08x.
+// Which share, by measurement (the same A/B): bf16 and fp32 take the lines in address order, pass k
+// the k-th run of them; 1-byte caches (256-byte groups, 16 to a chunk) line k * 4 / 8 of every
+// group, each line twice. The first order for all was 1.10-1.25x faster for fp32 (4 KB tiles) and
+// 1.01-1.07x for bf16, but 0.95-1.00x for int8 and fp8 (1 KB tiles), 0.91-0.95x end to end (8 x
+// 2,000-token prompts); the second for all was 0.8-0.9x for fp32. Prefetching every line twice,
+// or only every other one, was slower for all.
 template <Operands O, int NC32, int NR, bool SPLIT>
 inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, const float* alpha,
                      const float* wscale, float* acc, int maxnv) {
@@ -385,9 +387,13 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
   auto pass = [&](int64_t d0) {
     const int call0 = static_cast<int>(d0 / DB) * ngroups;
     auto prefetch_v = [&](int p) {
-      const int c = call0 + p;
-      for (int n = c * kGroupLines / kPasses; n < (c + 1) * kGroupLines / kPasses; ++n)
-        prefetch<kPrefetchLevel>(gn[n / kGroupLines] + 64 * (n % kGroupLines));
+      if constexpr (es == 1) {
+        prefetch<kPrefetchLevel>(gn[p] + d0 / DB * kGroupLines / kPasses * 64);
+      } else {
+        const int c = call0 + p;
+        for (int n = c * kGroupLines / kPasses; n < (c + 1) * kGroupLines / kPasses; ++n)
+          prefetch<kPrefetchLevel>(gn[n / kGroupLines] + 64 * (n % kGroupLines));
+      }
     };
     if constexpr (O == Operands::kFp32 || is_fp8(O)) {
       constexpr int P = L / 2;  // pairs per lane
