@@ -362,8 +362,8 @@ inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const Chu
 // over its groups. All of them in the first pass, where its loads queued behind them, was slower on
 // Zen 2 (2 threads, cold, batch 8-32 x 2-8k): bf16 1.10-1.17x, int8 1.16-1.22x, fp8 up to 1.08x.
 // Which share, by measurement (the same A/B): bf16 and fp32 take the lines in address order, pass k
-// the k-th run of them; 1-byte caches (256-byte groups, 16 to a chunk) line k * 4 / 8 of every
-// group, each line twice. The first order for all was 1.10-1.25x faster for fp32 (4 KB tiles) and
+// the k-th run of them; 1-byte caches (groups of 4 tokens, twice as many passes as a group has
+// lines) line k / 2 of every group, each line twice. The first order for all was 1.10-1.25x faster for fp32 (4 KB tiles) and
 // 1.01-1.07x for bf16, but 0.95-1.00x for int8 and fp8 (1 KB tiles), 0.91-0.95x end to end (8 x
 // 2,000-token prompts); the second for all was 0.8-0.9x for fp32. Prefetching every line twice,
 // or only every other one, was slower for all.
