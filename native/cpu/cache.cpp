@@ -288,9 +288,9 @@ float quantize_row(const float* x, int64_t n, DType cache, void* dst) {
   const float absmax = hmax256(m);
   const bool fp8 = cache == DType::kFloat8E4M3;
   const float scale = fp8 ? fp8_row_scale8(x, n, absmax) : kv_scale(absmax, kInt8Max);
-  const __m256 inv = _mm256_set1_ps(scale), zero = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256 y = scale > 0.0f ? _mm256_div_ps(_mm256_loadu_ps(x + i), inv) : zero;
+  const __m256 by = _mm256_set1_ps(scale), zero = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {  // x / scale, 0 where scale is not > 0 (kv_scaled)
+    const __m256 y = scale > 0.0f ? _mm256_div_ps(_mm256_loadu_ps(x + i), by) : zero;
     store_low_bytes8(fp8 ? fp8_codes8(y) : int8_codes8(y), static_cast<char*>(dst) + i);
   }
   return scale;
