@@ -363,10 +363,10 @@ inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const Chu
 // Zen 2 (2 threads, cold, batch 8-32 x 2-8k): bf16 1.10-1.17x, int8 1.16-1.22x, fp8 up to 1.08x.
 // Which share, by measurement (the same A/B): bf16 and fp32 take the lines in address order, pass k
 // the k-th run of them; 1-byte caches (groups of 4 tokens, twice as many passes as a group has
-// lines) line k / 2 of every group, each line twice. The first order for all was 1.10-1.25x faster for fp32 (4 KB tiles) and
-// 1.01-1.07x for bf16, but 0.95-1.00x for int8 and fp8 (1 KB tiles), 0.91-0.95x end to end (8 x
-// 2,000-token prompts); the second for all was 0.8-0.9x for fp32. Prefetching every line twice,
-// or only every other one, was slower for all.
+// lines) line k / 2 of every group, each line twice. The first order for all was 1.10-1.25x faster
+// for fp32 (4 KB tiles) and 1.01-1.07x for bf16, but 0.95-1.00x for int8 and fp8 (1 KB tiles),
+// 0.91-0.95x end to end (8 x 2,000-token prompts); the second for all was 0.8-0.9x for fp32.
+// Prefetching every line twice, or only every other one, was slower for all.
 template <Operands O, int NC32, int NR, bool SPLIT>
 inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, const float* alpha,
                      const float* wscale, float* acc, int maxnv) {
@@ -385,13 +385,12 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
                            : _mm256_set1_epi32(static_cast<int32_t>((1u << ((c.n % L) * es * 8)) - 1));
   constexpr int kPasses = static_cast<int>(D / DB), kGroupLines = static_cast<int>(group_bytes / 64);
   auto pass = [&](int64_t d0) {
-    const int call0 = static_cast<int>(d0 / DB) * ngroups;
     auto prefetch_v = [&](int p) {
       if constexpr (es == 1) {
         prefetch<kPrefetchLevel>(gn[p] + d0 / DB * kGroupLines / kPasses * 64);
-      } else {
-        const int c = call0 + p;
-        for (int n = c * kGroupLines / kPasses; n < (c + 1) * kGroupLines / kPasses; ++n)
+      } else {  // of the kPasses * ngroups calls, call k takes lines [k, k + 1) * kGroupLines / kPasses
+        const int call = static_cast<int>(d0 / DB) * ngroups + p;
+        for (int n = call * kGroupLines / kPasses; n < (call + 1) * kGroupLines / kPasses; ++n)
           prefetch<kPrefetchLevel>(gn[n / kGroupLines] + 64 * (n % kGroupLines));
       }
     };
