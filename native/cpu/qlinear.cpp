@@ -22,8 +22,10 @@
 //   amx: for M >= 8 rows of x, 16 int8 rows x one tile per tdpbsud, a 32-value group at a time (amx_block);
 //        the rows after the last whole 16 and M < 8 (decode) run on the avx512_vnni path;
 //   avx512_vnni: vpdpbusd, the 16 rows of a tile in the lanes of one zmm, 4 activation bytes broadcast;
-//   avx2: vpmaddubsw + vpmaddwd, a tile's rows in two ymm (Q8_0 on signed values: no i16 overflow),
-//         4 int8 rows (2 of x) per unpacked weight line (2 rows: 1.2-1.6x slower at M = 16..64; 8 spill);
+//   avx2: a tile's rows in two ymm. From kJoinedMinRows rows of x, vpmaddwd on int16: each row of x's
+//         pair joined (256 q1 + q2) against the weights' values widened to int16, 4 rows of x per unpacked
+//         weight line; below, vpmaddubsw + vpmaddwd on the int8 pairs (Q8_0 on signed values: no i16
+//         overflow), 4 int8 rows (2 of x) per unpacked weight line. Both give the same sums, so the same bits;
 //   scalar: a portable loop over the same layout.
 // From qlinear_strip_rows() rows of bf16 x (16 on AMX hosts, else never), qlinear_strips.cpp runs
 // instead: the weight dequantized to bf16 a strip at a time for linear.cpp's kernel, bit-identical to
@@ -64,6 +66,11 @@ constexpr int64_t kPanelMinRows = 64;
 constexpr int64_t kMinParallelQuant = 8192;  // activation values below which the caller quantizes them alone
 constexpr int64_t kPanelBytes = 256 * 1024;       // quantized x per panel
 constexpr int64_t kAmxRows = 16;                  // int8 rows per AMX pass (panels are whole multiples)
+// Rows of x from which the avx2 path runs on the joined activations (avx2_joined_half). Below, its int8
+// pairs: a call of 1 or 2 rows (decode of 1 or 2 sequences) reads each weight line once there, and
+// unpacks it for fewer products (default model, 2 threads, one step's projections from memory,
+// bench/ab_builds.py: joined over pairs 0.90x at 1 row, 0.92x at 2, 1.05x at 3, 1.12x at 4).
+constexpr int64_t kJoinedMinRows = 3;
 
 enum Isa : int { kScalar, kAvx2, kVnni, kAmx };
 
@@ -104,6 +111,7 @@ struct QArgs {
   const float* bias;   // [N] fp32, this segment's, or null
   bool out_f32;
   int64_t M, N, K, KB, ldo;  // M: int8 rows, a row of x and its residual after each other
+  bool joined;               // avx2: each pair of rows stored joined (quantize_row_avx2)
 
   // The m int8 rows from row r (even).
   QArgs rows_from(int64_t r, int64_t m) const {
@@ -463,7 +471,7 @@ inline __m256i shift16(__m256i v) {
 }
 
 // As vnni_line, for rows 8r .. 8r + 7 of the tile (bytes 32r .. 32r + 31 of each line); Q8_0's bytes
-// come back signed (q), for avx2_block's sign trick.
+// come back signed (q), as do the IQ4 types' levels.
 template <int T, int I>
 inline void avx2_line(const uint8_t* grp, int r, __m256i& lo, __m256i& hi) {
   constexpr Layout L = layout(T);
@@ -477,7 +485,7 @@ inline void avx2_line(const uint8_t* grp, int r, __m256i& lo, __m256i& hi) {
   const __m256i mask = _mm256_set1_epi8((1 << L.bits) - 1);
   lo = _mm256_and_si256(shift16<-at>(raw), mask);
   hi = _mm256_and_si256(shift16<-at - L.bits>(raw), mask);
-  if constexpr (L.lookup) {  // the signed levels, for the sign trick
+  if constexpr (L.lookup) {  // the signed levels
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ggml::kIq4nl)));
     lo = _mm256_shuffle_epi8(table, lo);
     hi = _mm256_shuffle_epi8(table, hi);
@@ -510,20 +518,21 @@ struct Ymm {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F set1(float v) { return _mm256_set1_ps(v); }
-  static F joined(I hi, I lo) { return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo)); }
+  static I join(I hi, I lo) { return _mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
 };
 
-// As vnni_scales, for rows 8r .. 8r + 7, on signed Q8_0 / IQ4 values (avx2_block's sign trick).
+// As vnni_scales, for rows 8r .. 8r + 7; Q8_0's and the IQ4 types' values signed (avx2_line).
 template <int T>
 inline void avx2_scales(const uint8_t* rec, int64_t g, int h, int r, __m256& d, __m256& c) {
   vec_scales<T, Ymm, true>(rec, g, h, 8 * r, d, c);
 }
 
-// Rows [r0, r0 + MR) x one tile. vpmaddubsw sums two u8 x s8 products in int16: at most 2 * 63 * 127
+// Int8 rows [r0, r0 + MR) x one tile, for calls of fewer than kJoinedMinRows rows of x. vpmaddubsw sums two u8 x s8 products in int16: at most 2 * 63 * 127
 // per nibble line (a low and a high line's pairs added: 32004 for Q6_K) fits; Q8_0 runs on |q| and
 // sign(q) x (2 * 128 * 127), as llama.cpp does, and so do the IQ4 types' signed levels.
 template <int T, int MR>
-void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
+void avx2_pair_block(const QArgs& a, int64_t r0, int64_t tile) {
   constexpr Layout L = layout(T);
   constexpr int per_half = L.lines / L.halves;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -583,12 +592,104 @@ void avx2_block(const QArgs& a, int64_t r0, int64_t tile) {
   }
 }
 
+// The low and high byte of each 16-bit lane of `bytes` as int16 (Signed: the bytes are int8): a line's
+// values k0 + t for even t, and for odd t.
+template <bool Signed>
+inline void split_bytes(__m256i bytes, __m256i& even, __m256i& odd) {
+  if constexpr (Signed) {
+    even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
+    odd = _mm256_srai_epi16(bytes, 8);
+  } else {
+    even = _mm256_and_si256(bytes, _mm256_set1_epi16(0xFF));
+    odd = _mm256_srli_epi16(bytes, 8);
+  }
+}
+
+// Rows [x0, x0 + MX) of x x one tile, on the joined int16 activations (quantize_row_avx2: row x's pair
+// of int8 rows as 256 q1 + q2, each 4 values in the order 0, 2, 1, 3). A line's bytes (row j's k0 + t
+// at byte 4j + t) split into their even and odd bytes as int16; vpmaddwd against the broadcast words
+// (x[k0], x[k0 + 2]) and (x[k0 + 1], x[k0 + 3]) then leaves row j's sum over the four k in lane j. So
+// one vpmaddwd does 16 of x's products where the int8 pair took two vpmaddubsw and two vpmaddwd for 32
+// (on Zen 2 all of them issue on one pipe), and the int32 sum is 256 dot1 + dot2 exactly: scale_joined
+// does the vnni path's float operations on it. |w| <= 128 and |x| <= 256 * 127 + 127 keep a group's
+// sum of 32 products within int32.
+template <int T, int MX>
+void avx2_joined_half(const QArgs& a, int64_t x0, int64_t tile, int r, float (*sum)[kTileRows]) {
+  constexpr Layout L = layout(T);
+  constexpr bool Signed = L.lines == 8 || L.lookup;
+  constexpr int per_half = L.lines / L.halves;
+  __m256 acc[MX];
+  for (auto& v : acc) v = _mm256_setzero_ps();
+  const int64_t stride = tile_stride(L, a.KB);
+  const uint8_t* w = a.w + tile * stride;
+  const int32_t* xw[MX];  // the joined values' words (2 values each)
+  for (int m = 0; m < MX; ++m) xw[m] = reinterpret_cast<const int32_t*>(a.xq + 2 * (x0 + m) * a.K);
+  for (int64_t b = 0; b < a.KB; ++b) {
+    const int64_t g = b % L.groups();
+    const uint8_t* rec = w + b / L.groups() * L.record_bytes();
+    const uint8_t* grp = rec + g * L.group_bytes();
+    static_for<0, L.halves>([&](auto hc) {
+      constexpr int h = decltype(hc)::value;
+      __m256i dot[MX];
+      for (auto& v : dot) v = _mm256_setzero_si256();
+      // `bytes`: k0 + t at byte 4j + t, k0 = 2 word
+      auto add_line = [&](__m256i bytes, int64_t word) {
+        __m256i even, odd;
+        split_bytes<Signed>(bytes, even, odd);
+        for (int m = 0; m < MX; ++m) {
+          dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(even, _mm256_set1_epi32(xw[m][word])));
+          dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(odd, _mm256_set1_epi32(xw[m][word + 1])));
+          asm("" : "+x"(dot[m]));
+        }
+      };
+      static_for<h * per_half, (h + 1) * per_half>([&](auto ic) {
+        constexpr int i = decltype(ic)::value;
+        __m256i lo, hi;
+        avx2_line<T, i>(grp, r, lo, hi);
+        if constexpr (L.lines == 8) {  // k = 4i .. 4i + 3
+          add_line(lo, 16 * b + 2 * i);
+        } else {  // lo: k = 8i .. 8i + 3, hi: 8i + 4 .. 8i + 7
+          add_line(lo, 16 * b + 4 * i);
+          add_line(hi, 16 * b + 4 * i + 2);
+        }
+      });
+      __m256 d, c;
+      avx2_scales<T>(rec, g, h, r, d, c);
+      for (int m = 0; m < MX; ++m) {
+        const int64_t x1 = 2 * (x0 + m) * a.KB + b, x2 = x1 + a.KB;
+        acc[m] = scale_joined<T, true, Ymm>(dot[m], a.dx[x2], d, c, offset_sum<T>(a, x1, h) + offset_sum<T>(a, x2, h),
+                                            acc[m]);
+      }
+    });
+  }
+  for (int m = 0; m < MX; ++m) _mm256_storeu_ps(sum[m] + 8 * r, acc[m]);
+}
+
+template <int T, int MX>
+void avx2_joined_block(const QArgs& a, int64_t x0, int64_t tile) {
+  float sum[MX][kTileRows];
+  for (int r = 0; r < 2; ++r) avx2_joined_half<T, MX>(a, x0, tile, r, sum);
+  for (int m = 0; m < MX; ++m) store_row(a, x0 + m, tile * kTileRows, sum[m]);
+}
+
 template <int T>
 void tile_group_avx2(const QArgs& a, int64_t t0, int nt) {
   for (int64_t tile = t0; tile < t0 + nt; ++tile) {
-    int64_t r0 = 0;
-    for (; r0 + 4 <= a.M; r0 += 4) avx2_block<T, 4>(a, r0, tile);
-    if (r0 < a.M) avx2_block<T, 2>(a, r0, tile);
+    if (!a.joined) {
+      int64_t r0 = 0;
+      for (; r0 + 4 <= a.M; r0 += 4) avx2_pair_block<T, 4>(a, r0, tile);
+      if (r0 < a.M) avx2_pair_block<T, 2>(a, r0, tile);
+      continue;
+    }
+    const int64_t rows = a.M / 2;
+    int64_t x0 = 0;
+    for (; x0 + 4 <= rows; x0 += 4) avx2_joined_block<T, 4>(a, x0, tile);
+    switch (rows - x0) {
+      case 3: avx2_joined_block<T, 3>(a, x0, tile); break;
+      case 2: avx2_joined_block<T, 2>(a, x0, tile); break;
+      case 1: avx2_joined_block<T, 1>(a, x0, tile); break;
+      default: break;
+    }
   }
 }
 
@@ -649,6 +750,7 @@ struct QuantRow {
   int8_t* xq;  // [2, K]
   float *dx, *sx, *sh;  // [2, KB], [2, KB], [2, 2 KB]
   int64_t K, KB;
+  bool joined;  // the avx2 path from kJoinedMinRows rows: xq's two rows stored joined (quantize_row_avx2)
 
   // Level `level` of block b: its scale d, and the sums of q over the block's two halves.
   void put(int level, int64_t b, float d, int32_t sum0, int32_t sum1) const {
@@ -760,7 +862,9 @@ void quantize_row_avx512(const void* x, bool f32, const QuantRow& r) {
 #endif
 
 #if defined(PYENGINE_QLINEAR_AVX2)
-// A block is four ymm of 8 values.
+// A block is four ymm of 8 values. r.joined: the two levels' codes are stored joined, for
+// avx2_joined_half's vpmaddwd: 256 q1 + q2 as int16 (|q| <= 127: it fits) in the pair's 2K bytes, each
+// 4 values in the order 0, 2, 1, 3. The scales and sums are the other paths' either way.
 void quantize_row_avx2(const void* x, bool f32, const QuantRow& r) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t b = 0; b < r.KB; ++b) {
@@ -773,6 +877,7 @@ void quantize_row_avx2(const void* x, bool f32, const QuantRow& r) {
                            reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at))), 16));
     }
     float d = 0.0f;  // the level's scale: d1 = amax / 127, then d2 = d1 / 256
+    __m256i joined[4];
     for (int level = 0; level < 2; ++level) {
       if (level == 0)
         d = hmax256(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
@@ -786,12 +891,14 @@ void quantize_row_avx2(const void* x, bool f32, const QuantRow& r) {
         q[i] = _mm256_max_epi32(_mm256_set1_epi32(-kQMax), _mm256_min_epi32(_mm256_set1_epi32(kQMax),
                    _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)))));
         v[i] = _mm256_sub_ps(v[i], _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q[i])));
+        joined[i] = level == 0 ? _mm256_slli_epi32(q[i], 8) : _mm256_add_epi32(joined[i], q[i]);
       }
-      // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back
-      const __m256i packed = _mm256_permutevar8x32_epi32(
-          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
-          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.xq + level * r.K + b * kBlock), packed);
+      if (!r.joined) {  // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back
+        const __m256i packed = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.xq + level * r.K + b * kBlock), packed);
+      }
       int32_t sum[2];
       for (int h = 0; h < 2; ++h) {
         const __m256i s = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
@@ -800,6 +907,14 @@ void quantize_row_avx2(const void* x, bool f32, const QuantRow& r) {
         sum[h] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
       }
       r.put(level, b, d, sum[0], sum[1]);
+    }
+    // 4 values 0, 2, 1, 3 in each 128-bit lane; the pack interleaves the lanes of its two sources,
+    // the permute puts them back
+    for (int i = 0; i < 4 && r.joined; i += 2) {
+      const __m256i lo = _mm256_shuffle_epi32(joined[i], _MM_SHUFFLE(3, 1, 2, 0));
+      const __m256i hi = _mm256_shuffle_epi32(joined[i + 1], _MM_SHUFFLE(3, 1, 2, 0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.xq) + 2 * b + i / 2,
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), _MM_SHUFFLE(3, 1, 2, 0)));
     }
   }
 }
@@ -1029,7 +1144,7 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
   float* const sx = dx + M2 * KB;
   float* const sh = sx + M2 * KB;
   const int isa = g_isa.load();
-  const bool x_f32 = x_dtype == f32, out_f32 = out_dtype == f32;
+  const bool x_f32 = x_dtype == f32, out_f32 = out_dtype == f32, joined = isa == kAvx2 && M >= kJoinedMinRows;
   auto& pool = ThreadPool::instance();
   // Split by rows from a decode step's 16 x 576 up (~5 us on one thread, the helper otherwise idle): the
   // calling thread quantizes before every projection while the helpers wait for the tiles.
@@ -1037,7 +1152,7 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
   pool.parallel_for(parts, [&](int64_t c) {
     for (int64_t r = M * c / parts; r < M * (c + 1) / parts; ++r)
       quantize_row(reinterpret_cast<const char*>(x) + r * K * (x_f32 ? 4 : 2), x_f32, isa,
-                   {xqb + 2 * r * K, dx + 2 * r * KB, sx + 2 * r * KB, sh + 4 * r * KB, K, KB});
+                   {xqb + 2 * r * K, dx + 2 * r * KB, sx + 2 * r * KB, sh + 4 * r * KB, K, KB, joined});
   });
   const int64_t panel = M2 > kPanelMinRows ? std::max<int64_t>(kAmxRows, kPanelBytes / K / kAmxRows * kAmxRows) : M2;
   const int64_t out_bytes = out_f32 ? 4 : 2;
@@ -1052,7 +1167,7 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
                     reinterpret_cast<const uint8_t*>(seg[3 + 3 * s]),
                     reinterpret_cast<char*>(out) + (p0 / 2 * N + col) * out_bytes,
                     bias ? reinterpret_cast<const float*>(bias) + col : nullptr, out_f32,
-                    std::min(panel, M2 - p0), n, K, KB, N};
+                    std::min(panel, M2 - p0), n, K, KB, N, joined};
       dispatch(type, [&](auto t) {
         pool.parallel_for(chunks, [&](int64_t c) {
           tile_range<decltype(t)::value>(a, tiles * c / chunks, tiles * (c + 1) / chunks, isa);

@@ -85,22 +85,29 @@ inline void vec_scales(const uint8_t* rec, int64_t g, int h, int64_t r0, typenam
   }
 }
 
-// One group's (or half's) int32 dot products of a row pair (a row of x and its residual, scales 256 dx2
-// and dx2) for V's rows of a tile (Zmm: 16, Ymm: 8), scaled into acc (d, c: vec_scales with the same
-// Signed; s12: the pair's offset sums added). Shared by the int8 kernels: see qlinear.cpp's top. The two
-// dot products join in int32 (|dot1| <= 32 * 255 * 127, so 256 dot1 + dot2 fits), one float multiply
-// fewer: on Zen 4 the float multiplies and FMAs issue on the same two pipes as vpdpbusd, so each one here
-// is a dot product less. Where c is a fixed multiple of d (fixed_offset), d (t + (c / d) s12) takes one
-// FMA fewer.
+// One group's (or half's) int32 dot products against a row of x joined from its int8 pair (256 dot1 +
+// dot2: a row of x and its residual, scales 256 dx2 and dx2) for V's rows of a tile (Zmm: 16, Ymm: 8),
+// scaled into acc (d, c: vec_scales with the same Signed; s12: the pair's offset sums added). Shared by
+// the int8 kernels: see qlinear.cpp's top. Where c is a fixed multiple of d (fixed_offset),
+// d (t + (c / d) s12) takes one FMA fewer.
 template <int T, bool Signed, class V>
-inline typename V::F scale_pair(typename V::I dot1, typename V::I dot2, float dx2, typename V::F d,
-                                typename V::F c, float s12, typename V::F acc) {
-  const typename V::F joined = V::joined(dot1, dot2);
+inline typename V::F scale_joined(typename V::I joined_dot, float dx2, typename V::F d, typename V::F c, float s12,
+                                  typename V::F acc) {
+  const typename V::F joined = V::to_float(joined_dot);
   if constexpr (fixed_offset<T>()) {
     (void)c;  // vec_scales' c: its multiply is dead code here
     return V::fmadd(V::fmadd(joined, V::set1(dx2), V::set1(offset_ratio<T, Signed>() * s12)), d, acc);
   }
   return V::fmadd(c, V::set1(s12), V::fmadd(V::mul(joined, V::set1(dx2)), d, acc));
+}
+
+// scale_joined for the pair's two dot products. They join in int32 (|dot1| <= 32 * 255 * 127, so
+// 256 dot1 + dot2 fits), one float multiply fewer: on Zen 4 the float multiplies and FMAs issue on the
+// same two pipes as vpdpbusd, so each one here is a dot product less.
+template <int T, bool Signed, class V>
+inline typename V::F scale_pair(typename V::I dot1, typename V::I dot2, float dx2, typename V::F d,
+                                typename V::F c, float s12, typename V::F acc) {
+  return scale_joined<T, Signed, V>(V::join(dot1, dot2), dx2, d, c, s12, acc);
 }
 
 // f(std::integral_constant<int, T>) for GGML type `type` (one with a kernel: ggml::supported).
@@ -192,7 +199,8 @@ struct Zmm {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F set1(float v) { return _mm512_set1_ps(v); }
-  static F joined(I hi, I lo) { return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo)); }
+  static I join(I hi, I lo) { return _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo); }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
 };
 
 #endif
