@@ -4,6 +4,7 @@ the way a few percent of kernel change shows at all. Copy pyengine/_C*.so aside 
 (or build each variant), then:
 
     python bench/ab_builds.py OLD.so NEW.so [--m 16] [--weights auto|dequantize] [--threads 2] [--rounds 8]
+                              [--model PATH]   (a GGUF file or HF folder; default: the default model)
 
 Per build, the fastest of `rounds` rounds (the builds take turns within each round):
   hot       each projection of layer 0 and the lm_head, called 20 times in a row (us per call)
@@ -62,10 +63,11 @@ def main() -> None:
     ap.add_argument("--weights", choices=("auto", "dequantize"), default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: the default model)")
     args = ap.parse_args()
 
     builds = load_builds(args.builds, args.threads)
-    _, model = load_model(resolve_model_path(None), torch.bfloat16, torch.device("cpu"), weights=args.weights)
+    _, model = load_model(resolve_model_path(args.model), torch.bfloat16, torch.device("cpu"), weights=args.weights)
     step = [getattr(layer, name) for layer in model.linears for name in PROJECTIONS]
     hot = {name: getattr(model.linears[0], name) for name in PROJECTIONS} | {"lm_head": model.lm_head_linear}
     if any(getattr(layer, "_kernel", None) is None for layer in [*step, *hot.values()]):
@@ -89,7 +91,7 @@ def main() -> None:
                     layer(x[layer.in_features])
                     best_hot[i][name] = min(best_hot[i][name], time.perf_counter() - t0)
 
-    print(f"default model, weights={args.weights}, M = {args.m}, {args.threads} threads, best of {args.rounds} rounds")
+    print(f"{args.model or 'default model'}, weights={args.weights}, M = {args.m}, {args.threads} threads, best of {args.rounds} rounds")
     print(f"{'build':<32}" + "".join(f"{name:>10}" for name in hot) + f"{'in order':>12}")
     for path, h, s in zip(args.builds, best_hot, best_step):
         print(f"{path[-32:]:<32}" + "".join(f"{h[name] * 1e6:>8.0f}us" for name in hot) + f"{s * 1e3:>10.2f}ms")

@@ -185,6 +185,23 @@ inline float offset_sum(const QArgs& a, int64_t xb, int h) {
   return layout(T).halves == 1 ? a.sx[xb] : a.sh[2 * xb + h];
 }
 
+// The bytes of one group step (a record / its groups) of each of nt tiles at `at` (stride apart), one pass
+// (nt tiles) ahead, into L2: a pass reads its nt tiles' records (contiguous) side by side, so this stays a
+// pass's length ahead of the reads, scale lines included, and at a pass's start the next pass's tiles are
+// already on their way (the old fixed 8 groups ahead within each tile left them cold). Batch-1 decode on
+// Zen 5 (1 thread, CPU s per 128 tokens, medians): Q4_1 0.54 -> 0.51, Q4_K_M 0.61 -> 0.51; Q8_0 was 4% slower
+// with it (its 8 full lines a group: more bytes per op), so Q8_0 keeps the near prefetch into L1 there.
+// The avx2 int8 pairs (1 or 2 rows of x) had no prefetch: one tile (its own pass) ahead, into L2, every type,
+// Zen 2, 2 threads, the default model's projections from memory at 1 row (bench/ab_builds.py, new build's
+// per-step ms over the old's): Q4_1 5.58 -> 4.28, Q8_0 7.17 -> 5.91, Q4_K_M 7.43 -> 4.59 (T0 the same).
+template <int T>
+inline void prefetch_ahead(const uint8_t* at, int64_t stride, int nt) {
+  constexpr int64_t step = layout(T).record_bytes() / layout(T).groups();
+  for (int t = 0; t < nt; ++t)
+    for (int64_t off = 0; off < step; off += 64)
+      prefetch<_MM_HINT_T1>(at + (nt + t) * stride + off);
+}
+
 template <int T>
 void tile_group_scalar(const QArgs& a, int64_t t0, int nt) {
   constexpr Layout L = layout(T);
@@ -223,20 +240,6 @@ void tile_group_scalar(const QArgs& a, int64_t t0, int nt) {
 template <int T>
 inline void vnni_scales(const uint8_t* rec, int64_t g, int h, __m512& d, __m512& c) {
   vec_scales<T, Zmm, false>(rec, g, h, 0, d, c);
-}
-
-// The bytes of one group step (a record / its groups) of each of nt tiles at `at` (stride apart), one pass
-// (nt tiles) ahead, into L2: a pass reads its nt tiles' records (contiguous) side by side, so this stays a
-// pass's length ahead of the reads, scale lines included, and at a pass's start the next pass's tiles are
-// already on their way (the old fixed 8 groups ahead within each tile left them cold). Batch-1 decode on
-// Zen 5 (1 thread, CPU s per 128 tokens, medians): Q4_1 0.54 -> 0.51, Q4_K_M 0.61 -> 0.51; Q8_0 was 4% slower
-// with it (its 8 full lines a group: more bytes per op), so Q8_0 keeps the near prefetch into L1.
-template <int T>
-inline void prefetch_ahead(const uint8_t* at, int64_t stride, int nt) {
-  constexpr int64_t step = layout(T).record_bytes() / layout(T).groups();
-  for (int t = 0; t < nt; ++t)
-    for (int64_t off = 0; off < step; off += 64)
-      prefetch<_MM_HINT_T1>(at + (nt + t) * stride + off);
 }
 
 // Rows [r0, r0 + MR) x tiles [t0, t0 + NT).
@@ -531,8 +534,10 @@ inline void avx2_scales(const uint8_t* rec, int64_t g, int h, int r, __m256& d, 
 // Int8 rows [r0, r0 + MR) x one tile, for calls of fewer than kJoinedMinRows rows of x. vpmaddubsw sums two u8 x s8 products in int16: at most 2 * 63 * 127
 // per nibble line (a low and a high line's pairs added: 32004 for Q6_K) fits; Q8_0 runs on |q| and
 // sign(q) x (2 * 128 * 127), as llama.cpp does, and so do the IQ4 types' signed levels.
+// Not inlined: inlined into tile_range with its prefetch, it changed GCC's code for the joined kernel
+// there (Q4_1 at 16 rows 10% slower).
 template <int T, int MR>
-void avx2_pair_block(const QArgs& a, int64_t r0, int64_t tile) {
+__attribute__((noinline)) void avx2_pair_block(const QArgs& a, int64_t r0, int64_t tile) {
   constexpr Layout L = layout(T);
   constexpr int per_half = L.lines / L.halves;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -546,6 +551,7 @@ void avx2_pair_block(const QArgs& a, int64_t r0, int64_t tile) {
     const uint8_t* grp = rec + g * L.group_bytes();
     const int32_t* xw[MR];
     for (int m = 0; m < MR; ++m) xw[m] = reinterpret_cast<const int32_t*>(a.xq + (r0 + m) * a.K + b * kBlock);
+    prefetch_ahead<T>(w + b * L.record_bytes() / L.groups(), stride, 1);
     static_for<0, L.halves>([&](auto hc) {
       constexpr int h = decltype(hc)::value;
       __m256i dot[MR][2];
