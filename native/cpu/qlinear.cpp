@@ -531,9 +531,10 @@ inline void avx2_scales(const uint8_t* rec, int64_t g, int h, int r, __m256& d, 
   vec_scales<T, Ymm, true>(rec, g, h, 8 * r, d, c);
 }
 
-// Int8 rows [r0, r0 + MR) x one tile, for calls of fewer than kJoinedMinRows rows of x. vpmaddubsw sums two u8 x s8 products in int16: at most 2 * 63 * 127
-// per nibble line (a low and a high line's pairs added: 32004 for Q6_K) fits; Q8_0 runs on |q| and
-// sign(q) x (2 * 128 * 127), as llama.cpp does, and so do the IQ4 types' signed levels.
+// Int8 rows [r0, r0 + MR) x one tile, for calls of fewer than kJoinedMinRows rows of x. vpmaddubsw sums
+// two u8 x s8 products in int16: at most 2 * 63 * 127 per nibble line (a low and a high line's pairs
+// added: 32004 for Q6_K) fits; Q8_0 runs on |q| and sign(q) x (2 * 128 * 127), as llama.cpp does, and so
+// do the IQ4 types' signed levels.
 // Not inlined: inlined into tile_range with its prefetch, it changed GCC's code for the joined kernel
 // there (Q4_1 at 16 rows 10% slower).
 template <int T, int MR>
@@ -618,7 +619,9 @@ inline void split_bytes(__m256i bytes, __m256i& even, __m256i& odd) {
 // one vpmaddwd does 16 of x's products where the int8 pair took two vpmaddubsw and two vpmaddwd for 32
 // (on Zen 2 all of them issue on one pipe), and the int32 sum is 256 dot1 + dot2 exactly: scale_joined
 // does the vnni path's float operations on it. |w| <= 128 and |x| <= 256 * 127 + 127 keep a group's
-// sum of 32 products within int32.
+// sum of 32 products within int32. One 8-row half of the tile at a time (r), 4 rows of x per pass: both
+// halves at once, each broadcast serving two products, ran out of registers (Q4_1 0.85-0.9x at 16 rows);
+// 2 or 3 rows of x per pass ran as 4.
 template <int T, int MX>
 void avx2_joined_half(const QArgs& a, int64_t x0, int64_t tile, int r, float (*sum)[kTileRows]) {
   constexpr Layout L = layout(T);
@@ -645,6 +648,8 @@ void avx2_joined_half(const QArgs& a, int64_t x0, int64_t tile, int r, float (*s
         for (int m = 0; m < MX; ++m) {
           dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(even, _mm256_set1_epi32(xw[m][word])));
           dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(odd, _mm256_set1_epi32(xw[m][word + 1])));
+          // the sum in a register here: else GCC reassociates the adds, keeps every product on the stack
+          // and sums them at the group's end (Q4_1 at 16 rows 1.25x slower)
           asm("" : "+x"(dot[m]));
         }
       };
