@@ -902,7 +902,7 @@ void quantize_row_avx2(const void* x, bool f32, const QuantRow& r) {
         q[i] = _mm256_max_epi32(_mm256_set1_epi32(-kQMax), _mm256_min_epi32(_mm256_set1_epi32(kQMax),
                    _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)))));
         v[i] = _mm256_sub_ps(v[i], _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(q[i])));
-        joined[i] = level == 0 ? _mm256_slli_epi32(q[i], 8) : _mm256_add_epi32(joined[i], q[i]);
+        if (r.joined) joined[i] = level == 0 ? _mm256_slli_epi32(q[i], 8) : _mm256_add_epi32(joined[i], q[i]);
       }
       if (!r.joined) {  // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back
         const __m256i packed = _mm256_permutevar8x32_epi32(
@@ -919,9 +919,10 @@ void quantize_row_avx2(const void* x, bool f32, const QuantRow& r) {
       }
       r.put(level, b, d, sum[0], sum[1]);
     }
+    if (!r.joined) continue;
     // 4 values 0, 2, 1, 3 in each 128-bit lane; the pack interleaves the lanes of its two sources,
     // the permute puts them back
-    for (int i = 0; i < 4 && r.joined; i += 2) {
+    for (int i = 0; i < 4; i += 2) {
       const __m256i lo = _mm256_shuffle_epi32(joined[i], _MM_SHUFFLE(3, 1, 2, 0));
       const __m256i hi = _mm256_shuffle_epi32(joined[i + 1], _MM_SHUFFLE(3, 1, 2, 0));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.xq) + 2 * b + i / 2,
