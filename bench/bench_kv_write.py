@@ -1,6 +1,6 @@
 """reshape_and_cache at the default model's shapes (3 kv heads, 9 q heads, head_dim 64, bf16 K/V), ms
 per layer-write (best of N) for T = 1 (a decode step), 64 (a prefill chunk), 2048 tokens: a bf16
-cache, int8, fp8 without q (the scale search alone) and fp8 with the step's q (K rounded for it, as
+cache, int8 and fp8 without q (fp8: the scale search alone) and with the step's q (K rounded for it, as
 the model writes). Row "64 streams": a decode step of 64 sequences, each token into a block of its own
 among 30 layers' caches (8 blocks a sequence), the layers written in turn, so the lines a token writes
 come cold from memory as in a 64-stream generate.
@@ -18,8 +18,8 @@ from pyengine.ops.attention import kv_cache_shapes
 from pyengine.ops.cache import reshape_and_cache
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK = 3, 9, 64, 16
-CACHES = {"bf16": (torch.bfloat16, False), "int8": (torch.int8, False), "fp8": (torch.float8_e4m3fn, False),
-          "fp8 + q": (torch.float8_e4m3fn, True)}
+CACHES = {"bf16": (torch.bfloat16, False), "int8": (torch.int8, False), "int8 + q": (torch.int8, True),
+          "fp8": (torch.float8_e4m3fn, False), "fp8 + q": (torch.float8_e4m3fn, True)}
 
 
 STREAMS, LAYERS, BLOCKS_PER_STREAM = 64, 30, 8

@@ -227,11 +227,12 @@ def k_rows(k, ks, T):
 
 @pytest.mark.parametrize("device,D", [("cpu", 64), ("cpu", 20), pytest.param("cuda", 64, marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_k_is_rounded_for_the_steps_queries(dtype, device, D):
-    """Given the step's q, each fp8 K value takes the nearest code or the other one next to it, chosen so
-    that J = sum_g (u_g . e)^2 + |e|^2 / D (u_g the token's q of head g, unit length; e the rounding
-    error) never rises, and the error along the token's own q heads mostly goes; the scales, V and the
-    int8 cache do not change. Queries that share a direction with q (as a model's do) gain too."""
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_k_is_rounded_for_the_steps_queries(cache_dtype, dtype, device, D):
+    """Given the step's q, each fp8 or int8 K value takes the nearest code or the other one next to it,
+    chosen so that J = sum_g (u_g . e)^2 + |e|^2 / D (u_g the token's q of head g, unit length; e the
+    rounding error) never rises, and the error along the token's own q heads mostly goes; the scales and
+    V do not change. Queries that share a direction with q (as a model's do) gain too."""
     T, kvh, G, bs = 128, 3, 3, 16
     g = torch.Generator().manual_seed(0)
     key = torch.randn(T, kvh, D, generator=g).to(dtype)
@@ -241,7 +242,7 @@ def test_fp8_k_is_rounded_for_the_steps_queries(dtype, device, D):
     later = common + torch.randn(T, kvh * G, D, generator=g)  # other queries with the same direction
     written = {}
     for name, query in (("nearest", None), ("for q", q)):
-        kc, vc, ks, vs = (t.to(device) for t in make_cache(T // bs, kvh, bs, D, torch.float8_e4m3fn, quant=True))
+        kc, vc, ks, vs = (t.to(device) for t in make_cache(T // bs, kvh, bs, D, cache_dtype, quant=True))
         if device == "cuda":  # the CUDA cache layout: [NB, KVH, BS, D] for both
             kc, vc = kc.view(T // bs, kvh, bs, D), vc.view(T // bs, kvh, bs, D)
         reshape_and_cache(key.to(device), value.to(device), kc, vc, torch.arange(T, device=device), k_scales=ks,
@@ -249,12 +250,16 @@ def test_fp8_k_is_rounded_for_the_steps_queries(dtype, device, D):
         written[name] = tuple(t.cpu() for t in (*from_cache_layout(kc, vc), ks, vs))
     (kc0, vc0, ks0, vs0), (kc1, vc1, ks1, vs1) = written["nearest"], written["for q"]
     assert torch.equal(ks0, ks1) and torch.equal(vs0, vs1) and torch.equal(vc0.view(torch.uint8), vc1.view(torch.uint8))
+    if cache_dtype == torch.int8:
+        assert torch.equal(k_rows(kc0, ks0, T)[1], ref_kv_quantize(key, torch.int8)[0])  # nearest without q
     (k0, c0), (k1, c1) = k_rows(kc0, ks0, T), k_rows(kc1, ks1, T)
     x = key.float()
     moved = c0.view(torch.uint8) != c1.view(torch.uint8)
     assert 0 < int(moved.sum()) <= 16 * T * kvh
     assert ((k0 - x) * (k1 - x) <= 0)[moved].all()  # the other neighbour: on the far side of x
-    assert ((c0.view(torch.uint8).int() - c1.view(torch.uint8).int()).abs() <= 1).all()
+    # one code away: fp8 codes are sign and magnitude, int8 two's complement
+    as_int = (lambda c: c.view(torch.uint8).int()) if cache_dtype == torch.float8_e4m3fn else (lambda c: c.int())
+    assert ((as_int(c0) - as_int(c1)).abs() <= 1).all()
 
     u = q.float().view(T, kvh, G, D)
     u = u / u.norm(dim=-1, keepdim=True)
@@ -266,10 +271,6 @@ def test_fp8_k_is_rounded_for_the_steps_queries(dtype, device, D):
     assert own(k1) < 0.25 * own(k0)
     score = lambda k: float(((later.view(T, kvh, G, D) * (k - x)[:, :, None]).sum(-1) ** 2).mean())
     assert score(k1) < 0.7 * score(k0)
-
-    kc, vc, ks, vs = make_cache(T // bs, kvh, bs, D, torch.int8, quant=True)
-    reshape_and_cache(key, value, kc, vc, torch.arange(T), k_scales=ks, v_scales=vs, query=q)
-    assert torch.equal(k_rows(from_cache_layout(kc, vc)[0], ks, T)[1], ref_kv_quantize(key, torch.int8)[0])
 
 
 def test_query_of_the_wrong_shape_is_refused():

@@ -19,7 +19,7 @@
 //                     num_heads=0) -> None
 //     key/value [T, KVH, D] with the given token strides; slot_mapping [T] int64 (-1 = skip);
 //     k_scales/v_scales as above (0 for unquantized caches); query [T, num_heads, D] (src dtype) or 0:
-//     the step's q, for which an fp8 cache rounds K (native/cpu/cache.cpp).
+//     the step's q, for which fp8 and int8 caches round K (native/cpu/cache.cpp).
 //
 //   set_prefill_attention_path(name) -> None; prefill_attention_path() -> str   (CPU only)
 //     The prefill kernel's path for prompts (>= 16 query tokens of a bf16 step; native/cpu/

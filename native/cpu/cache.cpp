@@ -10,7 +10,7 @@
 //   k_scales, v_scales [NB, KVH, BS] fp32 (fp8/int8 caches only)
 //   slot_mapping    [T] int64, slot = block * BS + offset; -1 = skip the token
 //   query           [T, H, D] or null; token stride query_stride: this step's q (in K's basis), for which
-//                   an fp8 cache rounds K (round_k_for_queries)
+//                   fp8 and int8 caches round K (round_k_for_queries)
 // Source dtype fp32/bf16/fp16; the cache has the same dtype (plain copy) or fp8 e4m3 / int8
 // (quantized per (token, kv head) row, see kv_quant.h: fp8 picks the best of 16 scales).
 // Parallel shape: tokens in contiguous ranges over the thread pool; every (token, kv head) row is
@@ -300,14 +300,16 @@ float quantize_row(const float* x, int64_t n, DType cache, void* dst) { return q
 #endif
 #endif
 
-// K rows of an fp8 cache are rounded for the queries that will read them. A query's score error is q.e
-// (e: the row's rounding error, dequantized - x); queries share a large common direction, along which
-// this token's own q points, so an error along it shifts every later query's score alike. From
-// round-to-nearest `codes`, values move to their other e4m3 neighbour (at most once each, up to
+// K rows of fp8 and int8 caches are rounded for the queries that will read them. A query's score error
+// is q.e (e: the row's rounding error, dequantized - x); queries share a large common direction, along
+// which this token's own q points, so an error along it shifts every later query's score alike. From
+// round-to-nearest `codes`, values move to their other neighbouring code (at most once each, up to
 // kMaxFlips, the best first) while that lowers
 //   J(e) = sum_g (u_g . e)^2 + |e|^2 / D      u_g: this token's q of head g of the group, unit length
 // where |e|^2 / D stands for the queries' other directions. Simulated on the default model (2,047
-// tokens, fp32), it cuts fp8's mean |logprob| change by 30% (tests/test_kv_accuracy.py).
+// tokens, fp32), it cut fp8's mean |logprob| change by 30%; through the engine it took int8's from
+// 0.0136 to 0.0082 and its top-1 agreement with an fp32 cache from 98.97% to 99.61%
+// (tests/test_kv_accuracy.py).
 constexpr int kMaxFlips = 16;
 
 float dot(const float* a, const float* b, int64_t n) {
@@ -379,70 +381,101 @@ std::pair<int64_t, float> least_change(const float* a, const float* b, const flo
   return {best, m};
 }
 
-// u [G][D] unit rows; scratch >= (3 + G) * D floats + G.
-void round_k_for_queries(const float* x, int64_t D, float scale, const float* u, int64_t G, uint8_t* codes,
-                         float* scratch) {
+// u [G][D] unit rows; scratch >= (3 + G) * D floats + G. codes: fp8 e4m3 or int8 (cache), nearest.
+void round_k_for_queries(const float* x, int64_t D, float scale, const float* u, int64_t G, DType cache,
+                         uint8_t* codes, float* scratch) {
   if (!(scale > 0.0f)) return;
   float *d = scratch, *a = d + D, *e = a + D, *b = e + D, *p = b + G * D;  // b [G][D]
   const float lambda = 1.0f / static_cast<float>(D);
-  // d: the move to the other neighbour (0: none); e: the rounding error; a: J's change less its p terms
+  const bool int8 = cache == DType::kInt8;
+  // d: the move to the other neighbour (0: none); e: the rounding error; a: J's change less its p terms.
+  // int8's other neighbour is one level up or down, toward x (none past +-127).
   int64_t i0 = 0;
 #if defined(__AVX512F__)
   const __m512 s = _mm512_set1_ps(scale), lam = _mm512_set1_ps(lambda), tiny = _mm512_set1_ps(0.015625f),
-               sub_step = _mm512_set1_ps(0.001953125f);
+               sub_step = _mm512_set1_ps(0.001953125f), zero = _mm512_setzero_ps();
   const __m512i ulp = _mm512_set1_epi32(1 << 20);  // one step of a 3-bit mantissa
   for (; i0 + 16 <= D; i0 += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + i0), y = _mm512_div_ps(xv, s), ay = _mm512_abs_ps(y);
-    const __m512 an = fp8_round_magnitude(ay);
-    const __m512i bits = _mm512_castps_si512(an);
-    const __mmask16 up = _mm512_cmp_ps_mask(an, ay, _CMP_LT_OQ) &
-                         _mm512_cmp_ps_mask(an, _mm512_set1_ps(kFp8E4M3Max), _CMP_LT_OQ);
-    const __mmask16 down = _mm512_cmp_ps_mask(an, ay, _CMP_GT_OQ);
-    const __m512 above = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(an, tiny, _CMP_LT_OQ),
-                                              _mm512_castsi512_ps(_mm512_add_epi32(bits, ulp)), _mm512_add_ps(an, sub_step));
-    const __m512 below = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(an, tiny, _CMP_LE_OQ),
-                                              _mm512_castsi512_ps(_mm512_sub_epi32(bits, ulp)), _mm512_sub_ps(an, sub_step));
-    const __m512 other = _mm512_mask_blend_ps(up, _mm512_mask_blend_ps(down, an, below), above);
-    const __m512 sign = sign_of(y);
-    const __m512 dv = _mm512_mul_ps(_mm512_xor_ps(_mm512_sub_ps(other, an), sign), s);
-    const __m512 ev = _mm512_sub_ps(_mm512_mul_ps(_mm512_xor_ps(an, sign), s), xv);
+    const __m512 xv = _mm512_loadu_ps(x + i0), y = _mm512_div_ps(xv, s);
+    __m512 dv, ev;
+    __mmask16 movable;
+    if (int8) {
+      const __m512 c = _mm512_cvtepi32_ps(int8_codes(y));
+      const __mmask16 up = _mm512_cmp_ps_mask(y, c, _CMP_GT_OQ) & _mm512_cmp_ps_mask(c, _mm512_set1_ps(kInt8Max), _CMP_LT_OQ);
+      const __mmask16 down = _mm512_cmp_ps_mask(y, c, _CMP_LT_OQ) & _mm512_cmp_ps_mask(c, _mm512_set1_ps(-kInt8Max), _CMP_GT_OQ);
+      dv = _mm512_mask_blend_ps(up, _mm512_mask_blend_ps(down, zero, _mm512_sub_ps(zero, s)), s);
+      ev = _mm512_fmsub_ps(c, s, xv);
+      movable = up | down;
+    } else {
+      const __m512 ay = _mm512_abs_ps(y), an = fp8_round_magnitude(ay);
+      const __m512i bits = _mm512_castps_si512(an);
+      const __mmask16 up = _mm512_cmp_ps_mask(an, ay, _CMP_LT_OQ) &
+                           _mm512_cmp_ps_mask(an, _mm512_set1_ps(kFp8E4M3Max), _CMP_LT_OQ);
+      const __mmask16 down = _mm512_cmp_ps_mask(an, ay, _CMP_GT_OQ);
+      const __m512 above = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(an, tiny, _CMP_LT_OQ),
+                                                _mm512_castsi512_ps(_mm512_add_epi32(bits, ulp)), _mm512_add_ps(an, sub_step));
+      const __m512 below = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(an, tiny, _CMP_LE_OQ),
+                                                _mm512_castsi512_ps(_mm512_sub_epi32(bits, ulp)), _mm512_sub_ps(an, sub_step));
+      const __m512 other = _mm512_mask_blend_ps(up, _mm512_mask_blend_ps(down, an, below), above);
+      const __m512 sign = sign_of(y);
+      dv = _mm512_mul_ps(_mm512_xor_ps(_mm512_sub_ps(other, an), sign), s);
+      ev = _mm512_sub_ps(_mm512_mul_ps(_mm512_xor_ps(an, sign), s), xv);
+      movable = up | down;
+    }
     const __m512 av = _mm512_mul_ps(lam, _mm512_mul_ps(dv, _mm512_fmadd_ps(_mm512_set1_ps(2.0f), ev, dv)));
     _mm512_storeu_ps(d + i0, dv);
     _mm512_storeu_ps(e + i0, ev);
-    _mm512_storeu_ps(a + i0, _mm512_mask_blend_ps(up | down, _mm512_set1_ps(INFINITY), av));
+    _mm512_storeu_ps(a + i0, _mm512_mask_blend_ps(movable, _mm512_set1_ps(INFINITY), av));
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   const __m256 s = _mm256_set1_ps(scale), lam = _mm256_set1_ps(lambda), tiny = _mm256_set1_ps(0.015625f),
                sub_step = _mm256_set1_ps(0.001953125f), sign_bit = _mm256_set1_ps(-0.0f);
   const __m256i ulp = _mm256_set1_epi32(1 << 20);
   for (; i0 + 8 <= D; i0 += 8) {  // the same in 8 lanes
-    const __m256 xv = _mm256_loadu_ps(x + i0), y = _mm256_div_ps(xv, s), ay = abs8(y);
-    const __m256 an = fp8_round_magnitude8(ay);
-    const __m256i bits = _mm256_castps_si256(an);
-    const __m256 up = _mm256_and_ps(_mm256_cmp_ps(an, ay, _CMP_LT_OQ),
-                                    _mm256_cmp_ps(an, _mm256_set1_ps(kFp8E4M3Max), _CMP_LT_OQ));
-    const __m256 down = _mm256_cmp_ps(an, ay, _CMP_GT_OQ);
-    const __m256 above = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_add_epi32(bits, ulp)), _mm256_add_ps(an, sub_step),
-                                          _mm256_cmp_ps(an, tiny, _CMP_LT_OQ));
-    const __m256 below = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_sub_epi32(bits, ulp)), _mm256_sub_ps(an, sub_step),
-                                          _mm256_cmp_ps(an, tiny, _CMP_LE_OQ));
-    const __m256 other = _mm256_blendv_ps(_mm256_blendv_ps(an, below, down), above, up);
-    const __m256 sign = _mm256_and_ps(y, sign_bit);
-    const __m256 dv = _mm256_mul_ps(_mm256_xor_ps(_mm256_sub_ps(other, an), sign), s);
-    const __m256 ev = _mm256_sub_ps(_mm256_mul_ps(_mm256_xor_ps(an, sign), s), xv);
+    const __m256 xv = _mm256_loadu_ps(x + i0), y = _mm256_div_ps(xv, s);
+    __m256 dv, ev, movable;
+    if (int8) {
+      const __m256 c = _mm256_cvtepi32_ps(int8_codes8(y));
+      const __m256 up = _mm256_and_ps(_mm256_cmp_ps(y, c, _CMP_GT_OQ), _mm256_cmp_ps(c, _mm256_set1_ps(kInt8Max), _CMP_LT_OQ));
+      const __m256 down = _mm256_and_ps(_mm256_cmp_ps(y, c, _CMP_LT_OQ), _mm256_cmp_ps(c, _mm256_set1_ps(-kInt8Max), _CMP_GT_OQ));
+      dv = _mm256_blendv_ps(_mm256_and_ps(down, _mm256_xor_ps(s, sign_bit)), s, up);
+      ev = _mm256_fmsub_ps(c, s, xv);
+      movable = _mm256_or_ps(up, down);
+    } else {
+      const __m256 ay = abs8(y), an = fp8_round_magnitude8(ay);
+      const __m256i bits = _mm256_castps_si256(an);
+      const __m256 up = _mm256_and_ps(_mm256_cmp_ps(an, ay, _CMP_LT_OQ),
+                                      _mm256_cmp_ps(an, _mm256_set1_ps(kFp8E4M3Max), _CMP_LT_OQ));
+      const __m256 down = _mm256_cmp_ps(an, ay, _CMP_GT_OQ);
+      const __m256 above = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_add_epi32(bits, ulp)), _mm256_add_ps(an, sub_step),
+                                            _mm256_cmp_ps(an, tiny, _CMP_LT_OQ));
+      const __m256 below = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_sub_epi32(bits, ulp)), _mm256_sub_ps(an, sub_step),
+                                            _mm256_cmp_ps(an, tiny, _CMP_LE_OQ));
+      const __m256 other = _mm256_blendv_ps(_mm256_blendv_ps(an, below, down), above, up);
+      const __m256 sign = _mm256_and_ps(y, sign_bit);
+      dv = _mm256_mul_ps(_mm256_xor_ps(_mm256_sub_ps(other, an), sign), s);
+      ev = _mm256_sub_ps(_mm256_mul_ps(_mm256_xor_ps(an, sign), s), xv);
+      movable = _mm256_or_ps(up, down);
+    }
     const __m256 av = _mm256_mul_ps(lam, _mm256_mul_ps(dv, _mm256_fmadd_ps(_mm256_set1_ps(2.0f), ev, dv)));
     _mm256_storeu_ps(d + i0, dv);
     _mm256_storeu_ps(e + i0, ev);
-    _mm256_storeu_ps(a + i0, _mm256_blendv_ps(_mm256_set1_ps(INFINITY), av, _mm256_or_ps(up, down)));
+    _mm256_storeu_ps(a + i0, _mm256_blendv_ps(_mm256_set1_ps(INFINITY), av, movable));
   }
 #endif
   for (int64_t i = i0; i < D; ++i) {
-    const uint8_t c = codes[i], m = c & 0x7f;
-    const float v = fp8e4m3_to_float(c), av = std::fabs(v), ay = std::fabs(kv_scaled(x[i], scale));
-    const int other = av < ay && m < 0x7e ? (c & 0x80) | (m + 1) : av > ay ? (c & 0x80) | (m - 1) : -1;
-    d[i] = other < 0 ? 0.0f : (fp8e4m3_to_float(static_cast<uint8_t>(other)) - v) * scale;
-    e[i] = v * scale - x[i];
-    a[i] = other < 0 ? INFINITY : d[i] * d[i] * lambda + 2.0f * lambda * e[i] * d[i];
+    if (int8) {
+      const float c = static_cast<float>(static_cast<int8_t>(codes[i])), y = kv_scaled(x[i], scale);
+      d[i] = y > c && c < kInt8Max ? scale : y < c && c > -kInt8Max ? -scale : 0.0f;
+      e[i] = c * scale - x[i];
+    } else {
+      const uint8_t c = codes[i], m = c & 0x7f;
+      const float v = fp8e4m3_to_float(c), av = std::fabs(v), ay = std::fabs(kv_scaled(x[i], scale));
+      const int other = av < ay && m < 0x7e ? (c & 0x80) | (m + 1) : av > ay ? (c & 0x80) | (m - 1) : -1;
+      d[i] = other < 0 ? 0.0f : (fp8e4m3_to_float(static_cast<uint8_t>(other)) - v) * scale;
+      e[i] = v * scale - x[i];
+    }
+    a[i] = d[i] == 0.0f ? INFINITY : d[i] * d[i] * lambda + 2.0f * lambda * e[i] * d[i];
   }
   for (int64_t g = 0; g < G; ++g) {
     const float* ug = u + g * D;
@@ -457,7 +490,8 @@ void round_k_for_queries(const float* x, int64_t D, float scale, const float* u,
     if (!(change < 0.0f)) break;
     // d points to the other neighbour: away from zero (m + 1) when its sign is the code's
     const uint8_t c = codes[best];
-    codes[best] = static_cast<uint8_t>((d[best] > 0.0f) != ((c & 0x80) != 0) ? c + 1 : c - 1);
+    if (int8) codes[best] = static_cast<uint8_t>(d[best] > 0.0f ? c + 1 : c - 1);  // two's complement
+    else codes[best] = static_cast<uint8_t>((d[best] > 0.0f) != ((c & 0x80) != 0) ? c + 1 : c - 1);
     for (int64_t g = 0; g < G; ++g) p[g] += u[g * D + best] * d[best];
     a[best] = INFINITY;  // moved once
   }
@@ -557,7 +591,7 @@ void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, vo
   if (block_size % lane || head_dim % lane)
     throw std::invalid_argument("block_size and head_dim must be multiples of " + std::to_string(lane) +
                                 " (the CPU cache layout)");
-  const bool for_queries = cache_dtype == DType::kFloat8E4M3 && query != nullptr;
+  const bool for_queries = quant && query != nullptr;
   if (for_queries && (num_heads <= 0 || num_heads % num_kv_heads))
     throw std::invalid_argument("num_heads must be a positive multiple of num_kv_heads");
   const int64_t G = for_queries ? num_heads / num_kv_heads : 0;
@@ -644,7 +678,7 @@ void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, vo
         if (for_queries) {
           unit_queries(static_cast<const char*>(query) + t * query_stride * src_es, src_dtype, h, G, head_dim, src_es,
                        u.data());
-          round_k_for_queries(row.data(), head_dim, k_scales[row_idx], u.data(), G,
+          round_k_for_queries(row.data(), head_dim, k_scales[row_idx], u.data(), G, cache_dtype,
                               reinterpret_cast<uint8_t*>(kcodes.data()), scratch.data());
         }
         row_to_float(vs, src_dtype, head_dim, row.data());

@@ -78,7 +78,7 @@ bool decoder_layers(uintptr_t residual, uintptr_t x, uintptr_t qkv, uintptr_t at
                           reinterpret_cast<float*>(at(kKScales)), reinterpret_cast<float*>(at(kVScales)),
                           reinterpret_cast<const int64_t*>(slot_mapping), T, KVH, D, nqkv, nqkv, num_blocks,
                           block_size, DType::kBFloat16, static_cast<DType>(cache_dtype),
-                          reinterpret_cast<const void*>(q), nqkv, H);  // fp8 rounds K for q
+                          reinterpret_cast<const void*>(q), nqkv, H);  // quantized caches round K for q
     attention_step_cpu(reinterpret_cast<void*>(attn), reinterpret_cast<const void*>(q),
                        reinterpret_cast<const void*>(at(kKCache)), reinterpret_cast<const void*>(at(kVCache)),
                        reinterpret_cast<const float*>(at(kKScales)), reinterpret_cast<const float*>(at(kVScales)),

@@ -94,11 +94,22 @@ constexpr int kMaxFlips = 16;     // round_k_for_queries: as native/cpu/cache.cp
 constexpr int kMaxGroup = 16;     // q heads per kv head it handles (larger groups round to nearest)
 constexpr int kMaxRowSlots = 8;   // values per lane (head_dim <= 256)
 
-// native/cpu/cache.cpp's round_k_for_queries for one warp's K row (values d = lane + 32 r): codes start
-// at round-to-nearest and move, best first and at most once each, to their other e4m3 neighbour while
-// J = sum_g (u_g . e)^2 + |e|^2 / D drops; u_g this token's q of head g, unit length. q: the group's G
-// rows, D apart.
-template <typename T>
+// The bits of an fp8 or int8 code.
+__device__ __forceinline__ uint8_t code_bits(fp8 c) { return c.__x; }
+__device__ __forceinline__ uint8_t code_bits(int8_t c) { return static_cast<uint8_t>(c); }
+
+// The value of code c (its bits) of an fp8 or int8 cache, before the row's scale.
+template <typename C>
+__device__ __forceinline__ float code_value(uint8_t c) {
+  if constexpr (std::is_same_v<C, fp8>) return fp8e4m3_to_float(c);
+  else return static_cast<float>(static_cast<int8_t>(c));
+}
+
+// native/cpu/cache.cpp's round_k_for_queries for one warp's K row (values d = lane + 32 r) of an fp8 or
+// int8 (C) cache: codes (their bits) start at round-to-nearest and move, best first and at most once
+// each, to their other neighbouring code while J = sum_g (u_g . e)^2 + |e|^2 / D drops; u_g this
+// token's q of head g, unit length. q: the group's G rows, D apart.
+template <typename C, typename T>
 __device__ void round_k_for_queries(const T* __restrict__ src, const T* __restrict__ q, int G, int D, float scale,
                                     uint8_t (&code)[kMaxRowSlots], int lane) {
   float inv[kMaxGroup], p[kMaxGroup], d[kMaxRowSlots], a[kMaxRowSlots];
@@ -116,11 +127,15 @@ __device__ void round_k_for_queries(const T* __restrict__ src, const T* __restri
   for (int r = 0; r < kMaxRowSlots; ++r) {
     const int i = lane + 32 * r;
     if (i >= D) break;
-    const float x = to_float(src[i]), v = fp8e4m3_to_float(code[r]);
-    const float av = fabsf(v), ay = fabsf(kv_scaled(x, scale)), e = v * scale - x;
-    const int m = code[r] & 0x7f;
-    const int other = av < ay && m < 0x7e ? (code[r] & 0x80) | (m + 1) : av > ay ? (code[r] & 0x80) | (m - 1) : -1;
-    d[r] = other < 0 ? 0.f : (fp8e4m3_to_float(static_cast<uint8_t>(other)) - v) * scale;
+    const float x = to_float(src[i]), v = code_value<C>(code[r]), y = kv_scaled(x, scale), e = v * scale - x;
+    if constexpr (std::is_same_v<C, fp8>) {
+      const float av = fabsf(v), ay = fabsf(y);
+      const int m = code[r] & 0x7f;
+      const int other = av < ay && m < 0x7e ? (code[r] & 0x80) | (m + 1) : av > ay ? (code[r] & 0x80) | (m - 1) : -1;
+      d[r] = other < 0 ? 0.f : (fp8e4m3_to_float(static_cast<uint8_t>(other)) - v) * scale;
+    } else {  // one level toward x, none past +-127
+      d[r] = y > v && v < kInt8Max ? scale : y < v && v > -kInt8Max ? -scale : 0.f;
+    }
     float uu = 0.f;
     for (int g = 0; g < G; ++g) {
       const float u = to_float(q[g * D + i]) * inv[g];
@@ -151,9 +166,13 @@ __device__ void round_k_for_queries(const T* __restrict__ src, const T* __restri
 #pragma unroll
     for (int r = 0; r < kMaxRowSlots; ++r) {
       if (lane + 32 * r != best_i) continue;
-      const int m = code[r] & 0x7f;
-      const bool up = fabsf(fp8e4m3_to_float(code[r])) < fabsf(kv_scaled(to_float(src[best_i]), scale));
-      code[r] = static_cast<uint8_t>((code[r] & 0x80) | (up ? m + 1 : m - 1));
+      if constexpr (std::is_same_v<C, fp8>) {  // sign and magnitude: away from zero when d has the code's sign
+        const int m = code[r] & 0x7f;
+        const bool up = (d[r] > 0.f) != ((code[r] & 0x80) != 0);
+        code[r] = static_cast<uint8_t>((code[r] & 0x80) | (up ? m + 1 : m - 1));
+      } else {  // two's complement
+        code[r] = static_cast<uint8_t>(d[r] > 0.f ? code[r] + 1 : code[r] - 1);
+      }
       moved = d[r];
       d[r] = 0.f;
     }
@@ -197,16 +216,17 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
       }
       if (lane == 0) (is_v ? vs : ks)[row] = scale;
     }
-    if constexpr (std::is_same_v<C, fp8>) {
+    if constexpr (Codec<C>::kQuant) {
       if (!is_v && query != nullptr && G <= kMaxGroup && D <= 32 * kMaxRowSlots && scale > 0.f) {
-        uint8_t code[kMaxRowSlots];
+        uint8_t code[kMaxRowSlots];  // the codes' bits
 #pragma unroll
         for (int r = 0; r < kMaxRowSlots; ++r)
-          code[r] = lane + 32 * r < D ? float_to_fp8e4m3(kv_scaled(to_float(src[lane + 32 * r]), scale)) : 0;
-        round_k_for_queries(src, query + t * query_stride + static_cast<int64_t>(g) * G * D, G, D, scale, code, lane);
+          code[r] = lane + 32 * r < D ? code_bits(Codec<C>::encode(to_float(src[lane + 32 * r]), scale)) : 0;
+        round_k_for_queries<C>(src, query + t * query_stride + static_cast<int64_t>(g) * G * D, G, D, scale, code,
+                               lane);
 #pragma unroll
         for (int r = 0; r < kMaxRowSlots; ++r)
-          if (lane + 32 * r < D) dst[lane + 32 * r].__x = code[r];
+          if (lane + 32 * r < D) std::memcpy(&dst[lane + 32 * r], &code[r], 1);
         continue;
       }
     }

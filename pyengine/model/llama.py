@@ -358,7 +358,7 @@ class LlamaForCausalLM(torch.nn.Module):
             q = q.contiguous().view(q_shape)
             reshape_and_cache(k.contiguous().view(kv_shape), v.contiguous().view(kv_shape), cache.k, cache.v,
                               meta.slot_mapping, k_scales=cache.k_scales, v_scales=cache.v_scales,
-                              query=q if rotate else None)  # fp8 rounds K for q
+                              query=q if rotate else None)  # quantized caches round K for q
             attn = paged_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens,
                                    meta.query_start_loc, scale, k_scales=cache.k_scales, v_scales=cache.v_scales,
                                    max_seq_len=meta.max_seq_len, window=attention.window, softcap=softcap,

@@ -24,9 +24,9 @@ def reshape_and_cache(
     each (token, kv head) row is quantized with one scale, stored in k_scales/v_scales: int8 absmax / 127,
     fp8 the one of 16 candidates absmax / 448 * (16 + j) / 16 that reconstructs the row best (kv_quant.h).
     query [T, H, D] (key's dtype, H a multiple of KVH; token-strided views too): this step's q, in K's
-    basis. An fp8 cache then rounds each K value to one of its two nearest codes so that the error points
-    away from the token's own q heads, which share the direction later queries mostly take
-    (native/cpu/cache.cpp: round_k_for_queries); the other caches ignore it.
+    basis. fp8 and int8 caches then round each K value to one of its two nearest codes so that the error
+    points away from the token's own q heads, which share the direction later queries mostly take
+    (native/cpu/cache.cpp: round_k_for_queries); unquantized caches ignore it.
     """
     check_tensor("key", key, dtypes=ACT_DTYPES, ndim=3, contiguous=False)
     device = key.device
