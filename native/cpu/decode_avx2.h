@@ -383,14 +383,18 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
   const __m256i tail = O == Operands::kFp32  // fp32: each pair's first token
                            ? _mm256_set1_epi64x(0xffffffffLL)
                            : _mm256_set1_epi32(static_cast<int32_t>((1u << ((c.n % L) * es * 8)) - 1));
-  constexpr int kPasses = static_cast<int>(D / DB), kGroupLines = static_cast<int>(group_bytes / 64);
+  // Unsigned and 64-bit indices: the extension builds with CPython's -fwrapv (signed overflow defined),
+  // under which int index math keeps its sign extensions and its divisions by constants (call *
+  // kGroupLines / kPasses is not call). With the chunks in cache, bf16 ran 9% faster for them (1
+  // thread, Zen 2: 6.4 -> 5.8 ns per score); from DRAM, within noise.
+  constexpr unsigned kPasses = D / DB, kGroupLines = group_bytes / 64;
   auto pass = [&](int64_t d0) {
-    auto prefetch_v = [&](int p) {
+    auto prefetch_v = [&](int64_t p) {
       if constexpr (es == 1) {
         prefetch<kPrefetchLevel>(gn[p] + d0 / DB * kGroupLines / kPasses * 64);
       } else {  // of the kPasses * ngroups calls, call k takes lines [k, k + 1) * kGroupLines / kPasses
-        const int call = static_cast<int>(d0 / DB) * ngroups + p;
-        for (int n = call * kGroupLines / kPasses; n < (call + 1) * kGroupLines / kPasses; ++n)
+        const unsigned call = static_cast<unsigned>(d0 / DB * ngroups + p);
+        for (unsigned n = call * kGroupLines / kPasses; n < (call + 1) * kGroupLines / kPasses; ++n)
           prefetch<kPrefetchLevel>(gn[n / kGroupLines] + 64 * (n % kGroupLines));
       }
     };
@@ -398,13 +402,13 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
       constexpr int P = L / 2;  // pairs per lane
       __m256 lo[NR], hi[NR];  // dims 0-3 and 4-7 of the pass, a dim's two tokens in a lane pair
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-      auto group = [&](int p, auto masked) {
+      auto group = [&](int64_t p, auto masked) {
         prefetch_v(p);
         __m256 a[P], b[P];
         load_pairs<O, decltype(masked)::value>(gp[p] + d0 * lane_bytes(O), tail, a, b);
         for (int r = 0; r < NR; ++r) dot_pairs<P>(a, b, pw + r * w_bytes + 8 * P * p, lo[r], hi[r]);
       };
-      for (int p = 0; p < full; ++p) group(p, std::false_type{});
+      for (int64_t p = 0; p < full; ++p) group(p, std::false_type{});
       if (full < ngroups) group(full, std::true_type{});
       for (int r = 0; r < NR; ++r) {
         float* o = acc + r * D + d0;
@@ -413,7 +417,7 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
     } else if constexpr (O == Operands::kInt8) {
       __m256i lo[NR], hi[NR];
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
-      for (int p = 0; p < ngroups; ++p) {  // integer products: a zero weight zeroes whatever a slot holds
+      for (int64_t p = 0; p < ngroups; ++p) {  // integer products: a zero weight zeroes whatever a slot holds
         prefetch_v(p);
         __m256i a, b;
         widen_int8(load256(gp[p] + d0 * lane_bytes(O)), a, b);
@@ -434,7 +438,7 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
       for (int r = 0; r < NR; ++r)
         for (int i = 0; i < NH; ++i)
           x[r][i] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d0 + 8 * i), _mm256_set1_ps(alpha[r]));
-      auto group = [&](int p, auto masked) {
+      auto group = [&](int64_t p, auto masked) {
         prefetch_v(p);
         __m256 v[NH][L];
         for (int i = 0; i < NH; ++i) {
@@ -445,7 +449,7 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
         for (int r = 0; r < NR; ++r)
           dot_lanes<L>(v, reinterpret_cast<const float*>(pw + r * w_bytes) + L * p, x[r]);
       };
-      for (int p = 0; p < full; ++p) group(p, std::false_type{});
+      for (int64_t p = 0; p < full; ++p) group(p, std::false_type{});
       if (full < ngroups) group(full, std::true_type{});
       for (int r = 0; r < NR; ++r)
         for (int i = 0; i < NH; ++i) _mm256_storeu_ps(acc + r * D + d0 + 8 * i, x[r][i]);
