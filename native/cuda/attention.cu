@@ -12,7 +12,9 @@
 // Quantization (per token, per kv head; the functions of kv_quant.h, shared
 // with the CPU): int8 scale = absmax / 127, e4m3 the best of kFp8ScaleSteps candidates;
 // stored = encode(x / scale) (round to nearest even, saturating; a row of
-// zeros stores scale 0 and zeros); dequantized value = stored * scale.
+// zeros stores scale 0 and zeros); dequantized value = stored * scale. K rows
+// written with the step's q may take a value's other neighbouring code instead
+// (round_k_for_queries).
 // Index values are trusted up to bounds: a slot outside [0, num_blocks *
 // block_size) is skipped, a key whose block id is outside [0, num_blocks) is
 // masked out (the GPU cannot raise without a host sync).

@@ -6,7 +6,8 @@
 //   int8: scale = absmax(row) / 127 (scale 0 for an all-zero row)
 //   e4m3: of the kFp8ScaleSteps candidates fp8_scale_candidate(absmax, j) = absmax / 448 * (16 + j) / 16,
 //         the first with the least squared error sum((decode(encode(x / scale)) * scale - x)^2)
-//   stored  q = encode(x / scale), 0 when scale == 0   (round to nearest even, saturating at +-qmax)
+//   stored  q = encode(x / scale), 0 when scale == 0   (round to nearest even, saturating at +-qmax;
+//           K rows written with the step's q may take the other neighbouring code: round_k_for_queries)
 //   value   x ~ decode(q) * scale
 // Why e4m3 searches: it rounds each value to 1/8 of its binade, so the error depends on where the row's
 // values fall inside their binades, which stretching the scale (by up to 2x; never below absmax / 448,
