@@ -12,7 +12,9 @@
 // Measured on an AMD EPYC (Zen 2, family 23 model 49, TSC 2.245 GHz, cores ~3.1-3.3 GHz), QK / softmax / PV:
 // bf16 4.9 / 1.0 / 5.0, int8 3.6 / 1.7 / 3.9, fp8 6.0 / 1.2 / 6.0, fp32 7.1 / 0.9 / 7.2. In sequence,
 // N = 1 / 8 / 400 / 4,000: bf16 10.1 / 10.5 / 11.1 / 24.6, int8 9.1 / 9.2 / 9.9 / 20.8, fp8 13.1 /
-// 13.3 / 13.5 / 23.1, fp32 15.0 / 15.8 / 21.8 / 46.4. From L3 the chunks cost 5-10% more (fp32's 4 KB
+// 13.3 / 13.5 / 23.1, fp32 15.0 / 15.8 / 21.8 / 46.4. (fp8 since placed in fp32's bit layout, not
+// through F16C: 5.0 / 0.9 / 5.4; in sequence 11.3 / 11.5 / 11.9 / 18.3-18.6, against 12.9 / 13.1 /
+// 13.3 / 20-21 for F16C in the same runs.) From L3 the chunks cost 5-10% more (fp32's 4 KB
 // tiles 40%); from DRAM (one thread, prefetching one chunk ahead) about twice: the memory's time is
 // added to the compute's rather than hidden behind it. A build with -fwrapv, as CPython's flags give
 // the extension, ran bf16 12% slower until pv_group's index math went unsigned; it now runs the same.
@@ -151,10 +153,10 @@ void sequence_probe(const char* name) {
 int main() {
   probe<Operands::kBf16>("bf16");
   probe<Operands::kInt8>("int8");
-  probe<Operands::kFp8Half>("fp8");
+  probe<Operands::kFp8Fp32>("fp8");
   probe<Operands::kFp32>("fp32");
   sequence_probe<Operands::kBf16>("bf16");
   sequence_probe<Operands::kInt8>("int8");
-  sequence_probe<Operands::kFp8Half>("fp8");
+  sequence_probe<Operands::kFp8Fp32>("fp8");
   sequence_probe<Operands::kFp32>("fp32");
 }

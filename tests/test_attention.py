@@ -427,11 +427,14 @@ def test_decode_scores_rising_through_the_context(cache, decode_path):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("q_gain,v_gain", [(1e-7, 1.0), (1e4, 1.0), (1.0, 1e-6), (1.0, 1e4), (1e-7, 1e-6)])
+@pytest.mark.parametrize("q_gain,v_gain", [(1e-7, 1.0), (1e4, 1.0), (1e12, 1.0), (1.0, 1e-6), (1.0, 1e4), (1.0, 1e6),
+                                           (1e-7, 1e-6)])
 def test_fp8_decode_at_extreme_magnitudes(q_gain, v_gain, decode_path):
     """q and V scales far from 1: the fp16 path (AVX512-FP16) scales q and the weights by powers of
     two into fp16's range, so its short fp16 sums neither overflow (q x 1e4 is past 65504 with its
-    first products) nor sink into subnormals (q x 1e-7, V scales x 1e-6)."""
+    first products) nor sink into subnormals (q x 1e-7, V scales x 1e-6). The AVX2 path multiplies q
+    by 2^64 and the weights by 2^104 (its codes are their values times 2^-120): no overflow for q x 1e12
+    nor for V scales x 1e6."""
     q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(DECODE, 6, 2, 64, 16, torch.bfloat16,
                                                   cache_dtype=torch.float8_e4m3fn, seed=7)
     q = (q.float() * q_gain).to(torch.bfloat16)

@@ -1110,7 +1110,7 @@ bool try_dot_path(const Args& a, const std::vector<Item>& items, Partials& parts
 #endif
   switch (a.cdt) {
     case DType::kBFloat16: return dot_head_dim<decode::Avx2, Operands::kBf16>(a, items, parts);
-    case DType::kFloat8E4M3: return dot_head_dim<decode::Avx2, Operands::kFp8Half>(a, items, parts);
+    case DType::kFloat8E4M3: return dot_head_dim<decode::Avx2, Operands::kFp8Fp32>(a, items, parts);
     case DType::kInt8: return dot_head_dim<decode::Avx2, Operands::kInt8>(a, items, parts);
     case DType::kFloat32: return dot_head_dim<decode::Avx2, Operands::kFp32>(a, items, parts);
     default: return false;

@@ -8,11 +8,10 @@
 // Operands by cache dtype (the weight of token t is its probability times its V scale):
 //   bf16  a half line widens to L = 2 fp32 vectors, one per value of its lanes (the low value shifted
 //         up, the high one masked); fp32 FMAs against q in fp32 (QK) or the fp32 weights (PV).
-//   fp8   (e4m3) L = 4, widened by F16C: a code's sign moved to bit 15 of a 16-bit lane and its
-//         exponent and mantissa to bits 13..7 is the fp16 of its value times 2^-8 (kFp8Unit), exact
-//         for subnormal codes too; vcvtph2ps makes fp32 of 8 of them. Then the same pairs as fp32's
-//         (below): a half line (8 lanes x 4 codes) gives each lane's values 0, 2 as one pair and 1, 3
-//         as another, and q (QK) or the weights (PV) are staged in that order (0, 2, 1, 3).
+//   fp8   (e4m3) L = 4, as bf16's but 4 fp32 vectors a half line: integer shifts and masks place each
+//         code's sign, exponent and mantissa where fp32 has them (widen_fp8), its value times 2^-120,
+//         exact for subnormal codes too; q and the weights are staged times powers of two that keep
+//         the products normal (kFp8QLift, kFp8WLift).
 //   fp32  (fp32 models keep an fp32 cache by default, and these CPUs run fp32 models by default.) A
 //         lane is a pair of values (8 bytes): a K half line holds 4 tokens x 2 dims, a V one 4 dims x
 //         2 tokens, the FMAs take q (QK) or the weights (PV) a pair at a time (vbroadcastsd), and
@@ -23,22 +22,18 @@
 //         row and chunk to 15-bit codes (scale max / 32767). A horizontal add (vphaddd) of the two
 //         accumulators puts the sums back in token (QK) or dim (PV) order. No overflow: at most 64
 //         products per lane (QK at D = 128), each at most 2^15 * 2^7.
-// bf16 goes through dot_lanes: two half lines at a time share each broadcast of q (or of the
+// bf16 and fp8 go through dot_lanes: two half lines at a time share each broadcast of q (or of the
 // weights), and each half line's products chain in a register of their own before they join the
 // row's accumulator. On a Zen 2 core with the chunk in L1 (bench/decode_avx2_probe.cpp: TSC ticks per
 // q-head score, QK / softmax / PV) that took bf16 from 13.8 / 3.2 / 8.5 (q and the weights stored
 // broadcast, one vfmadd with a memory operand per product: bound on loads) to 5.1 / 0.9 / 5.2. int8
 // runs 4.3 / 1.8 / 4.3, bound on vpmaddwd. fp8 ran 6.9 / 1.0 / 7.2 widened through fp32's exponent
-// (4 shifts and masks per fp32 vector, and a branch for subnormal codes) and runs 6.1 / 1.1 / 6.2 by
-// F16C (from DRAM, 2 threads, batch 8-32 x 2-8k: 1.10-1.18x), bound on vcvtph2ps (two cycles of
-// one pipe on Zen 2) and on its accumulators' FMA chains (2 FMAs per half line each). Pairs apart
-// in accumulators of their own would not fit 16 registers (12 at 3 rows: one spilled, 1.0x); their
-// products summed apart (vmulps, vfmadd, vaddps) ran 8.9, the adds on the pipes vcvtph2ps needs.
+// with a bias change (4 shifts and masks per fp32 vector, and a branch for subnormal codes), then
+// 5.8 / 1.0 / 6.0 through fp16 by F16C in fp32's pairs (bound on vcvtph2ps: two cycles of one pipe
+// on Zen 2 per 8 codes), and runs 5.0 / 0.9 / 5.4 placed in fp32 without the bias change. Its shifts
+// are 16-bit ones where they can be, 5 for 4 vectors: the same by 32-bit lanes, 7, ran 5.3 / 0.9 / 5.6.
 #pragma once
 #if defined(__AVX2__) && defined(__FMA__)
-#if !defined(__F16C__)
-#error "the AVX2 decode kernels need F16C (every AVX2 CPU has it): build with -march=native or x86-64-v3"
-#endif
 #include <immintrin.h>
 
 #include <algorithm>
@@ -59,6 +54,11 @@ namespace pyengine::decode {
 struct Avx2 {};  // the kernels' tag (attention.cpp's AVX-512 ones take Avx512)
 
 constexpr float kCode15 = 32767.0f;
+// fp8 codes placed in fp32's bit layout (widen_fp8) are their values times 2^-120. q is staged times
+// 2^64 and the weights times 2^104 (*Lift), so QK's products are 2^-56 and PV's 2^-16 of the true ones
+// (the epilogues multiply by *Rest): normal numbers, as FMAs on subnormals are slow on some CPUs, for
+// |q| below 2^64 and V scales below 2^24 (no overflow).
+constexpr float kFp8QLift = 0x1p64f, kFp8QRest = 0x1p56f, kFp8WLift = 0x1p104f, kFp8WRest = 0x1p16f;
 
 // Bytes of a row's q operands (fp32, or int8's int16 codes) and of its PV weights over a chunk.
 constexpr int64_t q_row_bytes(Avx2, Operands O, int64_t D) { return O == Operands::kInt8 ? 2 * D : 4 * D; }
@@ -110,26 +110,35 @@ inline void widen_bf16(__m256i x, __m256* v) {
   v[1] = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))));
 }
 
-// A half line of fp32 or fp8 operands (8 lanes of one K dims group or V token group) as pairs of fp32:
-// lo[s] holds pair s of lanes 0-3, hi[s] of lanes 4-7, each lane's pair in a 64-bit lane. fp32: the
-// lane is the pair. fp8: pair 0 holds values 0 and 2 of the lane, pair 1 values 1 and 3, times kFp8Unit.
-// MASKED: the codes are anded with `tail` first.
-template <Operands O, bool MASKED>
-inline void load_pairs(const char* p, __m256i tail, __m256* lo, __m256* hi) {
-  if constexpr (O == Operands::kFp32) {
-    __m256i a = load256(p), b = load256(p + 32);
-    if constexpr (MASKED) a = _mm256_and_si256(a, tail), b = _mm256_and_si256(b, tail);
-    lo[0] = _mm256_castsi256_ps(a), hi[0] = _mm256_castsi256_ps(b);
-  } else {
-    __m256i x = load256(p);
-    if constexpr (MASKED) x = _mm256_and_si256(x, tail);
-    // the codes of bytes 1, 3 (odd) and 0, 2 (even) of each 32-bit lane, as fp16 in 16-bit lanes
-    const __m256i keep = _mm256_set1_epi16(static_cast<int16_t>(0xbf80));
-    const __m256i odd = _mm256_and_si256(_mm256_srai_epi16(x, 1), keep);
-    const __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1), keep);
-    lo[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(even)), hi[0] = _mm256_cvtph_ps(_mm256_extracti128_si256(even, 1));
-    lo[1] = _mm256_cvtph_ps(_mm256_castsi256_si128(odd)), hi[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(odd, 1));
-  }
+// An fp8 (e4m3) half line as 4 fp32 vectors, v[k] holding value k of each lane times 2^-120. A code at the
+// top of a 16-bit lane (codes 1 and 3 are; 0 and 2 after a shift left by 8), shifted right by 4 with its
+// sign, lies at bits 11..4 with its sign on 15..12; at the top of a 32-bit lane (1 and 0 after a shift left by
+// 16), the mask leaves the sign at bit 31 and the exponent and mantissa at bits 26..20. That is the fp32
+// whose exponent field is the code's (bias 127 for e4m3's 7: the 2^-120), subnormal codes as fp32
+// subnormals of the same bits, zero as zero.
+inline void widen_fp8(__m256i x, __m256* v) {
+  const __m256i keep = _mm256_set1_epi32(static_cast<int32_t>(0x87f00000u));
+  const __m256i odd = _mm256_srai_epi16(x, 4), even = _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 4);
+  v[0] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(even, 16), keep));
+  v[1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(odd, 16), keep));
+  v[2] = _mm256_castsi256_ps(_mm256_and_si256(even, keep));
+  v[3] = _mm256_castsi256_ps(_mm256_and_si256(odd, keep));
+}
+
+// A bf16 or fp8 half line as fp32 vectors, v[k] holding value k of each lane.
+template <Operands O>
+inline void widen(__m256i x, __m256* v) {
+  if constexpr (O == Operands::kBf16) widen_bf16(x, v);
+  else widen_fp8(x, v);
+}
+
+// A half line of fp32 pairs (8 lanes of one K dims group or V token group: 4 tokens x 2 dims or 4 dims
+// x 2 tokens): lo holds lanes 0-3, hi lanes 4-7. MASKED: anded with `tail` first.
+template <bool MASKED>
+inline void load_pairs(const char* p, __m256i tail, __m256& lo, __m256& hi) {
+  __m256i a = load256(p), b = load256(p + 32);
+  if constexpr (MASKED) a = _mm256_and_si256(a, tail), b = _mm256_and_si256(b, tail);
+  lo = _mm256_castsi256_ps(a), hi = _mm256_castsi256_ps(b);
 }
 
 // A half line of int8 codes as int16: lo holds lanes 0, 1, 4, 5 and hi lanes 2, 3, 6, 7, each lane's
@@ -147,8 +156,8 @@ inline __m256 load_q8(const void* q, DType qdt, int64_t d) {
 }
 
 // One q row of D values (bf16 or fp32) -> its operands at dst: fp32, or for an int8 cache 15-bit
-// int16 codes (returns their scale, 0 for a zero row); fp8 in pair order (0, 2, 1, 3 of each 4). *sum
-// is unused (the AVX-512 int8 kernel's).
+// int16 codes (returns their scale, 0 for a zero row); fp8 times kFp8QLift. *sum is unused (the AVX-512
+// int8 kernel's).
 template <Operands O>
 inline float stage_q(Avx2, const void* q, DType qdt, int64_t D, char* dst, int32_t* sum) {
   *sum = 0;
@@ -167,7 +176,7 @@ inline float stage_q(Avx2, const void* q, DType qdt, int64_t D, char* dst, int32
   } else {
     for (int64_t d = 0; d < D; d += 8) {
       __m256 x = load_q8(q, qdt, d);
-      if constexpr (is_fp8(O)) x = _mm256_permute_ps(x, _MM_SHUFFLE(3, 1, 2, 0));
+      if constexpr (is_fp8(O)) x = _mm256_mul_ps(x, _mm256_set1_ps(kFp8QLift));
       _mm256_storeu_ps(reinterpret_cast<float*>(dst) + d, x);
     }
     return 1.0f;
@@ -191,28 +200,25 @@ inline void dot_lanes(const __m256 (*v)[L], const float* w, __m256* acc) {
   acc[1] = _mm256_add_ps(acc[1], t1);
 }
 
-// lo += sum_i a[i] w_i and hi += sum_i b[i] w_i: load_pairs' operands (a: lanes 0-3, b: 4-7) times
-// w's pairs (QK: q, PV: the weights; pair i at w + 8 i, in every 64-bit lane).
-template <int P>
-inline void dot_pairs(const __m256* a, const __m256* b, const char* w, __m256& lo, __m256& hi) {
-  for (int i = 0; i < P; ++i) {
-    const __m256 wp = bcast_pair(w + 8 * i);
-    lo = _mm256_fmadd_ps(a[i], wp, lo);
-    hi = _mm256_fmadd_ps(b[i], wp, hi);
-  }
+// lo += a w and hi += b w: load_pairs' operands (a: lanes 0-3, b: 4-7) times w's pair (QK: q, PV: the
+// weights) in every 64-bit lane.
+inline void dot_pair(__m256 a, __m256 b, const char* w, __m256& lo, __m256& hi) {
+  const __m256 wp = bcast_pair(w);
+  lo = _mm256_fmadd_ps(a, wp, lo);
+  hi = _mm256_fmadd_ps(b, wp, hi);
 }
 
 // QK of NR rows over the chunk: sc[r * kChunk + t] = q_r . k_t * scale (log2 units). q: the rows'
-// operands (q_bytes apart); qs: the rows' q scales (int8 cache). bf16 goes a tile (16 tokens) at a
-// time, sharing each broadcast of q between its halves; the others a half (8 tokens) at a time, whose
-// two accumulators per row would not fit 16 registers for a tile at 4 rows.
+// operands (q_bytes apart); qs: the rows' q scales (int8 cache). bf16 and fp8 go a tile (16 tokens) at
+// a time, sharing each broadcast of q between its halves; int8 and fp32 a half (8 tokens) at a time,
+// whose two accumulators per row would not fit 16 registers for a tile at 4 rows.
 template <Operands O, int NC32, int NR, bool SPLIT>
 inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t line_stride, const char* q,
                      int64_t q_bytes, const float* qs, const int32_t*, float* sc, float scale) {
   constexpr int L = lane_of(O), kLines = 32 * NC32 / L;
   // the scale of half h's scores (log2 units; the K scales of its tokens for quantized caches)
   auto half_scale = [&](int h) {
-    const __m256 s = _mm256_set1_ps(is_fp8(O) ? scale / kFp8Unit : scale);
+    const __m256 s = _mm256_set1_ps(is_fp8(O) ? scale * kFp8QRest : scale);
     if constexpr (!has_scales(O)) return s;
     else return _mm256_mul_ps(s, _mm256_loadu_ps(scales_half<SPLIT>(c.ks0, c.ks1, h)));
   };
@@ -220,21 +226,19 @@ inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t li
   auto prefetch_k = [&](int h, int j) {
     if (SPLIT ? j % 2 == 0 : h % 2 == 0) prefetch<kPrefetchLevel>(k_half<O, SPLIT>(next, h) + j * line_stride);
   };
-  if constexpr (O == Operands::kFp32 || is_fp8(O)) {
-    constexpr int P = L / 2;  // pairs per lane
+  if constexpr (O == Operands::kFp32) {
     for (int h = 0; h < (c.n + 7) / 8; ++h) {
       const char* k = k_half<O, SPLIT>(c, h);
       __m256 lo[NR], hi[NR];  // tokens 0-3 and 4-7 of the half, a token's two dims in a lane pair
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
       for (int j = 0; j < kLines; ++j) {
-        if constexpr (O == Operands::kFp32 && SPLIT)  // a half's dims pair is a whole line
+        if constexpr (SPLIT)  // a half's dims pair is a whole line
           prefetch<kPrefetchLevel>(k_half<O, SPLIT>(next, h) + j * line_stride);
-        else if constexpr (O == Operands::kFp32)  // the tile's lines in address order (its halves interleave)
+        else  // the tile's lines in address order (its halves interleave)
           prefetch<kPrefetchLevel>(next.k0[h / 2] + 64 * ((h % 2) * kLines + j));
-        else prefetch_k(h, j);
-        __m256 a[P], b[P];
-        load_pairs<O, false>(k + j * line_stride, __m256i{}, a, b);
-        for (int r = 0; r < NR; ++r) dot_pairs<P>(a, b, q + r * q_bytes + 8 * P * j, lo[r], hi[r]);
+        __m256 a, b;
+        load_pairs<false>(k + j * line_stride, __m256i{}, a, b);
+        for (int r = 0; r < NR; ++r) dot_pair(a, b, q + r * q_bytes + 8 * j, lo[r], hi[r]);
       }
       const __m256 s = half_scale(h);
       for (int r = 0; r < NR; ++r) _mm256_storeu_ps(sc + r * kChunk + 8 * h, _mm256_mul_ps(join_pairs(lo[r], hi[r]), s));
@@ -270,8 +274,8 @@ inline void qk_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, int64_t li
         prefetch_k(2 * i, j);
         if constexpr (SPLIT) prefetch_k(2 * i + 1, j);
         __m256 v[2][L];
-        widen_bf16(load256(k0 + j * line_stride), v[0]);
-        widen_bf16(load256(k1 + j * line_stride), v[1]);
+        widen<O>(load256(k0 + j * line_stride), v[0]);
+        widen<O>(load256(k1 + j * line_stride), v[1]);
         for (int r = 0; r < NR; ++r) dot_lanes<L>(v, reinterpret_cast<const float*>(q + r * q_bytes) + L * j, acc[r]);
       }
       for (int hh = 0; hh < 2; ++hh) {
@@ -339,8 +343,7 @@ inline float softmax_steps(const float* sc, int lo, int nv, int n, const ChunkPt
         w[g] = _mm256_mul_ps(p, _mm256_loadu_ps(scales_half<SPLIT>(c.vs0, c.vs1, g)));
         if constexpr (!FULL) w[g] = _mm256_and_ps(w[g], keep[g]);
       }
-      if constexpr (is_fp8(O))
-        w[g] = _mm256_permute_ps(_mm256_mul_ps(w[g], _mm256_set1_ps(1.0f / kFp8Unit)), _MM_SHUFFLE(3, 1, 2, 0));
+      if constexpr (is_fp8(O)) w[g] = _mm256_mul_ps(w[g], _mm256_set1_ps(kFp8WLift));
       if constexpr (O == Operands::kInt8) wmax = _mm256_max_ps(wmax, w[g]);
     }
     if constexpr (O != Operands::kInt8) _mm256_storeu_ps(reinterpret_cast<float*>(pw) + 8 * g, w[g]);
@@ -361,8 +364,8 @@ inline float softmax_steps(const float* sc, int lo, int nv, int n, const ChunkPt
 }
 
 // attention.cpp's softmax_row in 8-lane vectors (the same lagging max): the weights of tokens
-// [0, round_up(n, 8)) go to pw as fp32 (times the V scales for fp8, in pair order: 0, 2, 1, 3 of
-// each 4) or as 15-bit codes of scale *wscale (int8).
+// [0, round_up(n, 8)) go to pw as fp32 (for fp8 times the V scales and kFp8WLift) or as 15-bit codes
+// of scale *wscale (int8).
 template <Operands O, bool SPLIT>
 inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const ChunkPtrs& c, char* pw, float& m,
                          float& l, float& wscale) {
@@ -376,15 +379,15 @@ inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const Chu
 }
 
 // acc_r = acc_r * alpha_r + sum_t w_rt V_t (times wscale_r for int8) for NR rows, in passes of DB
-// dims (bf16: 16, two half lines; 8 for the others, whose two accumulators a dim group needs would
-// not fit 16 registers at 4 rows). pw: the rows' weights, weight_row_bytes apart. The group addresses are
+// dims (bf16, fp8: 16, two half lines; 8 for int8 and fp32, whose two accumulators a dim group needs
+// would not fit 16 registers at 4 rows). pw: the rows' weights, weight_row_bytes apart. The group addresses are
 // worked out once, and the loops carry no branch (the masked part group goes last), so the
 // accumulators stay in registers. Each pass prefetches its share of the next chunk's V lines, spread
 // over its groups. All of them in the first pass, where its loads queued behind them, was slower on
 // Zen 2 (2 threads, cold, batch 8-32 x 2-8k): bf16 1.10-1.17x, int8 1.16-1.22x, fp8 up to 1.08x.
 // Which share, by measurement (the same A/B): bf16 and fp32 take the lines in address order, pass k
-// the k-th run of them; 1-byte caches (groups of 4 tokens, twice as many passes as a group has
-// lines) line k / 2 of every group, each line twice. The first order for all was 1.10-1.25x faster
+// the k-th run of them; 1-byte caches (groups of 4 tokens) line k * lines / passes of every group:
+// int8 (twice as many passes as a group has lines) each line twice, fp8 once. The first order for all was 1.10-1.25x faster
 // for fp32 (4 KB tiles) and 1.01-1.07x for bf16, but 0.95-1.00x for int8 and fp8 (1 KB tiles),
 // 0.91-0.95x end to end (8 x 2,000-token prompts); the second for all was 0.8-0.9x for fp32.
 // Prefetching every line twice, or only every other one, was slower for all.
@@ -392,7 +395,7 @@ template <Operands O, int NC32, int NR, bool SPLIT>
 inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, const float* alpha,
                      const float* wscale, float* acc, int maxnv) {
   constexpr int64_t D = 32 * NC32, group_bytes = D * lane_bytes(O), w_bytes = weight_row_bytes(Avx2{}, O);
-  constexpr int L = lane_of(O), NH = O == Operands::kBf16 ? 2 : 1, DB = 8 * NH;
+  constexpr int L = lane_of(O), NH = O == Operands::kBf16 || is_fp8(O) ? 2 : 1, DB = 8 * NH;
   constexpr int64_t es = elem_bytes(O);
   const int ngroups = (maxnv + L - 1) / L;
   const char* gp[kChunk / 2];  // the chunk's V groups at dim 0 (at most 32: bf16's pairs)
@@ -419,15 +422,14 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
           prefetch<kPrefetchLevel>(gn[n / kGroupLines] + 64 * (n % kGroupLines));
       }
     };
-    if constexpr (O == Operands::kFp32 || is_fp8(O)) {
-      constexpr int P = L / 2;  // pairs per lane
+    if constexpr (O == Operands::kFp32) {
       __m256 lo[NR], hi[NR];  // dims 0-3 and 4-7 of the pass, a dim's two tokens in a lane pair
       for (int r = 0; r < NR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
       auto group = [&](int64_t p, auto masked) {
         prefetch_v(p);
-        __m256 a[P], b[P];
-        load_pairs<O, decltype(masked)::value>(gp[p] + d0 * lane_bytes(O), tail, a, b);
-        for (int r = 0; r < NR; ++r) dot_pairs<P>(a, b, pw + r * w_bytes + 8 * P * p, lo[r], hi[r]);
+        __m256 a, b;
+        load_pairs<decltype(masked)::value>(gp[p] + d0 * lane_bytes(O), tail, a, b);
+        for (int r = 0; r < NR; ++r) dot_pair(a, b, pw + r * w_bytes + 8 * p, lo[r], hi[r]);
       };
       for (int64_t p = 0; p < full; ++p) group(p, std::false_type{});
       if (full < ngroups) group(full, std::true_type{});
@@ -454,18 +456,19 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
                                             _mm256_set1_ps(wscale[r]),
                                             _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(alpha[r]))));
       }
-    } else {
+    } else {  // bf16, fp8: whose products are kFp8WRest times too small, as acc is while in x
+      constexpr float kIn = is_fp8(O) ? 1.0f / kFp8WRest : 1.0f, kOut = is_fp8(O) ? kFp8WRest : 1.0f;
       __m256 x[NR][NH];
       for (int r = 0; r < NR; ++r)
         for (int i = 0; i < NH; ++i)
-          x[r][i] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d0 + 8 * i), _mm256_set1_ps(alpha[r]));
+          x[r][i] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d0 + 8 * i), _mm256_set1_ps(alpha[r] * kIn));
       auto group = [&](int64_t p, auto masked) {
         prefetch_v(p);
         __m256 v[NH][L];
         for (int i = 0; i < NH; ++i) {
           __m256i raw = load256(gp[p] + d0 * lane_bytes(O) + 32 * i);
           if constexpr (decltype(masked)::value) raw = _mm256_and_si256(raw, tail);
-          widen_bf16(raw, v[i]);
+          widen<O>(raw, v[i]);
         }
         for (int r = 0; r < NR; ++r)
           dot_lanes<L>(v, reinterpret_cast<const float*>(pw + r * w_bytes) + L * p, x[r]);
@@ -473,7 +476,11 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
       for (int64_t p = 0; p < full; ++p) group(p, std::false_type{});
       if (full < ngroups) group(full, std::true_type{});
       for (int r = 0; r < NR; ++r)
-        for (int i = 0; i < NH; ++i) _mm256_storeu_ps(acc + r * D + d0 + 8 * i, x[r][i]);
+        for (int i = 0; i < NH; ++i) {
+          __m256 out = x[r][i];
+          if constexpr (kOut != 1.0f) out = _mm256_mul_ps(out, _mm256_set1_ps(kOut));
+          _mm256_storeu_ps(acc + r * D + d0 + 8 * i, out);
+        }
     }
   };
   for (int64_t d0 = 0; d0 < D; d0 += DB) pass(d0);

@@ -17,10 +17,12 @@
 namespace pyengine::decode {
 
 // The operands of the dot products, by cache dtype (each kernel's header comment says how it computes them):
-// bf16 codes as bf16; fp8 codes widened through bf16's bit layout, or (AVX512-FP16; AVX2 by F16C)
-// fp16's; int8 codes as integers; fp32 as they are (the AVX2 kernels only).
-enum class Operands { kBf16, kFp8Bf16, kFp8Half, kInt8, kFp32 };
-constexpr bool is_fp8(Operands O) { return O == Operands::kFp8Bf16 || O == Operands::kFp8Half; }
+// bf16 codes as bf16; fp8 codes widened through bf16's bit layout, fp16's (AVX512-FP16) or, in the
+// AVX2 kernels, placed straight into fp32's; int8 codes as integers; fp32 as they are (AVX2 only).
+enum class Operands { kBf16, kFp8Bf16, kFp8Half, kFp8Fp32, kInt8, kFp32 };
+constexpr bool is_fp8(Operands O) {
+  return O == Operands::kFp8Bf16 || O == Operands::kFp8Half || O == Operands::kFp8Fp32;
+}
 // Quantized caches: an fp32 scale per (token, kv head) beside the codes.
 constexpr bool has_scales(Operands O) { return O == Operands::kInt8 || is_fp8(O); }
 // Values per lane of a tile (kv_lane), bytes per value, and bytes per lane: 4, but fp32's pairs take 8.
