@@ -390,8 +390,8 @@ inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const Chu
 // int8 (twice as many passes as a group has lines) each line twice, fp8 (as many) once. The first
 // order for all was 1.10-1.25x faster for fp32 (4 KB tiles) and 1.01-1.07x for bf16, but 0.95-1.00x
 // for int8 and fp8 (1 KB tiles), 0.91-0.95x end to end (8 x 2,000-token prompts); the second for all
-// was 0.8-0.9x for fp32. Prefetching every line twice, or only every other one, was slower for all
-// (fp8 then took 8 dims a pass, each line twice; it takes 16 since it runs bf16's path).
+// was 0.8-0.9x for fp32. Prefetching every line twice, or only every other one, was slower for all.
+// (fp8 had 8 dims a pass, so each line twice, until it took bf16's path.)
 template <Operands O, int NC32, int NR, bool SPLIT>
 inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, const float* alpha,
                      const float* wscale, float* acc, int maxnv) {
