@@ -484,6 +484,11 @@ constexpr int64_t weight_row_bytes(Avx512, Operands) { return kChunk * 2; }
 // Bytes of q (or of the weights) per line's dot product.
 constexpr int operand_bytes(Operands O) { return is_fp8(O) ? 8 : 4; }
 
+// fp8 codes widen to bf16 or fp16 as their values times 2^-8 (exactly: e4m3's exponent lands in the low
+// bits of the wider one's); the scales take the 2^8 back. (The AVX2 kernels place them in fp32 instead:
+// decode_avx2.h's kFp8QLift.)
+constexpr float kFp8Unit = 1.0f / 256.0f;
+
 // fp8 e4m3 codes (s eeee mmm) in the high byte of each 16-bit word -> bf16 of their values times 2^-8
 // (kFp8Unit), exact for normal codes: an arithmetic shift right by 4 puts e.m on bits 10..4 and
 // copies of the sign on 15..11; clearing bits 14..11 (and 3..0) and setting the exponent's high bits

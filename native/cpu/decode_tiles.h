@@ -33,10 +33,6 @@ constexpr int64_t lane_bytes(Operands O) { return lane_of(O) * elem_bytes(O); }
 // 64-token chunks: 128 measured 7% faster with the cache in L3 but 5-10% slower from DRAM (the
 // prefetch of the next chunk starts later and arrives in a longer burst).
 constexpr int kChunk = 64, kTiles = kChunk / 16, kGroup = 4;
-// The AVX-512 kernels' fp8 codes widen to bf16 or fp16 as their values times 2^-8 (exactly: e4m3's
-// exponent lands in the low bits of the wider one's); the scales take the 2^8 back. (The AVX2 ones place
-// them in fp32: decode_avx2.h's kFp8QLift.)
-constexpr float kFp8Unit = 1.0f / 256.0f;
 
 // The cache level the chunks' prefetches fill: L2 (T1), where L1's few fill buffers would cap the misses in
 // flight, except on Zen 5 (told at compile time by AVX512-VP2INTERSECT in the -march without AMX or
