@@ -1,7 +1,7 @@
 """Build the native core.
 
 Extensions:
-  pyengine._C      C++17 CPU kernels (native/cpu) bound with pybind11 (native/bindings/cpu_*.cpp).
+  pyengine._C      C++17 CPU kernels (native/cpu, a folder per operation) bound with pybind11 (native/bindings/cpu_*.cpp).
   pyengine.engine.*  Cython modules (pyengine/engine/*.pyx).
   pyengine._cuda   CUDA kernels (native/cuda/*.cu) + bindings (native/bindings/cuda_*.cpp),
                    built when nvcc is found; links the CUDA runtime, never torch.
@@ -29,7 +29,8 @@ ParallelCompile("MAX_JOBS", default=os.cpu_count() or 1).install()
 
 
 def rel(pattern: str) -> list[str]:
-    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+    """Paths matching `pattern` (`**` spans folders), relative to the checkout, sorted."""
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
 
 
 CPU_ARCH = os.environ.get("PYENGINE_CPU_ARCH", "native")
@@ -41,9 +42,9 @@ CXX_FLAGS = ["-O3", f"-march={CPU_ARCH}", "-fno-math-errno", "-fopenmp", "-Wall"
 ext_modules = [
     Pybind11Extension(
         "pyengine._C",
-        rel("native/bindings/cpu_*.cpp") + rel("native/cpu/*.cpp"),
+        rel("native/bindings/cpu_*.cpp") + rel("native/cpu/**/*.cpp"),
         include_dirs=["native/include"],
-        depends=rel("native/include/pyengine/*.h") + rel("native/cpu/*.h") + rel("native/bindings/*.h"),
+        depends=rel("native/include/pyengine/*.h") + rel("native/cpu/**/*.h") + rel("native/bindings/*.h"),
         extra_compile_args=CXX_FLAGS,
         extra_link_args=["-fopenmp"],
         cxx_std=17,

@@ -1,7 +1,7 @@
 """QuantLinear GEMV/GEMM per GGUF type and path: ms per call (min over calls, so a loaded machine's
 stalls drop out) for a [N, K] weight at M = 1 (decode), 16 and 64 (64 streams' decode step), one thread by
 default; the last row is the bf16 kernel (PackedLinear) on the same shape, the path weights="dequantize" runs.
-Paths: "strips" (the weight dequantized a strip at a time for the bf16 kernel, qlinear_strips.cpp, forced
+Paths: "strips" (the weight dequantized a strip at a time for the bf16 kernel, linear/quant_strips.cpp, forced
 at every M) and the int8 SIMD paths (qlinear_isas, strips off).
 
     python bench/bench_qlinear.py [--n 2048] [--k 2048] [--threads 1] [--m 1,16,64] [--types Q4_1,Q8_0]

@@ -1,4 +1,4 @@
-// Standalone probe: the AVX2 decode kernels' compute alone (native/cpu/decode_avx2.h), one core, the
+// Standalone probe: the AVX2 decode kernels' compute alone (native/cpu/attention/decode_avx2.h), one core, the
 // default model's shape (D 64, 3 rows: the q heads of one kv head). Prints TSC ticks per q-head score (one
 // q row against one cached token, 64 products each way) for the bf16, int8, fp8 and fp32 caches:
 //   - of QK, the softmax step and PV, each run on one 64-token chunk held in L1, so no memory wait counts;

@@ -14,7 +14,7 @@
 // vmaxps are free (3.3-3.6); vmulps, vfmadd231ps, vcvtph2ps, vgf2p8affineqb, vpermt2w, vpmaddwd and
 // vscalefps halve it (1.8); shuffles (vpshufb, vpermb) and vcvtne2ps2bf16 cost about a third (2.2-2.7).
 // So a kernel's float scaling steps take dot products' slots on this CPU, its integer unpacking does not.
-// Against the dot rate, linear.cpp's vdpbf16ps GEMM at 64 rows runs at ~100% (228 GFLOP/s on one core),
+// Against the dot rate, linear/bf16.cpp's vdpbf16ps GEMM at 64 rows runs at ~100% (228 GFLOP/s on one core),
 // prefill attention's QK and PV loops at ~80%, and qlinear's vpdpbusd kernel at 16 rows (Q4_1) at ~75%
 // (its two dot-product pipes also run a multiply and two FMAs per 16 dot products: ~82% at best).
 #include <immintrin.h>

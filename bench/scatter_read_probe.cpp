@@ -9,7 +9,7 @@
 // the shuffled tiles with L2 (T1) prefetches 4 / 8 / 16 tiles ahead, and with L1 (T0) prefetches 8
 // ahead; best of 5, cache flushed first.
 // Measured on a 2-core Xeon with AMX (family 6, model 167), work 1: in order ~11 GB/s; shuffled with
-// T1 prefetches ~7.5 (2 KB tiles), ~8.7 (4 and 6 KB), ~10.6 (16 KB). Why attention.cpp's decode items
+// T1 prefetches ~7.5 (2 KB tiles), ~8.7 (4 and 6 KB), ~10.6 (16 KB). Why attention/paged.cpp's decode items
 // span a block's adjacent kv heads: 6 KB runs instead of 2 KB at the default model's shape. On an AMD
 // EPYC (Zen 4, family 25 model 17), work 1: in order ~25 GB/s; shuffled with no prefetch ~7.5, with
 // T1 prefetches ~15.5 (2 KB), ~18 (6 KB), ~19 (64 KB), with T0 ~8: why decode attention prefetches to

@@ -377,7 +377,7 @@ def test_int8_decode_error_with_sharp_scores(head_dim, block_size, decode_path):
     chunk. With sharp scores (q x 3) its error against the dequantized reference: rms under 3.5e-3
     (measured 2.5e-3; the bf16 path on a bf16 cache 1e-3) and at most 0.025 beyond bf16 output
     rounding (measured 0.014-0.019). q as a single int8 code fails both (rms 5e-3-7e-3, 0.03-0.06);
-    it also cost the default model 0.5% of top-1 agreement (native/cpu/attention.cpp)."""
+    it also cost the default model 0.5% of top-1 agreement (native/cpu/attention/paged.cpp)."""
     q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(DECODE, 6, 2, head_dim, block_size, torch.bfloat16,
                                                   cache_dtype=torch.int8, seed=5)
     q = q * 3

@@ -34,7 +34,7 @@ pair (0.054), subtracting a per-(layer, head) mean from K (exact for softmax; 0.
 calibration data). e4m3's error is relative, so its energy is about |k|^2 / 1000 whatever the
 rotation; what counts is its projection on the queries, and queries share a large common direction
 (40-70% of their energy), along which a token's own q points. Two write-side changes (kv_quant.h,
-native/cpu/cache.cpp): each fp8 row takes the best of 16 scales absmax / 448 * (16 + j) / 16 (least
+native/cpu/kv_cache.cpp): each fp8 row takes the best of 16 scales absmax / 448 * (16 + j) / 16 (least
 squared error; 0.056 -> 0.049 for K alone), and K's values are rounded to the nearest or the other
 neighbouring code so as to cut the error along the token's own q heads (round_k_for_queries; 0.039). Both: 0.035, agreement 98.2% in the simulation; on a second text (the
 GPL) 0.082 -> 0.042, 95.1% -> 97.3%. Measured through the engine on this text: fp8 96.8% -> 98.0%,

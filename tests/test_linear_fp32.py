@@ -1,4 +1,4 @@
-"""Fp32Linear (native/cpu/linear_fp32.cpp: fp32 weights in 16-output panels) against torch's fp32
+"""Fp32Linear (native/cpu/linear/fp32.cpp: fp32 weights in 16-output panels) against torch's fp32
 F.linear, and where models use it (fp32 weights on AVX2 builds without AVX-512)."""
 import pytest
 import torch

@@ -1,6 +1,6 @@
-"""The prefill attention kernel (native/cpu/prefill_attention.cpp) against the torch reference, on each
+"""The prefill attention kernel (native/cpu/attention/prefill.cpp) against the torch reference, on each
 of its paths: prompts (>= 16 query tokens) of bf16 steps go to it, the rest of a step to the decode
-kernel (native/cpu/attention_step.cpp splits the step)."""
+kernel (native/cpu/attention/step.cpp splits the step)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""fp32 prompts over an fp32 cache (native/cpu/prefill_fp32.cpp, the "avx2_fp32" prefill path) against
+"""fp32 prompts over an fp32 cache (native/cpu/attention/prefill_fp32.cpp, the "avx2_fp32" prefill path) against
 the fp32 torch reference, and against the decode kernel the same steps ran on before ("paged")."""
 from __future__ import annotations
 

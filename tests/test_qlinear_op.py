@@ -1,7 +1,7 @@
-"""QuantLinear's int8 kernels (native/cpu/qlinear.cpp) against a torch reference on the same numbers: the
+"""QuantLinear's int8 kernels (native/cpu/linear/quant.cpp) against a torch reference on the same numbers: the
 weight dequantized by gguf's numpy dequantizer, the activations rounded to int8 per 32-block as the kernel
 does; every SIMD path of this build (scalar, AVX2, AVX512-VNNI, AMX: M >= 8 rows, 16 at a time, the rest
-on VNNI). The many-row path that runs instead for bf16 activations (qlinear_strips.cpp) is off here; it
+on VNNI). The many-row path that runs instead for bf16 activations (linear/quant_strips.cpp) is off here; it
 has its own tests (test_qlinear_strips.py)."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""qlinear's many-row path (native/cpu/qlinear_strips.cpp): from qlinear_strip_rows() rows of bf16
+"""qlinear's many-row path (native/cpu/linear/quant_strips.cpp): from qlinear_strip_rows() rows of bf16
 activations the weight is dequantized a strip at a time for linear_bf16's kernel. Its result is, bit for
 bit, what PackedLinear gives on the weight dequantized at load (weights="dequantize"): per type, on odd
 shapes, on every bf16 kernel path of this build, and through the model."""

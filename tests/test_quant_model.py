@@ -116,7 +116,7 @@ def test_2_and_3_bit_k_quants_give_the_dequantized_models_tokens(k23_gguf, caplo
 
 @pytest.mark.skipif(_C.isa() != "avx512_bf16", reason="no AVX512-BF16 linear in this build: int8 kernels only")
 def test_2_and_3_bit_k_quant_prompts_are_bit_identical_to_dequantize(k23_gguf, strip_rows):
-    """bf16 prompts of >= 16 tokens run the strips (qlinear_strips.cpp; their default on AMX hosts, set here on
+    """bf16 prompts of >= 16 tokens run the strips (linear/quant_strips.cpp; their default on AMX hosts, set here on
     the others): weights="dequantize"'s logits, bit for bit."""
     strip_rows(16)
     cfg, model = load_model(k23_gguf, torch.bfloat16, "cpu")

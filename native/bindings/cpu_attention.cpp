@@ -19,17 +19,17 @@
 //                     num_heads=0) -> None
 //     key/value [T, KVH, D] with the given token strides; slot_mapping [T] int64 (-1 = skip);
 //     k_scales/v_scales as above (0 for unquantized caches); query [T, num_heads, D] (src dtype) or 0:
-//     the step's q, for which fp8 and int8 caches round K (native/cpu/cache.cpp).
+//     the step's q, for which fp8 and int8 caches round K (native/cpu/kv_cache.cpp).
 //
 //   set_prefill_attention_path(name) -> None; prefill_attention_path() -> str   (CPU only)
 //     The prefill kernel's path for prompts (>= 16 query tokens of a bf16 step; native/cpu/
-//     prefill_attention.cpp): "amx", "avx512_bf16", "portable" or "paged" (none: prompts run on the
+//     attention/prefill.cpp): "amx", "avx512_bf16", "portable" or "paged" (none: prompts run on the
 //     decode kernel, the best an AVX2 build without AVX512-BF16 has). set caps it (tests run each path;
 //     default "amx": the best the build and machine have); get names the one that runs. fp32 steps over
-//     an fp32 cache: prefill_attention_path("float32") is "avx2_fp32" (native/cpu/prefill_fp32.cpp) on
+//     an fp32 cache: prefill_attention_path("float32") is "avx2_fp32" (native/cpu/attention/prefill_fp32.cpp) on
 //     AVX2 + FMA builds, or "paged" (capped so, or no AVX2).
 //   set_decode_attention_path(name) -> None; decode_attention_path() -> str   (CPU only)
-//     The decode kernel's path (the other sequences of a step; native/cpu/attention.cpp):
+//     The decode kernel's path (the other sequences of a step; native/cpu/attention/paged.cpp):
 //     "avx512_fp16" (fp8 caches in fp16 FMAs; otherwise as avx512_bf16), "avx512_bf16", "avx2" (bf16,
 //     fp8, int8 and fp32 caches read in place with AVX2 FMAs / vpmaddwd) or "fp32", capped the same way
 //     (default "avx512_fp16": the best the build has).
@@ -146,7 +146,7 @@ void register_attention_ops(py::module_& m) {
       py::arg("num_blocks"), py::arg("block_size"), py::arg("num_seqs"), py::arg("max_blocks_per_seq"),
       py::arg("max_seq_len"), py::arg("scale"), py::arg("q_dtype"), py::arg("cache_dtype"), py::arg("stream"),
       py::arg("window") = 0, py::arg("softcap") = 0.0, py::call_guard<py::gil_scoped_release>(),
-      "Causal paged attention over a mixed step (see native/cpu/attention_step.cpp).");
+      "Causal paged attention over a mixed step (see native/cpu/attention/step.cpp).");
   m.def(
       "reshape_and_cache",
       [](uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k_scales,

@@ -1,4 +1,4 @@
-// pybind11 bindings of the CPU linear kernels: bf16 (native/cpu/linear.cpp) and fp32 (native/cpu/linear_fp32.cpp).
+// pybind11 bindings of the CPU linear kernels: bf16 (native/cpu/linear/bf16.cpp) and fp32 (native/cpu/linear/fp32.cpp).
 // Pointers are tensor.data_ptr() values; the out dtype code follows pyengine/ops/_common.py DTYPE_CODES;
 // the trailing `stream` is the CUDA stream handle, ignored on the CPU.
 #include <cstdint>

@@ -1,4 +1,4 @@
-// pybind11 binding of the CPU kernels on GGUF-quantized weights (native/cpu/qlinear.cpp).
+// pybind11 binding of the CPU kernels on GGUF-quantized weights (native/cpu/linear/quant.cpp).
 // Pointers are tensor.data_ptr() values; dtype codes follow pyengine/ops/_common.py DTYPE_CODES; `type`
 // is the GGML type id (ggml_blocks.h); the trailing `stream` is ignored on the CPU.
 #include <cstdint>

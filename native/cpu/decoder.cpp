@@ -23,8 +23,8 @@
 // caller discards it: see pyengine/interrupt.py). Returns true when every layer ran.
 // Scratch: qkv [T, (H + 2 KVH) D], attn [T, H D], gate_up [T, 2 I], act [T, I], all bf16.
 // Layer table: int64 [num_layers, kLayerFields], one row of addresses per layer (fields below;
-// 0 for an absent bias or scales). A projection's weight is PackedLinear's bf16 layout (linear.cpp)
-// where its type field is 0, else (field 1) a QuantLinear's segment table (qlinear.cpp).
+// 0 for an absent bias or scales). A projection's weight is PackedLinear's bf16 layout (linear/bf16.cpp)
+// where its type field is 0, else (field 1) a QuantLinear's segment table (linear/quant.cpp).
 #include <cstdint>
 
 #include "pyengine/cpu_ops.h"

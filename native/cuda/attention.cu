@@ -92,7 +92,7 @@ struct Codec<int8_t> {
 };
 
 constexpr int kCacheWarps = 4;
-constexpr int kMaxFlips = 16;     // round_k_for_queries: as native/cpu/cache.cpp
+constexpr int kMaxFlips = 16;     // round_k_for_queries: as native/cpu/kv_cache.cpp
 constexpr int kMaxGroup = 16;     // q heads per kv head it handles (larger groups round to nearest)
 constexpr int kMaxRowSlots = 8;   // values per lane (head_dim <= 256)
 
@@ -107,7 +107,7 @@ __device__ __forceinline__ float code_value(uint8_t c) {
   else return static_cast<float>(static_cast<int8_t>(c));
 }
 
-// native/cpu/cache.cpp's round_k_for_queries for one warp's K row (values d = lane + 32 r) of an fp8 or
+// native/cpu/kv_cache.cpp's round_k_for_queries for one warp's K row (values d = lane + 32 r) of an fp8 or
 // int8 (C) cache: codes (their bits) start at round-to-nearest and move, best first and at most once
 // each, to their other neighbouring code while J = sum_g (u_g . e)^2 + |e|^2 / D drops; u_g this
 // token's q of head g, unit length. q: the group's G rows, D apart.

@@ -26,7 +26,7 @@ def reshape_and_cache(
     query [T, H, D] (key's dtype, H a multiple of KVH; token-strided views too): this step's q, in K's
     basis. fp8 and int8 caches then round each K value to one of its two nearest codes so that the error
     points away from the token's own q heads, which share the direction later queries mostly take
-    (native/cpu/cache.cpp: round_k_for_queries); unquantized caches ignore it.
+    (native/cpu/kv_cache.cpp: round_k_for_queries); unquantized caches ignore it.
     """
     check_tensor("key", key, dtypes=ACT_DTYPES, ndim=3, contiguous=False)
     device = key.device

@@ -4,7 +4,7 @@ Types with a native kernel: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (32-value block
 Q5_K, Q6_K, IQ4_XS (256-value super-blocks). QuantLinear repacks the file's blocks once into 16-row tiles
 (native/include/pyengine/ggml_blocks.h) and holds only that copy: the GGUF tensor's bytes (1.01-1.04x
 for Q4_K/Q5_K/IQ4_XS/Q3_K, whose 6-bit scales are spread to bytes) plus at most 15 padding rows. Calls quantize
-the activations per 32-value block to int8 and run int8 dot products (native/cpu/qlinear.cpp), so a decode
+the activations per 32-value block to int8 and run int8 dot products (native/cpu/linear/quant.cpp), so a decode
 step streams 2.6-8.5 bits per weight instead of bf16's 16. A weight may be row ranges of different
 types (a fused qkv whose v is Q8_0 and q/k Q5_0, as llama.cpp's Q4_K_M mixes them). The same copy
 serves the embedding lookup (rows dequantized on the fly) and, with tied embeddings, the lm_head.

@@ -16,7 +16,7 @@ void paged_attention_cpu(void* out, const void* q, const void* k_cache, const vo
                          DType cache_dtype, int64_t window = 0, float softcap = 0.0f);
 
 // One step's attention: paged_attention_cpu's arguments; prompts (>= 16 query tokens) go to the
-// prefill kernel, the rest to paged_attention_cpu (attention_step.cpp). What the bindings call.
+// prefill kernel, the rest to paged_attention_cpu (attention/step.cpp). What the bindings call.
 void attention_step_cpu(void* out, const void* q, const void* k_cache, const void* v_cache, const float* k_scales,
                         const float* v_scales, const int32_t* block_tables, const int32_t* seq_lens,
                         const int32_t* query_start_loc, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
@@ -24,13 +24,13 @@ void attention_step_cpu(void* out, const void* q, const void* k_cache, const voi
                         int64_t max_blocks_per_seq, int64_t max_seq_len, float scale, DType q_dtype,
                         DType cache_dtype, int64_t window = 0, float softcap = 0.0f);
 // The prefill kernel's path: "amx", "avx512_bf16", "portable" or "paged" (prompts on the decode kernel;
-// prefill_attention.cpp). set caps it
+// attention/prefill.cpp). set caps it
 // (tests run each path; the default, "amx", means the best there is); get says which one runs for
 // prompts with q of q_dtype: "bfloat16" (the paths above), or "float32" (fp32 caches: "avx2_fp32",
-// prefill_fp32.cpp, unless capped to "paged" or built without AVX2 and FMA).
+// attention/prefill_fp32.cpp, unless capped to "paged" or built without AVX2 and FMA).
 void set_prefill_attention_path(const std::string& name);
 std::string prefill_attention_path(const std::string& q_dtype = "bfloat16");
-// The decode kernel's path (attention.cpp; the sequences below the prefill kernel's cut):
+// The decode kernel's path (attention/paged.cpp; the sequences below the prefill kernel's cut):
 // "avx512_fp16" (as avx512_bf16, but fp8 caches in fp16 FMAs; builds for AVX512-FP16), "avx512_bf16"
 // (bf16 q: vdpbf16ps / vpdpbusd on the cache tiles), "avx2" (bf16 or fp32 q: fp32 FMAs / vpmaddwd on
 // the cache tiles; the best of builds for AVX2 and FMA without AVX-512, and AVX-512 ones have it for
@@ -62,11 +62,11 @@ void linear_bf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t out, i
                  int out_dtype);
 void set_linear_path(const std::string& name);  // "amx" (the best available), "avx512_fp32" or "avx512_bf16" (tests)
 std::string linear_path(int64_t K);  // the path linear_bf16 takes for a weight of K columns (any M)
-// fp32 out[M, N] = x[M, K] @ W^T + bias (or null) on AVX2 + FMA builds (linear_fp32.cpp), W packed
+// fp32 out[M, N] = x[M, K] @ W^T + bias (or null) on AVX2 + FMA builds (linear/fp32.cpp), W packed
 // [ceil(N/16)][K][16] fp32, 64-byte aligned; linear_fp32_available() is false on builds without them.
 bool linear_fp32_available();
 void linear_fp32(const float* x, const float* packed, const float* bias, float* out, int64_t M, int64_t N, int64_t K);
-// Quantized weights (qlinear.cpp; types and layout in ggml_blocks.h).
+// Quantized weights (linear/quant.cpp; types and layout in ggml_blocks.h).
 int64_t qpacked_bytes(int type, int64_t N, int64_t K);
 void qpack(int type, uintptr_t src, int64_t N, int64_t K, uintptr_t dst);
 // segments: int64 [1 + 3 n] = n, then (GGML type, rows, tiled weight address) per row range of W.
@@ -75,7 +75,7 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
 void qembedding(uintptr_t ids, int64_t T, uintptr_t packed, int type, int64_t N, int64_t K, uintptr_t out,
                 int out_dtype);
 // From this many rows of bf16 x (0: never), qlinear dequantizes the weight a strip at a time for
-// linear_bf16's kernel (qlinear_strips.cpp) instead of running its int8 kernels. Default: 16 where
+// linear_bf16's kernel (linear/quant_strips.cpp) instead of running its int8 kernels. Default: 16 where
 // linear_bf16 runs on AMX, else 0.
 void set_qlinear_strip_rows(int64_t rows);
 int64_t qlinear_strip_rows();

@@ -19,7 +19,7 @@
 //        fp16 d; value 128 n + 32 i + l's third bit is bit 4n + i of hmask[l]
 //                                                       sub-block s: d * (sc_s - 32) * (q - 4), q 3 bits
 //
-// Tiled layout (qlinear.cpp): rows in tiles of 16 (zero rows pad the last tile); per (tile, GGUF
+// Tiled layout (linear/quant.cpp): rows in tiles of 16 (zero rows pad the last tile); per (tile, GGUF
 // block) one contiguous record, a tile's records after each other, tiles after each other:
 //   record = group[V / 32] | scales
 //   group (32 values of 16 rows) = quant lines | high lines

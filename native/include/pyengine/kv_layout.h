@@ -1,5 +1,5 @@
-// The CPU KV cache layout: where value (token, dim) of a (block, kv head) tile lies. cache.cpp writes
-// it; attention.cpp and prefill_attention.cpp read it.
+// The CPU KV cache layout: where value (token, dim) of a (block, kv head) tile lies. kv_cache.cpp writes
+// it; attention/paged.cpp and attention/prefill.cpp read it.
 //
 // A tile packs L values into each 32-bit lane, L = 4 for one-byte caches (fp8, int8) and 2 otherwise:
 //   K [D/L][BS][L]  dims group j (dims L j .. L j + L - 1) of consecutive tokens: one token per lane

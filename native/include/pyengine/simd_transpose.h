@@ -1,5 +1,5 @@
 // Register transposes of 16 x 16 32-bit words (AVX-512F), for kernels that turn rows of k pairs or of
-// tokens into the column-major runs their dot products read: linear.cpp packs x so, and cache.cpp writes
+// tokens into the column-major runs their dot products read: linear/bf16.cpp packs x so, and kv_cache.cpp writes
 // a block's 16 tokens into a K tile's dims-pair lines.
 #pragma once
 

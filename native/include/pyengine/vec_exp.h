@@ -1,7 +1,7 @@
 // Vectorized expf (Cephes polynomial, |rel err| < 2e-7) shared by the CPU kernels.
 // exp512: inputs clamped to [-104, 89], so exp(-inf) = 0 (scalef handles the denormal range).
 // exp256: inputs clamped to [-87.3, 88.3]; below that it returns ~1e-38 rather than 0.
-// exp2_512 / exp2_256: 2^x for x <= 0 (the online softmax's probabilities, attention.cpp), clamped at
+// exp2_512 / exp2_256: 2^x for x <= 0 (the online softmax's probabilities, attention/paged.cpp), clamped at
 // -127: 2^round(x) times a degree-6 Taylor polynomial of 2^f on [-0.5, 0.5]; exp2_256(-127) is 0.
 #pragma once
 
@@ -46,7 +46,7 @@ inline __m512 exp2_512(__m512 x) {
 // 2^f on [-0.5, 0.5] to the precision of attention weights (rounded to bf16, u8 or 15-bit codes next,
 // 2^-9 relative or coarser): a degree-4 polynomial fitted to the relative error (2.8e-6), exact at f = 0
 // so a row's top score still weighs exactly 1; coefficients from the highest power. The decode
-// kernels' exp2_weights (attention.cpp, decode_avx2.h) evaluate it.
+// kernels' exp2_weights (attention/paged.cpp, attention/decode_avx2.h) evaluate it.
 constexpr float kExp2Weights[5] = {0.00958278402686119f, 0.055906277149915695f, 0.24024099111557007f,
                                    0.6931242346763611f, 1.0f};
 

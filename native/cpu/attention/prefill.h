@@ -1,5 +1,5 @@
-// The prompt side of paged attention (prefill_attention.cpp) and the step entry that splits a mixed
-// step between it and the decode kernel (attention_step.cpp).
+// The prompt side of paged attention (attention/prefill.cpp) and the step entry that splits a mixed
+// step between it and the decode kernel (attention/step.cpp).
 #pragma once
 #include <cstdint>
 
@@ -45,7 +45,7 @@ bool prefill_attention_supports(const AttentionStep& a);
 // Attention of the sequences seqs[0, nseqs) of a validated step (the others are not touched).
 void prefill_attention_cpu(const AttentionStep& a, const int32_t* seqs, int64_t nseqs);
 
-// fp32 q over an fp32 cache in fp32 FMAs (prefill_fp32.cpp): builds with AVX2 and FMA, head_dim a
+// fp32 q over an fp32 cache in fp32 FMAs (attention/prefill_fp32.cpp): builds with AVX2 and FMA, head_dim a
 // multiple of 8 (<= 256), no soft-cap. prefill_attention_cpu routes fp32 steps there.
 bool prefill_fp32_supports(const AttentionStep& a);
 void prefill_fp32_cpu(const AttentionStep& a, const int32_t* seqs, int64_t nseqs);

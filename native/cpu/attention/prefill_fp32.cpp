@@ -1,6 +1,6 @@
 // prefill_fp32 (CPU, AVX2 + FMA): causal attention of prompt chunks with fp32 q over an fp32 KV cache,
 // what an fp32 model runs (resolve_dtype's choice on CPUs without AVX512-BF16, such as AMD Zen 2/3).
-// Flash-attention style, as prefill_attention.cpp for bf16, in 256-bit fp32 FMAs that read the cache
+// Flash-attention style, as attention/prefill.cpp for bf16, in 256-bit fp32 FMAs that read the cache
 // tiles in place (kv_layout.h with L = 2 values per lane pair):
 //   K [D/2][BS][2]  dims pair j of consecutive tokens: a vector = 4 tokens x dims (2j, 2j + 1)
 //   V [BS/2][D][2]  token pair i of consecutive dims:  a vector = 4 dims x tokens (2i, 2i + 1)
@@ -26,7 +26,7 @@
 #include <limits>
 #include <vector>
 
-#include "prefill_attention.h"
+#include "prefill.h"
 #include "pyengine/kv_layout.h"
 #include "pyengine/parallel.h"
 #include "pyengine/prefetch.h"

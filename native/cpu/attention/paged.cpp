@@ -27,10 +27,10 @@
 //
 // Paths (chosen at compile time by the -march of the build, PYENGINE_CPU_ARCH):
 //   a bf16/fp8/int8 cache, head_dim 64/128, block size 8 or a multiple of 16: run_item_dot, dot
-//     products straight from the cache tiles, chunk by chunk (decode_tiles.h). With AVX512_BF16 and
+//     products straight from the cache tiles, chunk by chunk (attention/decode_tiles.h). With AVX512_BF16 and
 //     AVX512_VNNI (bf16 q) its kernels are vdpbf16ps, or vpdpbusd for int8 (see their comment); with
 //     AVX2 and FMA but no AVX-512 (bf16 or fp32 q), fp32 FMAs on the widened values, or vpmaddwd for
-//     int8 (decode_avx2.h). This is the hot path of bf16 models, and on AVX2 CPUs of fp32 ones with a
+//     int8 (attention/decode_avx2.h). This is the hot path of bf16 models, and on AVX2 CPUs of fp32 ones with a
 //     quantized cache.
 //   everything else (fp32/fp16 caches, fp16 q, other head dims, no AVX2): run_item, which dequantizes each K/V
 //     chunk once into fp32 scratch; AVX-512 intrinsics under __AVX512F__, AVX2 + FMA ones (8-float
@@ -54,7 +54,7 @@
 #include "pyengine/kv_quant.h"
 #include "decode_avx2.h"
 #include "decode_tiles.h"
-#include "prefill_attention.h"
+#include "prefill.h"
 #include "pyengine/parallel.h"
 #include "pyengine/vec_exp.h"
 #include "pyengine/vec_reduce.h"
@@ -85,7 +85,7 @@ constexpr int32_t kMaxItemHeads = 8;  // kv heads one decode work item may span
 enum class DecodePath { kAvx512Fp16, kAvx512Bf16, kAvx2, kFp32 };
 std::atomic<DecodePath> g_decode_cap{DecodePath::kAvx512Fp16};
 
-// One step's arguments (AttentionStep, prefill_attention.h) and what the decode kernel derives from them.
+// One step's arguments (AttentionStep, attention/prefill.h) and what the decode kernel derives from them.
 struct Args : AttentionStep {
   int64_t G, Dp, chunk, QT;
 };
@@ -486,7 +486,7 @@ constexpr int operand_bytes(Operands O) { return is_fp8(O) ? 8 : 4; }
 
 // fp8 codes widen to bf16 or fp16 as their values times 2^-8 (exactly: e4m3's exponent lands in the low
 // bits of the wider one's); the scales take the 2^8 back. (The AVX2 kernels place them in fp32 instead:
-// decode_avx2.h's kFp8QLift.)
+// attention/decode_avx2.h's kFp8QLift.)
 constexpr float kFp8Unit = 1.0f / 256.0f;
 
 // fp8 e4m3 codes (s eeee mmm) in the high byte of each 16-bit word -> bf16 of their values times 2^-8
@@ -760,7 +760,7 @@ inline __m512 exp2_weights(__m512 x) {
 // Online-softmax update of one row with the scores sc[lo, nv) (lo > 0: before its window): writes
 // the weights as PV's operands to pw[0, round_up(n, 16) tokens) (zeros outside [lo, nv)): bf16,
 // bf16 in fp8's operand order, or u8 codes of scale *wscale (int8); updates m and l; returns alpha
-// for acc. The running max lags the scores by up to kMaxSlack (prefill_attention.h): while it does
+// for acc. The running max lags the scores by up to kMaxSlack (attention/prefill.h): while it does
 // not move, alpha is exactly 1 and the row needs no horizontal max, which at decode's 3 rows x 64
 // tokens per chunk was a large part of the softmax's time.
 template <Operands O, bool SPLIT>

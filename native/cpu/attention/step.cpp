@@ -1,7 +1,7 @@
 // attention_step (CPU): one step's paged attention, split by sequence between the two kernels.
 // Sequences with >= kPrefillMinQueries query tokens (prompts, prompt chunks) go to the prefill kernel
-// (prefill_attention.cpp) when it takes the step's dtypes and head_dim; the rest (decodes, short
-// chunks) to paged_attention_cpu (attention.cpp). With both kinds in one step, the short sequences'
+// (attention/prefill.cpp) when it takes the step's dtypes and head_dim; the rest (decodes, short
+// chunks) to paged_attention_cpu (attention/paged.cpp). With both kinds in one step, the short sequences'
 // q rows and block-table rows are gathered into compact copies (a few rows: the decodes) for
 // paged_attention_cpu and its output rows scattered back; the prefill kernel reads the step in place.
 // The whole step is validated here first, so a bad argument changes nothing.
@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "prefill_attention.h"
+#include "prefill.h"
 #include "pyengine/cpu_ops.h"
 #include "pyengine/kv_layout.h"
 

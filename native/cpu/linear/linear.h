@@ -1,4 +1,4 @@
-// linear.cpp's bf16 kernel for callers that write its packed weight tiles themselves: qlinear_strips.cpp
+// linear/bf16.cpp's bf16 kernel for callers that write its packed weight tiles themselves: linear/quant_strips.cpp
 // dequantizes a quantized weight into them a strip of tiles at a time, and runs the kernel on each strip.
 #pragma once
 
@@ -20,7 +20,7 @@ inline TileRange tile_pair_range(int64_t tiles, int64_t i, int64_t n) {
 }
 
 // x [M, K] bf16 made ready once for the kernel linear_bf16 runs at this K (AMX: the last partial 16 rows
-// copied zero-padded; AVX-512: packed in k pairs, linear.cpp's header), in buffers of the constructing
+// copied zero-padded; AVX-512: packed in k pairs, linear/bf16.cpp's header), in buffers of the constructing
 // thread; then run() computes any block of output columns, from any thread. One at a time per
 // constructing thread: the next one reuses the buffers.
 class Bf16Rows {
@@ -28,7 +28,7 @@ class Bf16Rows {
   Bf16Rows(const uint16_t* x, int64_t M, int64_t K);
 
   // out[M, N] (rows ldo elements apart; fp32 or bf16) = x @ W^T (+ bias [N] fp32, or null), on the
-  // calling thread, for W's packed tiles `w` (linear.cpp's layout, 64-byte aligned).
+  // calling thread, for W's packed tiles `w` (linear/bf16.cpp's layout, 64-byte aligned).
   void run(const uint16_t* w, const float* bias, void* out, int64_t N, int64_t ldo, bool out_f32) const;
 
  private:

@@ -1,8 +1,8 @@
 // Quantized linear layers at many rows (M >= strip rows, bf16 activations): the weight is dequantized a
-// strip at a time into bf16, in exactly the packed layout linear.cpp's kernel reads (16-output tiles of
+// strip at a time into bf16, in exactly the packed layout linear/bf16.cpp's kernel reads (16-output tiles of
 // k pairs), and that kernel (AMX tiles, else AVX-512) runs its tile loop over all M rows of the strip.
 //
-// Why: the int8 kernels (qlinear.cpp) scale every 32-value group's int32 sums through the vector units,
+// Why: the int8 kernels (linear/quant.cpp) scale every 32-value group's int32 sums through the vector units,
 // which bounds them at many rows (M = 64: 0.4-0.5x the bf16 AMX GEMM on the same shapes). Here the
 // dequantization is paid once per strip per call, shared by all M rows, and the weight is still read at
 // its quantized size. A strip is a few tiles x all of K, about kStripBytes of bf16: it stays in L2 (2 MB
@@ -21,7 +21,7 @@
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
 #include "pyengine/prefetch.h"
-#include "qtiles.h"
+#include "quant_tiles.h"
 
 namespace pyengine::cpu {
 namespace {
@@ -33,7 +33,7 @@ using ggml::kTileRows;
 // products per instruction of the int8 kernels' vpdpbusd, and there the strips lose at every M: one model
 // step of the default model, 1 thread, Xeon with AVX512-BF16/VNNI and no AMX (bench/bench_quant_steps.py),
 // int8 kernels 1.35-1.63x the strips' speed at M = 16..2,000, Q4_1 and Q8_0 alike. So without AMX the
-// default is 0 (never). On AVX512-FP16 builds the strips' kernel is linear.cpp's avx512_fp32 (bf16
+// default is 0 (never). On AVX512-FP16 builds the strips' kernel is linear/bf16.cpp's avx512_fp32 (bf16
 // widened to fp32 FMAs), and they still lose: same host, 1 thread, M = 16 / 64 / 512 / 2,000
 // (bench_quant_steps.py --strip-rows 16), int8 kernels over the strips 1.55 / 1.38 / 1.68 / 1.31x on
 // Q4_1 and 1.38 / 1.29 / 1.37 / 1.30x on Q8_0.
@@ -79,7 +79,7 @@ inline __m512i pair_values(__m512i bytes) {
 }
 
 // The 4 values of each row in `bytes` (k = k0 .. k0 + 3) as d * u + c, rounded to bf16 -> lines k0 / 2 and
-// k0 / 2 + 1 at `out` (linear.cpp's packed layout: 16 rows x the k pair).
+// k0 / 2 + 1 at `out` (linear/bf16.cpp's packed layout: 16 rows x the k pair).
 inline void store_quad(uint16_t* out, __m512i bytes, const LineScales& s) {
   static_for<0, 2>([&](auto pc) {
     constexpr int t = 2 * decltype(pc)::value;
@@ -95,7 +95,7 @@ struct LineScales {
   LineScales(__m512 d16, __m512 c16) : d(d16), c(c16) {}
 };
 
-// One 64-byte output line: 16 rows x the k pair (v0, v1), rounded to bf16 (linear.cpp's packed layout).
+// One 64-byte output line: 16 rows x the k pair (v0, v1), rounded to bf16 (linear/bf16.cpp's packed layout).
 inline void store_pair(uint16_t* line, __m512 v0, __m512 v1) {
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);

@@ -1,5 +1,5 @@
 // The tiled quantized layout (ggml_blocks.h) decoded with SIMD: shared by the int8 kernels
-// (qlinear.cpp) and the dequantizing strips (qlinear_strips.cpp).
+// (linear/quant.cpp) and the dequantizing strips (linear/quant_strips.cpp).
 #pragma once
 
 #include <cstdint>
@@ -88,7 +88,7 @@ inline void vec_scales(const uint8_t* rec, int64_t g, int h, int64_t r0, typenam
 // One group's (or half's) int32 dot products against a row of x joined from its int8 pair (256 dot1 +
 // dot2: a row of x and its residual, scales 256 dx2 and dx2) for V's rows of a tile (Zmm: 16, Ymm: 8),
 // scaled into acc (d, c: vec_scales with the same Signed; s12: the pair's offset sums added). Shared by
-// the int8 kernels: see qlinear.cpp's top. Where c is a fixed multiple of d (fixed_offset),
+// the int8 kernels: see linear/quant.cpp's top. Where c is a fixed multiple of d (fixed_offset),
 // d (t + (c / d) s12) takes one FMA fewer.
 template <int T, bool Signed, class V>
 inline typename V::F scale_joined(typename V::I joined_dot, float dx2, typename V::F d, typename V::F c, float s12,
@@ -205,8 +205,8 @@ struct Zmm {
 
 #endif
 
-// qlinear_strips.cpp: out = x @ W^T (+ bias) for bf16 x of M rows and qlinear's segment table, where
-// M >= qlinear_strip_rows() and linear.cpp has a SIMD kernel; false (nothing done) otherwise.
+// linear/quant_strips.cpp: out = x @ W^T (+ bias) for bf16 x of M rows and qlinear's segment table, where
+// M >= qlinear_strip_rows() and linear/bf16.cpp has a SIMD kernel; false (nothing done) otherwise.
 bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, void* out, int64_t M, int64_t N,
                     int64_t K, bool out_f32);
 

@@ -27,10 +27,10 @@
 //         weight line; below, vpmaddubsw + vpmaddwd on the int8 pairs (Q8_0 on signed values: no i16
 //         overflow), 4 int8 rows (2 of x) per unpacked weight line. Both give the same sums, so the same bits;
 //   scalar: a portable loop over the same layout.
-// From qlinear_strip_rows() rows of bf16 x (16 on AMX hosts, else never), qlinear_strips.cpp runs
-// instead: the weight dequantized to bf16 a strip at a time for linear.cpp's kernel, bit-identical to
+// From qlinear_strip_rows() rows of bf16 x (16 on AMX hosts, else never), linear/quant_strips.cpp runs
+// instead: the weight dequantized to bf16 a strip at a time for linear/bf16.cpp's kernel, bit-identical to
 // weights="dequantize".
-// Parallel shape as linear.cpp: tiles split into one contiguous range per thread; within a range,
+// Parallel shape as linear/bf16.cpp: tiles split into one contiguous range per thread; within a range,
 // groups of NT tiles x chunks of MR rows; big M in row panels so the quantized activations stay in
 // L2 while the weights stream. The activations are quantized first, split by rows across the threads
 // from kMinParallelQuant values up (a decode step of 16 rows), else on the calling thread.
@@ -50,7 +50,7 @@
 #include "pyengine/parallel.h"
 #include "pyengine/prefetch.h"
 #include "pyengine/vec_reduce.h"
-#include "qtiles.h"
+#include "quant_tiles.h"
 
 namespace pyengine::cpu {
 namespace {
@@ -1143,7 +1143,7 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
   if (M == 0) return;
   if (x_dtype == bf16 && qlinear_strips(reinterpret_cast<const uint16_t*>(x), seg, reinterpret_cast<const float*>(bias),
                                         reinterpret_cast<void*>(out), M, N, K, out_dtype == f32))
-    return;  // many rows: the weight dequantized a strip at a time for the bf16 kernel (qlinear_strips.cpp)
+    return;  // many rows: the weight dequantized a strip at a time for the bf16 kernel (linear/quant_strips.cpp)
   // The kernel runs on 2M int8 rows (each row of x, then its residual: quantize_row); each tile's
   // epilogue sums a row pair's results (+ bias) into out.
   const int64_t KB = K / kBlock, M2 = 2 * M;
@@ -1213,7 +1213,7 @@ void qembedding(uintptr_t ids, int64_t T, uintptr_t packed, int type, int64_t N,
         const int64_t g = b % L.groups();
         for (int64_t k = 0; k < kBlock; ++k) {
           // the dequantized value as GGUF defines it, d * u + c in one rounding (fused: Q6_K's d sc u alone
-          // can need 25 bits), as gguf.py's load-time dequantization and qlinear_strips.cpp round it
+          // can need 25 bits), as gguf.py's load-time dequantization and linear/quant_strips.cpp round it
           const Scale s = group_scale<Ty>(rec, j, g, static_cast<int>(k / per_half));
           const float v = std::fma(s.d, static_cast<float>(group_value<Ty>(rec + g * L.group_bytes(), j, k)), s.c);
           const int64_t off = r * K + b * kBlock + k;

@@ -48,8 +48,8 @@
 // vdpbf16ps kernel from M = 16 up (M = 64, gate_up: 25 -> ~280 GFLOP/s), the same at M = 1 (a weight
 // stream either way). It is chosen by K alone, for every M, because the two paths round differently
 // and a row's result must not depend on its batch. set_linear_path("avx512_*") turns it off (tests).
-// Bf16Rows (linear.h) is this tile loop for callers that make the packed tiles themselves
-// (qlinear_strips.cpp, from quantized weights); linear_bf16 runs on it too.
+// Bf16Rows (linear/linear.h) is this tile loop for callers that make the packed tiles themselves
+// (linear/quant_strips.cpp, from quantized weights); linear_bf16 runs on it too.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>

@@ -1,5 +1,5 @@
-// The decode kernel's chunks of cache tiles: what its dot-product kernels (AVX-512 in attention.cpp,
-// AVX2 in decode_avx2.h) and the driver that runs them (attention.cpp, run_item_dot) share.
+// The decode kernel's chunks of cache tiles: what its dot-product kernels (AVX-512 in attention/paged.cpp,
+// AVX2 in attention/decode_avx2.h) and the driver that runs them (attention/paged.cpp, run_item_dot) share.
 //
 // A chunk is up to kChunk = 64 cache positions of one kv head: 4 tiles of 16 tokens, each one run of
 // slots of one block, or with block size 8 ("SPLIT") two whole blocks. Per chunk the driver runs, for

@@ -1,7 +1,7 @@
-// The decode kernel's chunk steps (stage_q, qk_group, softmax_row, pv_group; attention.cpp's
+// The decode kernel's chunk steps (stage_q, qk_group, softmax_row, pv_group; attention/paged.cpp's
 // run_item_dot drives them) for CPUs with AVX2 and FMA but no AVX-512: AMD Zen 2 and 3, Intel cores
 // without AVX-512 (AVX-512 builds run them only when capped to "avx2", as the tests do). Same cache
-// layouts (kv_layout.h) and chunks (decode_tiles.h) as the AVX-512 kernels, in 256-bit vectors: a half
+// layouts (kv_layout.h) and chunks (attention/decode_tiles.h) as the AVX-512 kernels, in 256-bit vectors: a half
 // line is 32 bytes, 8 tokens of one K dims group (QK: a token per lane) or 8 dims of one V token group
 // (PV: a dim per lane), L values per 32-bit lane.
 //
@@ -44,14 +44,14 @@
 #include <type_traits>
 
 #include "decode_tiles.h"
-#include "prefill_attention.h"
+#include "prefill.h"
 #include "pyengine/dtype.h"
 #include "pyengine/vec_exp.h"
 #include "pyengine/vec_reduce.h"
 
 namespace pyengine::decode {
 
-struct Avx2 {};  // the kernels' tag (attention.cpp's AVX-512 ones take Avx512)
+struct Avx2 {};  // the kernels' tag (attention/paged.cpp's AVX-512 ones take Avx512)
 
 constexpr float kCode15 = 32767.0f;
 // fp8 codes placed in fp32's bit layout (widen_fp8) are their values times 2^-120. q is staged times
@@ -363,7 +363,7 @@ inline float softmax_steps(const float* sc, int lo, int nv, int n, const ChunkPt
   return alpha;
 }
 
-// attention.cpp's softmax_row in 8-lane vectors (the same lagging max): the weights of tokens
+// attention/paged.cpp's softmax_row in 8-lane vectors (the same lagging max): the weights of tokens
 // [0, round_up(n, 8)) go to pw as fp32 (for fp8 times the V scales and kFp8WLift) or as 15-bit codes
 // of scale *wscale (int8).
 template <Operands O, bool SPLIT>

@@ -57,7 +57,7 @@
 #include <utility>
 #include <vector>
 
-#include "prefill_attention.h"
+#include "prefill.h"
 #include "pyengine/amx.h"
 #include "pyengine/bf16_widen.h"
 #include "pyengine/cpu_ops.h"
@@ -90,7 +90,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
 
 // The kernels a build has, best first; set_prefill_attention_path caps which one runs (tests). kPaged:
-// no kernel of this file; prompts run on paged_attention's (attention.cpp).
+// no kernel of this file; prompts run on paged_attention's (attention/paged.cpp).
 enum class Path { kAmx, kAvx512Half, kAvx512Fp32, kAvx512Bf16, kPortable, kPaged };
 std::atomic<Path> g_cap{Path::kAmx};
 
@@ -1378,7 +1378,7 @@ void set_prefill_attention_path(const std::string& name) {
 std::string prefill_attention_path(const std::string& q_dtype) {
   if (q_dtype == "float32") {
 #if defined(__AVX2__) && defined(__FMA__)
-    if (g_cap.load() != Path::kPaged) return "avx2_fp32";  // prefill_fp32.cpp
+    if (g_cap.load() != Path::kPaged) return "avx2_fp32";  // attention/prefill_fp32.cpp
 #endif
     return "paged";
   }
