@@ -33,14 +33,7 @@
 #include "pyengine/simd_transpose.h"
 #include "pyengine/vec_reduce.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512F__)
-// GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+#include "pyengine/simd.h"
 
 namespace pyengine {
 namespace {
@@ -205,7 +198,7 @@ float quantize_row_portable(const float* x, int64_t n, DType cache, void* dst) {
 #if defined(__AVX2__) && defined(__FMA__)
 // The AVX-512 codecs above in 8-lane vectors, for rows of a multiple of 8 values (head dims; others
 // take the portable loops). On a Zen 2 core the portable scale search (16 candidates x 64 values, each
-// through float_to_fp8e4m3) made an fp8 write 15-30x an int8 one (bench/bench_kv_write.py).
+// through float_to_fp8e4m3) made an fp8 write 15-30x an int8 one (bench/kernels/bench_kv_write.py).
 inline __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
 
 // fp8_round_magnitude in 8 lanes.

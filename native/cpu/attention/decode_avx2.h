@@ -24,7 +24,7 @@
 //         products per lane (QK at D = 128), each at most 2^15 * 2^7.
 // bf16 and fp8 go through dot_lanes: two half lines at a time share each broadcast of q (or of the
 // weights), and each half line's products chain in a register of their own before they join the
-// row's accumulator. On a Zen 2 core with the chunk in L1 (bench/decode_avx2_probe.cpp: TSC ticks per
+// row's accumulator. On a Zen 2 core with the chunk in L1 (bench/lab/decode_avx2_probe.cpp: TSC ticks per
 // q-head score, QK / softmax / PV) that took bf16 from 13.8 / 3.2 / 8.5 (q and the weights stored
 // broadcast, one vfmadd with a memory operand per product: bound on loads) to 5.1 / 0.9 / 5.2. int8
 // runs 4.3 / 1.8 / 4.3, bound on vpmaddwd. fp8 ran 6.9 / 1.0 / 7.2 widened through fp32's exponent
@@ -298,7 +298,7 @@ inline __m256 exp2_weights(__m256 x) {
 
 // softmax_row's steps; FULL: a whole chunk, every token the row's (lo 0, nv = n = kChunk), where no lane
 // needs a mask: every chunk of a decode row but its last. Without the masks' compares and ands the
-// kernel ran 2-8% faster from DRAM for all four caches (bench/ab_attention.py, 2 threads, Zen 2), 5-6%
+// kernel ran 2-8% faster from DRAM for all four caches (bench/lab/ab_attention.py, 2 threads, Zen 2), 5-6%
 // with the cache hot.
 template <Operands O, bool SPLIT, bool FULL>
 inline float softmax_steps(const float* sc, int lo, int nv, int n, const ChunkPtrs& c, char* pw, float& m, float& l,

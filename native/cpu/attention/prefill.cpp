@@ -68,12 +68,7 @@
 #include "pyengine/prefetch.h"
 #include "pyengine/vec_exp.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-// GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+#include "pyengine/simd.h"
 
 namespace pyengine {
 namespace {

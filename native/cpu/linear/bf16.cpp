@@ -68,12 +68,7 @@
 #include "pyengine/simd_transpose.h"
 #include "linear.h"
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-// GCC 12 flags the _mm512_undefined_*() placeholders inside its own intrinsics as uninitialized.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+#include "pyengine/simd.h"
 
 namespace pyengine::cpu {
 namespace {
@@ -135,7 +130,7 @@ struct TileStore {
 
 // TileStore for two whole output tiles side by side (32 columns): a row's 32 values leave in one unmasked
 // store of 64 bytes (bf16, both halves rounded by one vcvtne2ps2bf16: the same bits) or two (fp32).
-// Against the bare tile loop at 64 rows (K = 576, a strip in L2; bench/amx_probe.cpp): two masked 32-byte
+// Against the bare tile loop at 64 rows (K = 576, a strip in L2; bench/lab/amx_probe.cpp): two masked 32-byte
 // stores per row +65%, this +7%.
 struct TilePairStore {
   int64_t n0;
@@ -461,7 +456,7 @@ void tile_range(const Args& a, int64_t begin, int64_t end) {
 //   more rows (compute-bound): ranges shrinking from 1 / (threads x kRangesPerThread) of the pairs left
 //   down to one pair, so the loop ends within one pair's time on every thread. With equal ranges, the 18
 //   pairs of a 576-output projection made 8 ranges of 2 or 3, and a thread idled for up to a range at the
-//   end: at M = 256, 2 threads, both builds alternating in one process (bench/ab_builds.py --m 256
+//   end: at M = 256, 2 threads, both builds alternating in one process (bench/lab/ab_builds.py --m 256
 //   --weights dequantize), the o and down projections ran 9-10% faster this way, qkv 5%, gate_up 1-2%
 //   slower (its 96 pairs split evenly before; more ranges cost a little each).
 std::vector<int64_t> pair_cuts(int64_t tiles, int64_t M, int threads) {

@@ -1,6 +1,6 @@
 // linear_fp32 (CPU, AVX2 + FMA): out[M, N] = x[M, K] @ W^T + bias in fp32, for fp32 models on CPUs
 // without AVX-512 (resolve_dtype runs fp32 there), where torch's MKL sgemm reached 55-65% of the FMA
-// peak on AMD Zen 2 (bench/bench_linear.py --fp32).
+// peak on AMD Zen 2 (bench/kernels/bench_linear.py --fp32).
 //
 // Layout: W packed once at load (ops/linear.py pack_weight_fp32) in panels of 16 outputs,
 //   packed[p][k][16] = W[16 p + j, k]  (zero past N), 64-byte aligned,

@@ -69,7 +69,7 @@ constexpr int64_t kAmxRows = 16;                  // int8 rows per AMX pass (pan
 // Rows of x from which the avx2 path runs on the joined activations (avx2_joined_half). Below, its int8
 // pairs: a call of 1 or 2 rows (decode of 1 or 2 sequences) reads each weight line once there, and
 // unpacks it for fewer products (default model, 2 threads, one step's projections from memory,
-// bench/ab_builds.py: joined over pairs 0.90x at 1 row, 0.92x at 2, 1.05x at 3, 1.12x at 4).
+// bench/lab/ab_builds.py: joined over pairs 0.90x at 1 row, 0.92x at 2, 1.05x at 3, 1.12x at 4).
 constexpr int64_t kJoinedMinRows = 3;
 
 enum Isa : int { kScalar, kAvx2, kVnni, kAmx };
@@ -192,7 +192,7 @@ inline float offset_sum(const QArgs& a, int64_t xb, int h) {
 // Zen 5 (1 thread, CPU s per 128 tokens, medians): Q4_1 0.54 -> 0.51, Q4_K_M 0.61 -> 0.51; Q8_0 was 4% slower
 // with it (its 8 full lines a group: more bytes per op), so Q8_0 keeps the near prefetch into L1 there.
 // The avx2 int8 pairs (1 or 2 rows of x) had no prefetch: one tile (its own pass) ahead, into L2, every type,
-// Zen 2, 2 threads, the default model's projections from memory at 1 row (bench/ab_builds.py, new build's
+// Zen 2, 2 threads, the default model's projections from memory at 1 row (bench/lab/ab_builds.py, new build's
 // per-step ms over the old's): Q4_1 5.58 -> 4.28, Q8_0 7.17 -> 5.91, Q4_K_M 7.43 -> 4.59 (T0 the same).
 template <int T>
 inline void prefetch_ahead(const uint8_t* at, int64_t stride, int nt) {
@@ -359,7 +359,7 @@ void tile_group_vnni(const QArgs& a, int64_t t0, int nt) {
 // The two tile sets alternate between groups: the next group's dot product is issued before this one's
 // scaling, so the tile unit runs while the vector units scale. The scaling (a store and reload of C per
 // group) bounds it: at M = 64 on a [2048, 2048] weight, 1.2-1.5x the vnni path's rate on the 4-bit types
-// (bench/bench_qlinear.py on a loaded 2-core host), level on Q8_0.
+// (bench/kernels/bench_qlinear.py on a loaded 2-core host), level on Q8_0.
 
 template <int T>
 void set_amx_config() {
@@ -709,7 +709,7 @@ void tile_group_avx2(const QArgs& a, int64_t t0, int nt) {
 // Tiles per vnni_block pass for `rows` int8 rows (MR): each broadcast activation word feeds NT tiles, each
 // weight line MR rows. MR x NT dot products + MR / 2 x NT accumulators stay within the 32 zmm registers
 // (MR = 8, NT = 2: 16 + 8). One model step of the default model, CPU time, 1 thread, Xeon without AMX
-// (bench/bench_quant_steps.py), NT = 1 -> 2 from 3 int8 rows: Q4_1 M = 16 43-47 -> 33-35 ms, M = 64
+// (bench/engine/bench_quant_steps.py), NT = 1 -> 2 from 3 int8 rows: Q4_1 M = 16 43-47 -> 33-35 ms, M = 64
 // 155 -> 116-117, M = 512 1297-1324 -> 1024-1064; Q8_0 and Q4_K_M M = 64 5-20% faster (noisier); M = 1 as before.
 inline int tiles_per_group(int64_t rows) { return rows <= 2 ? 4 : 2; }
 

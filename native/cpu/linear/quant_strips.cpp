@@ -31,7 +31,7 @@ using ggml::kTileRows;
 
 // From this many rows, where linear_bf16 runs on AMX tiles. Its vdpbf16ps kernel does half the
 // products per instruction of the int8 kernels' vpdpbusd, and there the strips lose at every M: one model
-// step of the default model, 1 thread, Xeon with AVX512-BF16/VNNI and no AMX (bench/bench_quant_steps.py),
+// step of the default model, 1 thread, Xeon with AVX512-BF16/VNNI and no AMX (bench/engine/bench_quant_steps.py),
 // int8 kernels 1.35-1.63x the strips' speed at M = 16..2,000, Q4_1 and Q8_0 alike. So without AMX the
 // default is 0 (never). On AVX512-FP16 builds the strips' kernel is linear/bf16.cpp's avx512_fp32 (bf16
 // widened to fp32 FMAs), and they still lose: same host, 1 thread, M = 16 / 64 / 512 / 2,000

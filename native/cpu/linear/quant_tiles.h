@@ -142,7 +142,7 @@ inline __m512i shift16(__m512i v) {
 // The high nibble of every byte of v, as a byte: a shift and a mask. One GF(2) affine op (GFNI) would do
 // it in one, but on Zen 4 vgf2p8affineqb issues on the two pipes that run vpdpbusd (a 1:1 mix halves
 // the dot products' rate; shifts and masks go to the other pipes): Q4_1 at 16 rows of x ran 4% faster
-// with the shift (bench/dot_rate_probe.cpp shows which ops share the pipes).
+// with the shift (bench/lab/dot_rate_probe.cpp shows which ops share the pipes).
 inline __m512i high_nibbles(__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 
 // Line I of a group of one tile -> the unsigned values of its low (k = 8I + t) and high (8I + 4 + t)

@@ -37,7 +37,7 @@ inline bool amx_usable() {
 
 // Loads `cfg` on this thread. The asm makes the config's stores visible first: GCC 12 can drop stores to
 // a local that only _tile_loadconfig reads, leaving tiles of 0 rows (llama.cpp's SIGILL on AMX hosts,
-// bench/bench_llamacpp.py).
+// bench/compare/bench_llamacpp.py).
 inline void load_tile_config(const TileConfig& cfg) {
   asm volatile("" : : "m"(cfg) : "memory");
   _tile_loadconfig(&cfg);
