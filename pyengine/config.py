@@ -86,7 +86,7 @@ class EngineConfig:
     # chunks of this size, and a request arriving meanwhile goes first (the chunk shrinks to make room for its first
     # chunk; scheduler.pyx), so it starts within about one chunk's time. None: 64 on CPU, 512 on CUDA (where small
     # steps leave the GPU idle). On the CPU the chunk bounds a newcomer's wait: with the heaviest step of an n=8
-    # echo+logprobs 2k prompt in flight, its TTFT is 1.9-2.4x idle at 64 and 4.0x at 128 (bench/bench_fairness.py
+    # echo+logprobs 2k prompt in flight, its TTFT is 1.9-2.4x idle at 64 and 4.0x at 128 (bench/engine/bench_fairness.py
     # --cpu-steps; "heaviest" is the max of the heavy request's ~80 steps, 80-95 ms CPU against a 55-65 ms median
     # chunk, so it moves with noise). Prefill attention reads a bf16 cache in place, so 64-token chunks cost a long
     # prompt little: 1.2x (2k), about 1.0x (8k) the CPU time of unchunked steps (1 thread). On 2 threads a chunk's

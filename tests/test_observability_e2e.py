@@ -1,5 +1,5 @@
 """Observability end to end, over one real `python -m server` (small KV budget): the request log and
-`pyengine.report` (agreeing with bench/serve_load.py's client-side numbers), X-Request-Id, cached
+`pyengine.report` (agreeing with bench/serve/serve_load.py's client-side numbers), X-Request-Id, cached
 tokens in usage, the access-log and stats lines, every Prometheus series labelled with the model,
 and the web page at / driven in headless Chromium."""
 from __future__ import annotations
@@ -120,7 +120,7 @@ def test_report_agrees_with_serve_load(server, log_path, tmp_path):
     """p50s from the server's request log are within 10% of what the load generator measured."""
     out_json = tmp_path / "client.json"
     proc = subprocess.run(
-        [sys.executable, "bench/serve_load.py", "--url", server.url, "--api-key", KEY, "--concurrency", "2",
+        [sys.executable, "bench/serve/serve_load.py", "--url", server.url, "--api-key", KEY, "--concurrency", "2",
          "--num-requests", "8", "--prompt-len", "24", "--output-len", "12", "--warmup", "0", "--tag", "rep",
          "--json", str(out_json)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -150,7 +150,7 @@ def test_serve_load_sweep_and_replay(server, log_path, tmp_path):
     """Open-loop Poisson sweep with long-tailed lengths: a report and plots; then a replay of the
     server's own request log."""
     out = tmp_path / "sweep"
-    cmd = [sys.executable, "bench/serve_load.py", "--url", server.url, "--api-key", KEY, "--num-requests", "4",
+    cmd = [sys.executable, "bench/serve/serve_load.py", "--url", server.url, "--api-key", KEY, "--num-requests", "4",
            "--prompt-len", "16", "--output-len", "6", "--length-dist", "lognormal", "--warmup", "0",
            "--slo-ttft", "100000", "--slo-tpot", "100000"]
     proc = subprocess.run([*cmd, "--sweep", "rate:4,16", "--out", str(out)], cwd=ROOT, capture_output=True,

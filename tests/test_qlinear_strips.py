@@ -94,7 +94,7 @@ def test_threshold_and_activation_dtype_choose_the_path(strip_rows):
 
 
 def test_default_threshold_is_sixteen_rows_on_amx_else_never():
-    """Beside vdpbf16ps (no AMX) the int8 kernels are faster at every M (bench/bench_quant_steps.py)."""
+    """Beside vdpbf16ps (no AMX) the int8 kernels are faster at every M (bench/engine/bench_quant_steps.py)."""
     assert _C.qlinear_strip_rows() == (16 if _C.linear_path(576) == "amx" else 0)
 
 

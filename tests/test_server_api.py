@@ -21,7 +21,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, Gauge
 
-from bench import serve_load
+from bench.serve import serve_load
 from server.app import ServerConfig, create_app
 from server.gateway import GatewayConfig
 

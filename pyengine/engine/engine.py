@@ -92,7 +92,7 @@ def _cpu_has_bf16() -> bool:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """"auto": bf16 on GPUs and on CPUs with bf16 dot products (measured ~2x fp32's decode speed on the
-    default model, bench/bench_decode.py), else fp32."""
+    default model, bench/engine/bench_decode.py), else fp32."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" or _cpu_has_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -120,7 +120,7 @@ def pack_weight_fp32(weight: torch.Tensor) -> torch.Tensor:
 class Fp32Linear:
     """y = x @ weight.T + bias in fp32 on CPUs with AVX2 but no AVX-512, through the native kernel
     (native/cpu/linear/fp32.cpp): there torch's fp32 GEMM (MKL) ran at 55-65% of the FMA peak, this one
-    at 80-85% for prefill-sized batches, and ahead at decode sizes too (bench/bench_linear.py --fp32).
+    at 80-85% for prefill-sized batches, and ahead at decode sizes too (bench/kernels/bench_linear.py --fp32).
     Holds only the packed copy of the weight. `runs_here()` says whether a CPU build should use it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
