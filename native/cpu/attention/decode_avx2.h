@@ -1,6 +1,5 @@
 // The decode kernel's chunk steps (stage_q, qk_group, softmax_row, pv_group; attention/paged.cpp's
-// run_item_dot drives them) for CPUs with AVX2 and FMA but no AVX-512: AMD Zen 2 and 3, Intel cores
-// without AVX-512 (AVX-512 builds run them only when capped to "avx2", as the tests do). Same cache
+// run_item_dot drives them) for CPUs with AVX2 and FMA but no AVX-512 (AVX-512 builds run them only when capped to "avx2", as the tests do). Same cache
 // layouts (kv_layout.h) and chunks (attention/decode_tiles.h) as the AVX-512 kernels, in 256-bit vectors: a half
 // line is 32 bytes, 8 tokens of one K dims group (QK: a token per lane) or 8 dims of one V token group
 // (PV: a dim per lane), L values per 32-bit lane.
@@ -24,14 +23,12 @@
 //         products per lane (QK at D = 128), each at most 2^15 * 2^7.
 // bf16 and fp8 go through dot_lanes: two half lines at a time share each broadcast of q (or of the
 // weights), and each half line's products chain in a register of their own before they join the
-// row's accumulator. On a Zen 2 core with the chunk in L1 (bench/lab/decode_avx2_probe.cpp: TSC ticks per
-// q-head score, QK / softmax / PV) that took bf16 from 13.8 / 3.2 / 8.5 (q and the weights stored
-// broadcast, one vfmadd with a memory operand per product: bound on loads) to 5.1 / 0.9 / 5.2. int8
-// runs 4.3 / 1.8 / 4.3, bound on vpmaddwd. fp8 ran 6.9 / 1.0 / 7.2 widened through fp32's exponent
-// with a bias change (4 shifts and masks per fp32 vector, and a branch for subnormal codes), then
-// 5.8 / 1.0 / 6.0 through fp16 by F16C in fp32's pairs (bound on vcvtph2ps: two cycles of one pipe
-// on Zen 2 per 8 codes), and runs 5.0 / 0.9 / 5.4 placed in fp32 without the bias change. Its shifts
-// are 16-bit ones where they can be, 5 for 4 vectors: the same by 32-bit lanes, 7, ran 5.3 / 0.9 / 5.6.
+// row's accumulator (q and the weights stored broadcast, one vfmadd with a memory operand per product,
+// was bound on loads). int8 is bound on vpmaddwd. fp8 is placed in fp32 without a bias change, which beat
+// widening through fp32's exponent with one (more shifts and masks, a branch for subnormal codes) and
+// going through fp16 by F16C (bound on vcvtph2ps); its shifts are 16-bit ones where they can be (5 for
+// 4 vectors, against 7 by 32-bit lanes). Ticks per score of each variant: docs/performance.md, "AVX2
+// decode kernels" (bench/lab/decode_avx2_probe.cpp).
 #pragma once
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -298,8 +295,7 @@ inline __m256 exp2_weights(__m256 x) {
 
 // softmax_row's steps; FULL: a whole chunk, every token the row's (lo 0, nv = n = kChunk), where no lane
 // needs a mask: every chunk of a decode row but its last. Without the masks' compares and ands the
-// kernel ran 2-8% faster from DRAM for all four caches (bench/lab/ab_attention.py, 2 threads, Zen 2), 5-6%
-// with the cache hot.
+// kernel runs faster for all four caches (docs/performance.md, "AVX2 decode kernels").
 template <Operands O, bool SPLIT, bool FULL>
 inline float softmax_steps(const float* sc, int lo, int nv, int n, const ChunkPtrs& c, char* pw, float& m, float& l,
                            float& wscale) {
@@ -383,15 +379,12 @@ inline float softmax_row(Avx2, const float* sc, int lo, int nv, int n, const Chu
 // would not fit 16 registers at 4 rows). pw: the rows' weights, weight_row_bytes apart. The group addresses are
 // worked out once, and the loops carry no branch (the masked part group goes last), so the
 // accumulators stay in registers. Each pass prefetches its share of the next chunk's V lines, spread
-// over its groups. All of them in the first pass, where its loads queued behind them, was slower on
-// Zen 2 (2 threads, cold, batch 8-32 x 2-8k): bf16 1.10-1.17x, int8 1.16-1.22x, fp8 up to 1.08x.
-// Which share, by measurement (the same A/B): bf16 and fp32 take the lines in address order, pass k
-// the k-th run of them; 1-byte caches (groups of 4 tokens) line k * lines / passes of every group:
-// int8 (twice as many passes as a group has lines) each line twice, fp8 (as many) once. The first
-// order for all was 1.10-1.25x faster for fp32 (4 KB tiles) and 1.01-1.07x for bf16, but 0.95-1.00x
-// for int8 and fp8 (1 KB tiles), 0.91-0.95x end to end (8 x 2,000-token prompts); the second for all
-// was 0.8-0.9x for fp32. Prefetching every line twice, or only every other one, was slower for all.
-// (fp8 had 8 dims a pass, so each line twice, until it took bf16's path.)
+// over its groups (all of them in the first pass, where its loads queued behind them, was slower).
+// Which share was chosen by measurement: bf16 and fp32 take the lines in address order, pass k the
+// k-th run of them; 1-byte caches (groups of 4 tokens) line k * lines / passes of every group: int8
+// (twice as many passes as a group has lines) each line twice, fp8 (as many) once. Either order for
+// all four caches, or prefetching every line twice or every other one, was slower
+// (docs/performance.md, "AVX2 decode kernels").
 template <Operands O, int NC32, int NR, bool SPLIT>
 inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char* pw, const float* alpha,
                      const float* wscale, float* acc, int maxnv) {
@@ -410,8 +403,8 @@ inline void pv_group(Avx2, const ChunkPtrs& c, const ChunkPtrs& next, const char
                            : _mm256_set1_epi32(static_cast<int32_t>((1u << ((c.n % L) * es * 8)) - 1));
   // Unsigned and 64-bit indices: the extension builds with CPython's -fwrapv (signed overflow defined),
   // under which int index math keeps its sign extensions and its divisions by constants (call *
-  // kGroupLines / kPasses is not call). With the chunks in cache, bf16 ran 9% faster for them (1
-  // thread, Zen 2: 6.4 -> 5.8 ns per score); from DRAM, within noise.
+  // kGroupLines / kPasses is not call). Faster with the chunks in cache; from DRAM, within noise
+  // (docs/performance.md, "AVX2 decode kernels").
   constexpr unsigned kPasses = D / DB, kGroupLines = group_bytes / 64;
   auto pass = [&](int64_t d0) {
     auto prefetch_v = [&](int64_t p) {

@@ -18,20 +18,18 @@
 //         vdpbf16ps per line against q (or the weights) stored with each group's values in the
 //         order 0, 2, 1, 3. On AVX512-FP16 CPUs they widen to fp16 instead (two ops, subnormals
 //         included) and the products are fp16 FMAs: twice vdpbf16ps's rate, where fp8 decode was
-//         bound on vdpbf16ps (2 threads, cold, the paths alternating: batch 16 x 4096 2590 ->
-//         1955 us, 54% -> 72% of the time to read the cache; 32 x 2048 2358 -> 1918 us, 60% ->
-//         73%). q and the weights are scaled by powers of two so the short fp16 sums (up to 64
+//         bound on vdpbf16ps (docs/performance.md, "fp8 decode on fp16 FMAs"). q and the weights are scaled by powers of two so the short fp16 sums (up to 64
 //         products per lane half and tile or chunk) cannot overflow or sink into subnormals; the
 //         epilogues add each lane's two halves in fp32. Top-1 agreement with a bf16 cache through
-//         this kernel (default model, 2,047 teacher-forced tokens) is the same for both: 98.19%.
+//         this kernel is the same for both (test_kv_accuracy).
 //   int8  u8 x s8 -> int32 (vpdpbusd, four products per lane). QK takes the codes offset by 128
 //         (k ^ 0x80 = k + 128 as u8) against q rounded per row to codes c of 15 bits (scale
 //         absmax / 16255, once per item) held as two int8 halves c = 128 h + l: two instructions
 //         per line and row, and 128 sum(c) off each score. PV takes the weights rounded to u8 per
 //         row and chunk (scale max / 255) against the codes: one instruction per line and row.
-//         (q as one int8 code, one instruction per line, cost 0.5% of the default model's top-1
-//         agreement through this kernel, 98.97% -> 98.49%; the halves give 99.07%. u8 weights
-//         cost nothing there, though their error on sharp synthetic scores is ~1e-2.)
+//         (q as one int8 code, one instruction per line, cost top-1 agreement; u8 weights cost
+//         none, though their error on sharp synthetic scores is ~1e-2: docs/performance.md,
+//         "int8 decode operands".)
 // The rows of an item (query tokens x the G q heads of its kv head) go through in groups of up to
 // 4 that share every K/V load. Tokens go in chunks of 64 (4 tiles of 16 tokens; with block size 8
 // a tile spans two blocks) per online-softmax update.

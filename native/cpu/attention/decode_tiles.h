@@ -30,21 +30,15 @@ constexpr int lane_of(Operands O) { return O == Operands::kFp32 || O == Operands
 constexpr int64_t elem_bytes(Operands O) { return O == Operands::kFp32 ? 4 : O == Operands::kBf16 ? 2 : 1; }
 constexpr int64_t lane_bytes(Operands O) { return lane_of(O) * elem_bytes(O); }
 
-// 64-token chunks: 128 measured 7% faster with the cache in L3 but 5-10% slower from DRAM (the
-// prefetch of the next chunk starts later and arrives in a longer burst).
+// 64-token chunks: 128 is faster with the cache in L3 but slower from DRAM (the prefetch of the next
+// chunk starts later and arrives in a longer burst); docs/performance.md, "decode chunk size".
 constexpr int kChunk = 64, kTiles = kChunk / 16, kGroup = 4;
 
 // The cache level the chunks' prefetches fill: L2 (T1), where L1's few fill buffers would cap the misses in
 // flight, except on Zen 5 (told at compile time by AVX512-VP2INTERSECT in the -march without AMX or
-// AVX512-FP16: Zen 4 and Intel's server cores lack it, Zen 5 has it), where T0 measured 5-25% faster
-// for all three caches (1 thread, CPU time from a cold cache, 2nd fastest of 12), e.g. batch 16 x 4000
-// bf16 2179 -> 1900 us, int8 1190 -> 1063, fp8 1112 -> 1024. T1 measured faster on an AMX host: 1.9 ->
-// 1.45 ms at batch 32 x 2048; on one with AVX512-FP16 but no AMX (2 threads, cold, the builds
-// alternating, 4 rounds) 5-15% for all three caches, e.g. batch 16 x 4096 bf16 3510 -> 3049 us, int8
-// 1880 -> 1689; on Zen 4 (EPYC, family 25 model 17; 2 threads, cold, 3 rounds alternating) 1.3-1.6x,
-// e.g. batch 32 x 8192 bf16 ~12.9 -> ~9.1 ms, int8 ~9.4 -> ~5.7 ms. There bench/scatter_read_probe.cpp
-// reads 2 KB shuffled tiles at ~8 GB/s a core with T0 prefetches 4-16 tiles ahead, ~15.5 with T1
-// (in order ~25).
+// AVX512-FP16: Zen 4 and Intel's server cores lack it, Zen 5 has it), where T0 measured faster for all
+// three caches. Every other host measured T1 faster. Figures per host: docs/performance.md, "decode
+// prefetch level".
 #if defined(__AVX512VP2INTERSECT__) && !defined(__AMX_TILE__) && !defined(__AVX512FP16__)
 constexpr _mm_hint kPrefetchLevel = _MM_HINT_T0;
 #else

@@ -34,9 +34,9 @@
 //     quantized cache.
 //   everything else (fp32/fp16 caches, fp16 q, other head dims, no AVX2): run_item, which dequantizes each K/V
 //     chunk once into fp32 scratch; AVX-512 intrinsics under __AVX512F__, AVX2 + FMA ones (8-float
-//     vectors, the same loops) under __AVX2__, otherwise portable loops in 16-lane strips. On an AVX2
-//     host (AMD Zen 3) the AVX2 loops took a 2,000-token fp32 prefill from 114 to 168 tok/s: the
-//     portable ones called libm's exp2f per score and left qk unvectorized.
+//     vectors, the same loops) under __AVX2__, otherwise portable loops in 16-lane strips. The AVX2
+//     loops exist because the portable ones called libm's exp2f per score and left qk unvectorized
+//     (docs/performance.md, "AVX2 fallback loops").
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -167,7 +167,7 @@ void convert_v_tile(const void* tile, const float* scales, int64_t off, int64_t 
     const float s = QUANT ? scales[t] : 1.0f;
     float* d = dst + t * Dp;
     // the token's dims lie L elements apart from its first: a constant stride the compiler vectorizes
-    // (the offset computed per element was 70% of a decode item's time on an AVX2 host)
+    // (the offset computed per element was most of a decode item's time)
     const char* src = static_cast<const char*>(tile) + kv_v_offset(off + t, 0, D, L) * elem_size(CD);
     for (int64_t i = 0; i < D; ++i) d[i] = cache_elem<CD>(src, i * L) * s;
     std::fill(d + D, d + Dp, 0.0f);
@@ -257,8 +257,8 @@ void run_item(const Args& a, const Item& it, Partials& parts, Workspace& ws) {
 // The driver of the dot-product kernels (Isa: Avx512 above, or decode::Avx2): an item's chunks in
 // order, each chunk's tiles prefetched one chunk ahead, its rows in groups that share every load.
 // ---------------------------------------------------------------------------------------------
-// Chunks between the one computed and the one prefetched: 2 measured no faster for int8/fp8 and
-// 1.2-1.5x slower for bf16 (2 threads, batch 8 x 2048, cold; AVX-512).
+// Chunks between the one computed and the one prefetched: 1; 2 measured no faster for int8/fp8 and
+// slower for bf16 (docs/performance.md, "decode prefetch distance").
 constexpr int kAhead = 1;
 
 // The cache positions [kv_lo, kv_end) an item reads (its causal end, within its split).

@@ -28,19 +28,16 @@
 //   amx          AMX tiles where the build (-march with AMX-TILE/BF16) and Linux (arch_prctl) allow:
 //                the same chunk loop with groups of 16 rows, QK and PV as tile products overlapped
 //                with the softmax on AVX-512 (AmxPipeline); ~3x the vdpbf16ps path on the same core.
-//   avx512_fp16  the default without AMX on builds for AVX512-FP16 CPUs (Intel Sapphire Rapids and
-//                later): QK and PV in fp16 FMAs (32 products each, at the fp32 FMA's issue rate) over
+//   avx512_fp16  the default without AMX on builds for AVX512-FP16 CPUs: QK and PV in fp16 FMAs (32 products each, at the fp32 FMA's issue rate) over
 //                q staged once per item, K (less a mean key) and V once per item and chunk, as fp16
 //                (HalfKernels), probabilities in fp16; QK stays on avx512_fp32's kernel for quantized
-//                caches and soft-caps. One prompt's attention, 2 threads, both paths alternating in
-//                one process: 8k 302-307 against 212-222 GFLOP/s, 2k 289-294 against 197-218, 512
-//                225-241 against 171-195. Against the fp32 engine, the default model's logprobs move
-//                about as far as avx512_fp32's (test_kv_accuracy).
+//                caches and soft-caps. Faster than avx512_fp32 at 512 to 8k tokens
+//                (docs/performance.md, "prefill attention paths"); against the fp32 engine, the
+//                default model's logprobs move about as far as avx512_fp32's (test_kv_accuracy).
 //   avx512_fp32  the same chunk loop, each K/V line widened in registers to fp32 (its even and odd
 //                halves) for two fp32 FMAs per row (Fp32Kernels): the bits of avx512_bf16. On
-//                AVX512-FP16 CPUs vdpbf16ps issues at a quarter of the fp32 FMA rate (one core: 1.3
-//                G/s against 5.2); 2 threads, a 4k prompt in chunks of 64, both paths alternating in
-//                one process: ~1.3x avx512_bf16.
+//                AVX512-FP16 CPUs vdpbf16ps issues at a quarter of the fp32 FMA rate, so there this
+//                beats avx512_bf16 (docs/performance.md, "prefill attention paths").
 //   avx512_bf16  the vdpbf16ps micro-kernels above.
 //   portable     plain loops over the same packed layout, same arithmetic in fp32 (every build).
 #include <algorithm>
@@ -619,8 +616,7 @@ void pv_avx(const uint16_t* p, const ChunkKV& kv, int64_t D, int npairs, const f
       for (int h = 0; h < 4; ++h)
         x[r][h] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d0 + 16 * h), _mm512_set1_ps(alpha[r]));
     // the chunk's 16-token groups, each walking one pointer: v_at's lookup per pair left GCC short of
-    // registers (3 of the 24 accumulators spilled), though on Zen 4 that loop ran as fast (2k prompt,
-    // 2 threads, both builds side by side in one process: 304-310 GFLOP/s each)
+    // registers (3 of the 24 accumulators spilled), though where measured that loop ran as fast
     for (int g = 0; g < 4 && 8 * g < npairs; ++g) {
       const uint16_t* vp = kv.v[g] + 2 * d0;  // token pair i of the group: dims d0 .. d0 + 63 at vp + 2 D i
       const uint16_t* pg = p + 16 * g;
@@ -734,9 +730,9 @@ using Fp32Kernels = SimdKernels<qk_fp32<NR>, pv_fp32<NR>>;
 // last chunk (run_item: an offset common to the keys, as k biases give, would swell every partial
 // sum); a row's PV sums last one chunk before they join its fp32 accumulator (llama.cpp's CPU flash
 // attention keeps its whole V accumulator in fp16). The default model's logprobs against the fp32
-// engine (test_kv_accuracy): mean change 0.0142 against avx512_fp32's 0.0139, top-1 99.27% against
-// 99.22%. QK sums of 32 pairs ran ~9% faster but moved the logprobs 0.0147 and doubled the largest
-// error on the random keys of test_prefill_attention.
+// engine (test_kv_accuracy) move about as far as avx512_fp32's. QK sums of 32 pairs ran faster but
+// moved the logprobs further and doubled the largest error on the random keys of
+// test_prefill_attention (docs/performance.md, "prefill attention paths").
 
 constexpr int64_t kQkSpan = 16;  // dims pairs per fp16 QK sum
 
@@ -873,8 +869,7 @@ void qk_half(const uint16_t* q, int64_t D, const ChunkKV& kv, float* s) {
 
 // o_r = o_r * alpha_r + sum_t p_rt v_t over a staged chunk (stage_half_chunk), with row r's fp16
 // probabilities worth p_unit[r] each, 64 dims (NR x 4 fp16-pair accumulators) at a time. Not inlined:
-// GCC inlined it into run_item, where the kernel as a whole ran no faster (2k prompt, 2 threads, QK
-// still in fp32: 209-212 against 201-213 GFLOP/s for avx512_fp32).
+// GCC inlined it into run_item, where the kernel as a whole ran no faster.
 template <int NR>
 __attribute__((noinline)) void pv_half(const uint16_t* ph, const float* p_unit, const ChunkKV& kv, int64_t D, int npairs,
                                        const float* alpha, float* o) {
@@ -1052,12 +1047,9 @@ void v_blocks(const ChunkKV& kv, int64_t D, uint16_t* buf, const uint16_t* vb[2]
 // probabilities are double-buffered; the tile loads of a PV find its probabilities (vector stores,
 // which tile loads do not forward from) in L1. The V blocks of a group's chunk must stay put until
 // its PV: up to three chunks are in flight.
-// How much it overlaps, measured on a 2-core Xeon with AMX (an 8k prompt in chunks of 512, 1 thread,
-// each part alone by compiling the others out): QK 40 ms, PV 64-84, the softmax 59, the rest 24; all
-// together 188, about their sum. Where the tile work sits among the rows (all before, all after, or
-// spread a few rows early) changed nothing beyond noise except all after (+10%). On that core a
-// standalone block of tile products followed by register-only FMAs also took the sum of both: the
-// overlap is small, so each part's own cost counts in full.
+// The overlap measured small: all parts together take about the sum of each alone, and where the tile
+// work sits among the rows changed nothing beyond noise except all after (slower). So each part's own
+// cost counts in full (docs/performance.md, "AMX prefill pipeline").
 class AmxPipeline {
  public:
   AmxPipeline(Scratch& w, int64_t D) : w_(w), D_(D) { configure_tiles(8); }
@@ -1240,8 +1232,8 @@ void run_item(const AttentionStep& a, const Packed& P, int64_t tok0, int64_t tok
 
 // Query tokens per work item. Every item reads its pair's K/V chunk by chunk and the chunk serves all
 // its rows, so larger items read K/V less often. On the AMX path, where tile loads and not the products
-// bound the kernel, up to 384 rows instead of 96 gave 8-15% (Xeon with AMX, GFLOP/s: 8k prompt in
-// chunks of 512, 2 threads 592-609 -> 636-695; 2k in one chunk, 1 thread 283-298 -> 326-337). Items
+// bound the kernel, up to 384 rows instead of 96 are faster (docs/performance.md, "AMX prefill item
+// size"). Items
 // grow only while the batch keeps kItemsPerThread per thread, so a 64-token chunk still makes six items
 // for two threads. The vdpbf16ps path keeps 96 (not measured larger).
 int64_t choose_item_tokens(const AttentionStep& a, const std::vector<Packed>& pairs, int64_t p0, int64_t p1, Path path,
@@ -1307,8 +1299,8 @@ void run_batch(const AttentionStep& a, std::vector<Packed>& pairs, int64_t p0, i
 
 // The best path this build and machine have, at most g_cap.
 // Without AVX512-BF16, an AVX2 build runs prompts faster on paged_attention's AVX2 loops (fp32 rows
-// converted once per chunk) than on this file's portable ones: 2,000 tokens of the default model in
-// bf16 on AMD Zen 3, 2 threads: 59 -> 185 tok/s. The portable path stays for builds without AVX2
+// converted once per chunk) than on this file's portable ones (docs/performance.md, "AVX2 fallback
+// loops"). The portable path stays for builds without AVX2
 // (and for tests, capped to it).
 Path best_path() {
   const Path cap = g_cap.load();

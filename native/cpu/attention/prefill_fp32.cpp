@@ -1,5 +1,5 @@
 // prefill_fp32 (CPU, AVX2 + FMA): causal attention of prompt chunks with fp32 q over an fp32 KV cache,
-// what an fp32 model runs (resolve_dtype's choice on CPUs without AVX512-BF16, such as AMD Zen 2/3).
+// what an fp32 model runs (resolve_dtype's choice on CPUs without AVX512-BF16).
 // Flash-attention style, as attention/prefill.cpp for bf16, in 256-bit fp32 FMAs that read the cache
 // tiles in place (kv_layout.h with L = 2 values per lane pair):
 //   K [D/2][BS][2]  dims pair j of consecutive tokens: a vector = 4 tokens x dims (2j, 2j + 1)
@@ -133,7 +133,7 @@ Chunk chunk_at(const AttentionStep& a, int32_t seq, int32_t kvh, int64_t c0, int
 
 // Asks for the cache lines of the groups [c0, c1) that lie in the cache (their blocks lie anywhere,
 // so the hardware prefetcher cannot guess them). GCC had deleted these prefetches until prefetch.h;
-// with them, 512-8k prompts ran 1.01-1.02x as fast on AMD Zen 2: the kernel is bound by its FMAs.
+// with them the kernel runs hardly faster: it is bound by its FMAs.
 void prefetch_chunk(const AttentionStep& a, int32_t seq, int32_t kvh, int64_t c0, int64_t c1) {
   if (a.BS % 8) return;
   const int64_t D = a.D;
