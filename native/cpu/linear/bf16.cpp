@@ -2,8 +2,8 @@
 //
 // The AVX-512 kernels are built for decode, where M (tokens in the step) is 1..64 and the time is the
 // weight stream: every weight byte is read from memory exactly once per call and reused for all M
-// rows. Prefill (M in the thousands) runs in panels of rows (on a CPU without AMX, 0-12% slower than
-// torch's bf16 GEMM at M = 2048 on the SmolLM2 shapes), so the model keeps no other copy. Where AMX is
+// rows. Prefill (M in the thousands) runs in panels of rows (on a CPU without AMX, close to torch's
+// bf16 GEMM: docs/performance.md, "bf16 linear"), so the model keeps no other copy. Where AMX is
 // usable, the tile path below runs instead.
 //
 // Layouts (element strides, all contiguous):
@@ -25,28 +25,26 @@
 // as one 32-bit word (r = r0 + m, chunks of MR <= 16 rows from r0; the pair past an odd K is zero),
 // so the kernel broadcasts consecutive words from one pointer; for avx512_fp32 each pair as two fp32
 // words instead (xp[2 (r0 * KP + kp * MR + m) + i] = x[r, 2kp + i]).
-// Each of the NT streams is prefetched ahead into L2 (tile_block): 8% faster batch-1 decode steps
-// than the hardware prefetchers alone (10.1 -> 9.3 ms; into L1 was slower).
+// Each of the NT streams is prefetched ahead into L2 (tile_block): faster batch-1 decode steps than the
+// hardware prefetchers alone (into L1 was slower; docs/performance.md, "bf16 linear").
 // SIMD: AVX512-BF16 when the build targets it, else a plain loop (correct, slower). Two kernels over
 // the same layouts (set_linear_path picks one for tests):
 //   avx512_bf16  vdpbf16ps: per 64-byte line, one instruction per row.
 //   avx512_fp32  each line widened to fp32 (its even and odd k: a shift and an and), then two fp32 FMAs
 //                per row, x already in fp32 (pack_x): odd k first, as vdpbf16ps adds them, and the
 //                bf16 x bf16 products are exact in fp32, so both give the same bits (bar subnormals,
-//                which vdpbf16ps flushes to zero). The default on Intel cores whose -march has
-//                AVX512-FP16 (Sapphire Rapids and later): there vdpbf16ps measured a quarter of the
-//                FMA rate (one core: 1.3 G vdpbf16ps/s, 5.3 G vfmadd231ps/s); 2 threads, both kernels
-//                in one run, this one was 1.2-1.9x at M = 16..2,048 on the SmolLM2 shapes, the same at
-//                M = 1 (a weight stream either way).
+//                which vdpbf16ps flushes to zero). The default on builds whose -march has
+//                AVX512-FP16 (kPreferFp32Fma): there vdpbf16ps measured a quarter of the FMA rate,
+//                and this kernel is faster from M = 16 up, the same at M = 1 (a weight stream either
+//                way; docs/performance.md, "bf16 linear").
 //
 // AMX (builds and CPUs with AMX-BF16, K a multiple of 32; every M): the same packed weight is the B
 // operand of the tile product as it lies (a tile's 16 k pairs x 16 outputs x 2 are 16 consecutive
 // 64-byte lines) and x is the A operand in place (16 rows x 32 k, stride K), so nothing is repacked
 // but the last partial 16 rows (into a zero-padded copy). Blocks of 32 rows x 32 outputs (4
 // accumulator tiles, 2 A and 2 B tiles per 32 k); each thread takes a range of output tiles and walks
-// all rows, 32 at a time, over it. Measured on the SmolLM2 shapes, 2 threads, same run: 3-12x the
-// vdpbf16ps kernel from M = 16 up (M = 64, gate_up: 25 -> ~280 GFLOP/s), the same at M = 1 (a weight
-// stream either way). It is chosen by K alone, for every M, because the two paths round differently
+// all rows, 32 at a time, over it. Several times the vdpbf16ps kernel's rate from M = 16 up, the same
+// at M = 1 (a weight stream either way; docs/performance.md, "bf16 linear"). It is chosen by K alone, for every M, because the two paths round differently
 // and a row's result must not depend on its batch. set_linear_path("avx512_*") turns it off (tests).
 // Bf16Rows (linear/linear.h) is this tile loop for callers that make the packed tiles themselves
 // (linear/quant_strips.cpp, from quantized weights); linear_bf16 runs on it too.
@@ -130,8 +128,8 @@ struct TileStore {
 
 // TileStore for two whole output tiles side by side (32 columns): a row's 32 values leave in one unmasked
 // store of 64 bytes (bf16, both halves rounded by one vcvtne2ps2bf16: the same bits) or two (fp32).
-// Against the bare tile loop at 64 rows (K = 576, a strip in L2; bench/lab/amx_probe.cpp): two masked 32-byte
-// stores per row +65%, this +7%.
+// Two masked 32-byte stores per row cost far more over the bare tile loop (bench/lab/amx_probe.cpp;
+// docs/performance.md, "bf16 linear").
 struct TilePairStore {
   int64_t n0;
   __m512 bias0, bias1;
@@ -161,7 +159,7 @@ template <int MR, int NT, bool WIDE>
 void tile_block(const Args& a, const uint32_t* xp, int64_t ld, int64_t r0, int64_t t0) {
   // Weight lines prefetched ahead per stream, into L2 (past a tile's end: harmless). A line feeds MR
   // dot products, so with more rows the same distance is less time: 16 lines left 8..16-row blocks
-  // waiting on memory (cold weights, M = 16: 230 -> 340 GFLOP/s with 64; 64 and 128 the same).
+  // waiting on memory; 64 and 128 measured the same (docs/performance.md, "bf16 linear").
   constexpr int64_t prefetch_lines = MR >= 8 ? 64 : 16;
   __m512 acc[MR][NT];
   for (int m = 0; m < MR; ++m)
@@ -217,9 +215,9 @@ inline BlockFn block_for(int64_t rows, int nt, bool wide) {
 
 // Tiles [t0, t0 + nt) for all rows, in 16-row chunks: one block, or, for 2 tiles over more than 8 rows,
 // two halves. A 16-row chunk as one block of 16 x 1 tile loads 17 values (a weight line, 16 broadcasts)
-// per 16 products: two 8 x 2 blocks load 10, and Zen 5 issues two 512-bit loads per cycle beside its two
-// vdpbf16ps. (M = 9..15 keeps one block of 1 tile: its halves of 5..7 rows x 2 tiles, too few sums to
-// cover the product latency, were 5% slower.) Each sum is the same chain of products in k order either
+// per 16 products: two 8 x 2 blocks load 10, and a core that issues two 512-bit loads per cycle beside
+// its two vdpbf16ps keeps up. (M = 9..15 keeps one block of 1 tile: its halves of 5..7 rows x 2 tiles,
+// too few sums to cover the product latency, were slower.) Each sum is the same chain of products in k order either
 // way: the same bits.
 void tile_group(const Args& a, int64_t t0, int nt) {
   const int64_t words = x_words(a.wide);
@@ -383,8 +381,8 @@ inline void transpose8x8_epi64(__m512i (&r)[8]) {
 
 // x [M, K] -> xp (layout above): a k pair as one word of two bf16, or (wide) as two fp32 words. Per
 // 16-row chunk a transpose (a row's k pairs -> a k pair's rows), in registers with AVX-512: pair by pair,
-// the stores land a chunk's width apart and every one missed L1 (wide: 3% of a bf16 model's prefill;
-// bf16 words: 12% of the down projection's samples at 64 rows on 2 threads, Zen 4). Wide, 8 rows x 8
+// the stores land a chunk's width apart and every one missed L1 (a visible share of a prefill's
+// profile: docs/performance.md, "bf16 linear"). Wide, 8 rows x 8
 // pairs at a time: each row's 8 pairs widened to 8 64-bit words, transposed, stored as 8 runs of 64
 // bytes. bf16 words, all rows x 16 pairs at a time: a 16 x 16 transpose of 32-bit words, missing rows
 // zero and not stored. The rest (wide: rows past a multiple of 8; pairs past the last whole run; the
@@ -451,14 +449,13 @@ void tile_range(const Args& a, int64_t begin, int64_t end) {
 // Where linear_bf16 cuts `tiles` output tiles into ranges, for the pool to hand out in turn: ranges of whole
 // tile pairs (AMX's blocks), cuts[i] to cuts[i + 1]. Several per thread, so that where a helper is off its
 // core (a shared host) the others take its share instead of waiting for its one range (one range per
-// thread: the calling thread of a 64-row prompt step waited in 30% of its GEMM time at load 4 on 2 threads).
+// thread: the calling thread of a 64-row prompt step waited through much of its GEMM time on a loaded host).
 //   M <= kMaxRows (decode: a weight stream): kRangesPerThread equal ranges per thread.
 //   more rows (compute-bound): ranges shrinking from 1 / (threads x kRangesPerThread) of the pairs left
 //   down to one pair, so the loop ends within one pair's time on every thread. With equal ranges, the 18
 //   pairs of a 576-output projection made 8 ranges of 2 or 3, and a thread idled for up to a range at the
-//   end: at M = 256, 2 threads, both builds alternating in one process (bench/lab/ab_builds.py --m 256
-//   --weights dequantize), the o and down projections ran 9-10% faster this way, qkv 5%, gate_up 1-2%
-//   slower (its 96 pairs split evenly before; more ranges cost a little each).
+//   end. Shrinking ranges won for the small projections and cost the large one (gate_up, whose 96 pairs
+//   split evenly) a little (docs/performance.md, "bf16 linear").
 std::vector<int64_t> pair_cuts(int64_t tiles, int64_t M, int threads) {
   const int64_t pairs = (tiles + 1) / 2, ranges = threads * kRangesPerThread;
   std::vector<int64_t> cuts{0};
@@ -521,7 +518,7 @@ Bf16Rows::Bf16Rows(const uint16_t* x, int64_t M, int64_t K) : x_(x), M_(M), K_(K
   xp.resize(static_cast<size_t>(M * KP * x_words(wide_)));
   uint32_t* const xbuf = xp.data();  // this thread's buffer (a worker's thread_local xp is another)
   // One 16-row chunk per item: a 64-row prompt step's chunks pack in parallel too (on the calling
-  // thread alone they took ~7% of its GEMM time while the helpers waited).
+  // thread alone the helpers waited for them).
   ThreadPool::instance().parallel_for((M + kMaxRows - 1) / kMaxRows, [&](int64_t c) {
     const int64_t r0 = c * kMaxRows;
     pack_x(x + r0 * K, std::min(kMaxRows, M - r0), K, xbuf + r0 * KP * x_words(wide_), wide_);

@@ -1,6 +1,6 @@
 // linear_fp32 (CPU, AVX2 + FMA): out[M, N] = x[M, K] @ W^T + bias in fp32, for fp32 models on CPUs
-// without AVX-512 (resolve_dtype runs fp32 there), where torch's MKL sgemm reached 55-65% of the FMA
-// peak on AMD Zen 2 (bench/kernels/bench_linear.py --fp32).
+// without AVX-512 (resolve_dtype runs fp32 there), where torch's MKL sgemm reached well below the FMA
+// peak (docs/performance.md, "fp32 linear"; bench/kernels/bench_linear.py --fp32).
 //
 // Layout: W packed once at load (ops/linear.py pack_weight_fp32) in panels of 16 outputs,
 //   packed[p][k][16] = W[16 p + j, k]  (zero past N), 64-byte aligned,
@@ -10,8 +10,7 @@
 // kPanels panels (64 outputs) per task, the tasks spread over the thread pool; inside a task, k blocks,
 // then 6-row strips of x, then the group's panels, so a strip of x (6 KB) serves 4 panels from L1.
 // The accumulators are named registers, not an array: GCC 12 kept an array's vectors in registers but
-// also stored them to the stack every k step (one store a cycle: ~80 GFLOP/s on 2 Zen 2 cores against
-// ~150 in registers).
+// also stored them to the stack every k step (one store a cycle: about half the rate in registers).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

@@ -68,8 +68,8 @@ constexpr int64_t kPanelBytes = 256 * 1024;       // quantized x per panel
 constexpr int64_t kAmxRows = 16;                  // int8 rows per AMX pass (panels are whole multiples)
 // Rows of x from which the avx2 path runs on the joined activations (avx2_joined_half). Below, its int8
 // pairs: a call of 1 or 2 rows (decode of 1 or 2 sequences) reads each weight line once there, and
-// unpacks it for fewer products (default model, 2 threads, one step's projections from memory,
-// bench/lab/ab_builds.py: joined over pairs 0.90x at 1 row, 0.92x at 2, 1.05x at 3, 1.12x at 4).
+// unpacks it for fewer products; from 3 rows the joined activations win (docs/performance.md,
+// "quantized linear").
 constexpr int64_t kJoinedMinRows = 3;
 
 enum Isa : int { kScalar, kAvx2, kVnni, kAmx };
@@ -188,12 +188,10 @@ inline float offset_sum(const QArgs& a, int64_t xb, int h) {
 // The bytes of one group step (a record / its groups) of each of nt tiles at `at` (stride apart), one pass
 // (nt tiles) ahead, into L2: a pass reads its nt tiles' records (contiguous) side by side, so this stays a
 // pass's length ahead of the reads, scale lines included, and at a pass's start the next pass's tiles are
-// already on their way (the old fixed 8 groups ahead within each tile left them cold). Batch-1 decode on
-// Zen 5 (1 thread, CPU s per 128 tokens, medians): Q4_1 0.54 -> 0.51, Q4_K_M 0.61 -> 0.51; Q8_0 was 4% slower
+// already on their way (the old fixed 8 groups ahead within each tile left them cold). Q8_0 was slower
 // with it (its 8 full lines a group: more bytes per op), so Q8_0 keeps the near prefetch into L1 there.
-// The avx2 int8 pairs (1 or 2 rows of x) had no prefetch: one tile (its own pass) ahead, into L2, every type,
-// Zen 2, 2 threads, the default model's projections from memory at 1 row (bench/lab/ab_builds.py, new build's
-// per-step ms over the old's): Q4_1 5.58 -> 4.28, Q8_0 7.17 -> 5.91, Q4_K_M 7.43 -> 4.59 (T0 the same).
+// The avx2 int8 pairs (1 or 2 rows of x) prefetch one tile (its own pass) ahead, into L2, every type
+// (T0 measured the same). Figures: docs/performance.md, "quantized linear".
 template <int T>
 inline void prefetch_ahead(const uint8_t* at, int64_t stride, int nt) {
   constexpr int64_t step = layout(T).record_bytes() / layout(T).groups();
@@ -259,9 +257,7 @@ void vnni_block(const QArgs& a, int64_t r0, int64_t t0) {
     // The block's activation words (4 bytes), per row, copied side by side: the broadcasts then read one
     // pointer at fixed offsets, where MR row pointers spilled GCC's general registers (a reload every few
     // products). The empty asm keeps x one pointer walking the rows: without it GCC made MR pointers again
-    // and Q8_0 ran 3% slower than before. 1 thread, M = 16 / 64, min of 8 runs, builds alternating
-    // (bench_qlinear.py, 2048 x 2048): Q4_1 0.671 -> 0.631 / 2.666 -> 2.522 ms, Q8_0 0.656 -> 0.611 /
-    // 2.573 -> 2.371, Q4_K 0.692 -> 0.680 / 2.757 -> 2.702.
+    // and Q8_0 ran slower than before (docs/performance.md, "quantized linear").
     alignas(32) int32_t xw[MR][kBlock / 4];
     const int8_t* x = a.xq + r0 * a.K + b * kBlock;
     for (int m = 0; m < MR; ++m, x += a.K) {
@@ -358,8 +354,8 @@ void tile_group_vnni(const QArgs& a, int64_t t0, int nt) {
 //       and its residual) acc += d * (dx1 C1 + dx2 C2) + c * (s1 + s2)
 // The two tile sets alternate between groups: the next group's dot product is issued before this one's
 // scaling, so the tile unit runs while the vector units scale. The scaling (a store and reload of C per
-// group) bounds it: at M = 64 on a [2048, 2048] weight, 1.2-1.5x the vnni path's rate on the 4-bit types
-// (bench/kernels/bench_qlinear.py on a loaded 2-core host), level on Q8_0.
+// group) bounds it: faster than the vnni path on the 4-bit types, level on Q8_0 (docs/performance.md,
+// "quantized linear").
 
 template <int T>
 void set_amx_config() {
@@ -536,7 +532,7 @@ inline void avx2_scales(const uint8_t* rec, int64_t g, int h, int r, __m256& d, 
 // added: 32004 for Q6_K) fits; Q8_0 runs on |q| and sign(q) x (2 * 128 * 127), as llama.cpp does, and so
 // do the IQ4 types' signed levels.
 // Not inlined: inlined into tile_range with its prefetch, it changed GCC's code for the joined kernel
-// there (Q4_1 at 16 rows 10% slower).
+// there (slower).
 template <int T, int MR>
 __attribute__((noinline)) void avx2_pair_block(const QArgs& a, int64_t r0, int64_t tile) {
   constexpr Layout L = layout(T);
@@ -617,11 +613,11 @@ inline void split_bytes(__m256i bytes, __m256i& even, __m256i& odd) {
 // at byte 4j + t) split into their even and odd bytes as int16; vpmaddwd against the broadcast words
 // (x[k0], x[k0 + 2]) and (x[k0 + 1], x[k0 + 3]) then leaves row j's sum over the four k in lane j. So
 // one vpmaddwd does 16 of x's products where the int8 pair took two vpmaddubsw and two vpmaddwd for 32
-// (on Zen 2 all of them issue on one pipe), and the int32 sum is 256 dot1 + dot2 exactly: scale_joined
+// (on some AVX2 cores all of them issue on one pipe), and the int32 sum is 256 dot1 + dot2 exactly: scale_joined
 // does the vnni path's float operations on it. |w| <= 128 and |x| <= 256 * 127 + 127 keep a group's
 // sum of 32 products within int32. One 8-row half of the tile at a time (r), 4 rows of x per pass: both
-// halves at once, each broadcast serving two products, ran out of registers (Q4_1 0.85-0.9x at 16 rows);
-// 2 or 3 rows of x per pass ran as 4.
+// halves at once, each broadcast serving two products, ran out of registers (slower); 2 or 3 rows of
+// x per pass ran as 4.
 template <int T, int MX>
 void avx2_joined_half(const QArgs& a, int64_t x0, int64_t tile, int r, float (*sum)[kTileRows]) {
   constexpr Layout L = layout(T);
@@ -649,7 +645,7 @@ void avx2_joined_half(const QArgs& a, int64_t x0, int64_t tile, int r, float (*s
           dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(even, _mm256_set1_epi32(xw[m][word])));
           dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(odd, _mm256_set1_epi32(xw[m][word + 1])));
           // the sum in a register here: else GCC reassociates the adds, keeps every product on the stack
-          // and sums them at the group's end (Q4_1 at 16 rows 1.25x slower)
+          // and sums them at the group's end (slower)
           asm("" : "+x"(dot[m]));
         }
       };
@@ -708,9 +704,8 @@ void tile_group_avx2(const QArgs& a, int64_t t0, int nt) {
 
 // Tiles per vnni_block pass for `rows` int8 rows (MR): each broadcast activation word feeds NT tiles, each
 // weight line MR rows. MR x NT dot products + MR / 2 x NT accumulators stay within the 32 zmm registers
-// (MR = 8, NT = 2: 16 + 8). One model step of the default model, CPU time, 1 thread, Xeon without AMX
-// (bench/engine/bench_quant_steps.py), NT = 1 -> 2 from 3 int8 rows: Q4_1 M = 16 43-47 -> 33-35 ms, M = 64
-// 155 -> 116-117, M = 512 1297-1324 -> 1024-1064; Q8_0 and Q4_K_M M = 64 5-20% faster (noisier); M = 1 as before.
+// (MR = 8, NT = 2: 16 + 8). NT = 2 from 3 int8 rows: faster than 1 at every M from 16 up, the same at
+// M = 1 (docs/performance.md, "quantized linear").
 inline int tiles_per_group(int64_t rows) { return rows <= 2 ? 4 : 2; }
 
 template <int T>
@@ -751,12 +746,12 @@ void tile_range(const QArgs& all, int64_t begin, int64_t end, int isa) {
 // (x - d1 q1 ~ d2 q2, d2 = d1 / 256, q2 clamped to +-127: the residual is within d1 / 2, so only a
 // rounding tie reaches 128), so x ~ d1 q1 + d2 q2 to about 15 bits. d2 a power of two below d1 lets
 // the kernels join the two rows' dot products in int32 (scale_pair). One int8 level alone (as llama.cpp's q8
-// activations) cost 2.4% top-1 agreement on the default model against fp32 (97.6%,
-// tests/test_quant_model.py); the residual row reuses every weight line the first row loads, so
+// activations) cost top-1 agreement on the default model against fp32 (tests/test_quant_model.py;
+// docs/performance.md, "quantized linear"); the residual row reuses every weight line the first row loads, so
 // decode (bound by the weight stream) barely pays for it.
 // Each SIMD path does the scalar loop's float operations in its order (q = nearbyint(v / d) as v * (1 / d),
-// round to nearest even; the residual v - d q): the same bits on every path. At batch 1 the scalar loop
-// was 8% of a decode step.
+// round to nearest even; the residual v - d q): the same bits on every path. The scalar loop alone was
+// a visible share of a batch-1 decode step.
 struct QuantRow {
   int8_t* xq;  // [2, K]
   float *dx, *sx, *sh;  // [2, KB], [2, KB], [2, 2 KB]
@@ -810,8 +805,8 @@ void quantize_row_scalar(Load load, const QuantRow& r) {
 #if defined(PYENGINE_QLINEAR_VNNI)
 // Blocks of 32 values, two zmm each (one per half), 16 blocks at a time: each level's maxima and the
 // sums of q are reduced for all 16 at once (hmax16, hsum16), and its scales take one vector division.
-// One block at a time, each of those reductions and divisions was a serial chain of its own: about
-// 100 cycles a block, 7% of the calling thread's time in a decode step of 16 rows. The sums of q add
+// One block at a time, each of those reductions and divisions was a serial chain of its own (about
+// 100 cycles a block). The sums of q add
 // whole numbers below 2^24 in fp32, so they are exact; the scales are the scalar loop's divisions.
 void quantize_row_avx512(const void* x, bool f32, const QuantRow& r) {
   const __m512 zero = _mm512_setzero_ps();

@@ -3,10 +3,10 @@
 // k pairs), and that kernel (AMX tiles, else AVX-512) runs its tile loop over all M rows of the strip.
 //
 // Why: the int8 kernels (linear/quant.cpp) scale every 32-value group's int32 sums through the vector units,
-// which bounds them at many rows (M = 64: 0.4-0.5x the bf16 AMX GEMM on the same shapes). Here the
+// which bounds them at many rows (about half the bf16 AMX GEMM's rate on the same shapes). Here the
 // dequantization is paid once per strip per call, shared by all M rows, and the weight is still read at
-// its quantized size. A strip is a few tiles x all of K, about kStripBytes of bf16: it stays in L2 (2 MB
-// a core on the hosts we measured) while the rows stream past.
+// its quantized size. A strip is a few tiles x all of K, about kStripBytes of bf16: it stays in L2
+// while the rows stream past.
 //
 // Each value is d * u + c of its group (ggml_blocks.h) in one fused multiply-add, rounded to bf16 to
 // nearest even: every product in GGUF's formulas is exact in fp32 (fp16 scales times at most 13-bit
@@ -30,20 +30,17 @@ using ggml::kBlock;
 using ggml::kTileRows;
 
 // From this many rows, where linear_bf16 runs on AMX tiles. Its vdpbf16ps kernel does half the
-// products per instruction of the int8 kernels' vpdpbusd, and there the strips lose at every M: one model
-// step of the default model, 1 thread, Xeon with AVX512-BF16/VNNI and no AMX (bench/engine/bench_quant_steps.py),
-// int8 kernels 1.35-1.63x the strips' speed at M = 16..2,000, Q4_1 and Q8_0 alike. So without AMX the
-// default is 0 (never). On AVX512-FP16 builds the strips' kernel is linear/bf16.cpp's avx512_fp32 (bf16
-// widened to fp32 FMAs), and they still lose: same host, 1 thread, M = 16 / 64 / 512 / 2,000
-// (bench_quant_steps.py --strip-rows 16), int8 kernels over the strips 1.55 / 1.38 / 1.68 / 1.31x on
-// Q4_1 and 1.38 / 1.29 / 1.37 / 1.30x on Q8_0.
+// products per instruction of the int8 kernels' vpdpbusd, and there the strips lose at every M. So
+// without AMX the default is 0 (never). On AVX512-FP16 builds the strips' kernel is linear/bf16.cpp's
+// avx512_fp32 (bf16 widened to fp32 FMAs), and they still lose (docs/performance.md, "quantized weights
+// by strips"; bench/engine/bench_quant_steps.py).
 constexpr int64_t kAmxStripRows = 16;
 constexpr int64_t kStripBytes = 256 * 1024;  // bf16 per strip: a share of L2 beside x's rows and the output
 // How far ahead of the group being dequantized its weight bytes are prefetched (into L1). A model's
 // weights come from L3 or memory at every step, and the hardware prefetchers alone left the loop
-// waiting: 64 x 128 generate on the default model, 2 threads, all layers' projections 4.3 -> 3.5 s
-// (2,048 beside 4,096 and 8,192: 2,048 best; a second, L2 prefetch 8 KB ahead, or prefetching the next
-// strip while the tile products run: no change).
+// waiting. 2,048 bytes measured best beside 4,096 and 8,192; a second, L2 prefetch further ahead, or
+// prefetching the next strip while the tile products run, changed nothing (docs/performance.md,
+// "quantized weights by strips").
 constexpr int64_t kPrefetchBytes = 2048;
 
 std::atomic<int64_t> g_strip_rows{linear_path(kBlock) == "amx" ? kAmxStripRows : 0};

@@ -102,8 +102,8 @@ inline typename V::F scale_joined(typename V::I joined_dot, float dx2, typename 
 }
 
 // scale_joined for the pair's two dot products. They join in int32 (|dot1| <= 32 * 255 * 127, so
-// 256 dot1 + dot2 fits), one float multiply fewer: on Zen 4 the float multiplies and FMAs issue on the
-// same two pipes as vpdpbusd, so each one here is a dot product less.
+// 256 dot1 + dot2 fits), one float multiply fewer: on some cores the float multiplies and FMAs issue on
+// the same two pipes as vpdpbusd, so each one here is a dot product less.
 template <int T, bool Signed, class V>
 inline typename V::F scale_pair(typename V::I dot1, typename V::I dot2, float dx2, typename V::F d,
                                 typename V::F c, float s12, typename V::F acc) {
@@ -140,9 +140,9 @@ inline __m512i shift16(__m512i v) {
 }
 
 // The high nibble of every byte of v, as a byte: a shift and a mask. One GF(2) affine op (GFNI) would do
-// it in one, but on Zen 4 vgf2p8affineqb issues on the two pipes that run vpdpbusd (a 1:1 mix halves
-// the dot products' rate; shifts and masks go to the other pipes): Q4_1 at 16 rows of x ran 4% faster
-// with the shift (bench/lab/dot_rate_probe.cpp shows which ops share the pipes).
+// it in one, but on some cores vgf2p8affineqb issues on the two pipes that run vpdpbusd (a 1:1 mix
+// halves the dot products' rate; shifts and masks go to the other pipes), and the shift measured faster
+// (bench/lab/dot_rate_probe.cpp shows which ops share the pipes; docs/performance.md, "quantized linear").
 inline __m512i high_nibbles(__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 
 // Line I of a group of one tile -> the unsigned values of its low (k = 8I + t) and high (8I + 4 + t)
