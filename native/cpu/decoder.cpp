@@ -1,8 +1,8 @@
 // decoder_layers (CPU): every decoder layer of a Llama-family model for one step, in one native
 // call. The same kernels in the same order as LlamaForCausalLM.forward's op-by-op path
 // (pyengine/model/llama.py), on the same buffers, so the result is bit-identical; what goes away is
-// the Python between ~300 kernel calls per step (about 3 ms of a 12 ms batch-1 decode step of the
-// default model). Used for every step of a bf16 model on the CPU (PackedLinear or QuantLinear
+// the Python between ~300 kernel calls per step (a quarter of a batch-1 decode step of the default
+// model when measured: docs/performance.md, "one native call per step"). Used for every step of a bf16 model on the CPU (PackedLinear or QuantLinear
 // projections) whose layers are Llama-shaped (one attention window for all layers, or none: Mistral,
 // Phi-3).
 //

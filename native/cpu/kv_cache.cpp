@@ -197,8 +197,8 @@ float quantize_row_portable(const float* x, int64_t n, DType cache, void* dst) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // The AVX-512 codecs above in 8-lane vectors, for rows of a multiple of 8 values (head dims; others
-// take the portable loops). On a Zen 2 core the portable scale search (16 candidates x 64 values, each
-// through float_to_fp8e4m3) made an fp8 write 15-30x an int8 one (bench/kernels/bench_kv_write.py).
+// take the portable loops). The portable scale search (16 candidates x 64 values, each through
+// float_to_fp8e4m3) made an fp8 write many times an int8 one (docs/performance.md, "KV cache writes").
 inline __m256 abs8(__m256 x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
 
 // fp8_round_magnitude in 8 lanes.
@@ -299,10 +299,9 @@ float quantize_row(const float* x, int64_t n, DType cache, void* dst) { return q
 // round-to-nearest `codes`, values move to their other neighbouring code (at most once each, up to
 // kMaxFlips, the best first) while that lowers
 //   J(e) = sum_g (u_g . e)^2 + |e|^2 / D      u_g: this token's q of head g of the group, unit length
-// where |e|^2 / D stands for the queries' other directions. Simulated on the default model (2,047
-// tokens, fp32), it cut fp8's mean |logprob| change by 30%; through the engine it took int8's from
-// 0.0136 to 0.0082 and its top-1 agreement with an fp32 cache from 98.97% to 99.61%
-// (tests/test_kv_accuracy.py).
+// where |e|^2 / D stands for the queries' other directions. It narrows the logprob change and raises
+// top-1 agreement with an fp32 cache for both dtypes (tests/test_kv_accuracy.py; docs/performance.md,
+// "KV cache accuracy").
 constexpr int kMaxFlips = 16;
 
 float dot(const float* a, const float* b, int64_t n) {
@@ -535,8 +534,7 @@ void scatter_row(const void* k_row, const void* v_row, void* k_tile, void* v_til
 // k + i k_stride and v + i v_stride (i < 16), at once: each K dims pair's 16 tokens are one 64-byte
 // line (a 16 x 16 transpose of 32-bit pairs per 32 dims), each V token pair its D dims interleaved.
 // Row by row (scatter_row) that is D / 2 stores of 4 bytes a line apart and D of 2 bytes per token and
-// head: in the default model's 2k-token prefill (64-token chunks, 2 threads, Zen 4) the writes took
-// 34-37 ms of ~1.8 s, 19-21 ms this way. D a multiple of 32.
+// head, about twice the time (docs/performance.md, "KV cache writes"). D a multiple of 32.
 void write_group16(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride, uint16_t* k_tile,
                    uint16_t* v_tile, int64_t off0, int64_t BS, int64_t D) {
   for (int64_t j0 = 0; j0 < D / 2; j0 += 16) {  // dims pairs j0 .. j0 + 15
@@ -594,9 +592,9 @@ void reshape_and_cache_cpu(const void* key, const void* value, void* k_cache, vo
   // The lines a token's rows go to, fetched for writing (prefetchw where the CPU has it) while the token
   // before is written: in a decode step each token writes to a block of its own sequence, cold, in lines
   // scattered over its tiles (K: one per L dims), and the stores would wait on one miss after another.
-  // Until prefetch.h GCC had deleted these prefetches, so the ~20% of the write first credited to them
-  // (bench_kv_write.py, 64 streams, bf16) came from the typed stores of the same change; with them in
-  // the binary, 10 alternating runs on AMD Zen 2 showed no change either way.
+  // Until prefetch.h GCC had deleted these prefetches, so the gain first credited to them came from the
+  // typed stores of the same change; with them in the binary, alternating runs showed no change either
+  // way (docs/performance.md, "KV cache writes"). They stay: they cost nothing measurable.
   const int64_t line_elems = 64 / cache_es;
   auto prefetch_rows = [&](int64_t slot) {
     if (slot < 0) return;

@@ -139,7 +139,7 @@ int64_t gather_at_least(const float* x, int64_t V, float thr, float* vals, int32
     const __m512 v = _mm512_loadu_ps(x + i);
     const __mmask16 m = _mm512_cmp_ps_mask(v, vt, _CMP_GE_OQ);
     if (!m) continue;
-    // compress into a register, then a plain store (memory-destination compress is slow on Zen 4)
+    // compress into a register, then a plain store (memory-destination compress is slow on some cores)
     _mm512_storeu_ps(vals + n, _mm512_maskz_compress_ps(m, v));
     _mm512_storeu_si512(ids + n, _mm512_maskz_compress_epi32(m, idx));
     n += __builtin_popcount(m);
