@@ -1,10 +1,10 @@
 // bf16 -> fp32 in AVX-512 registers, shared by the kernels that run bf16 data on fp32 FMAs instead of
 // vdpbf16ps (linear/bf16.cpp's avx512_fp32, attention/prefill.cpp's avx512_fp32 and avx512_fp16's QK).
 //
-// kPreferFp32Fma (linear/bf16.cpp): builds whose -march has AVX512-FP16 (Intel Sapphire Rapids and later) run
-// the fp32 linear kernel by default where AMX does not: on such a core without AMX exposed, vdpbf16ps
-// issued at a quarter of the fp32 FMA rate (one core: 1.3 G/s against 5.2-5.3). AMD Zen 4/5 have no
-// AVX512-FP16 and keep vdpbf16ps. (Prompt attention picks its own path on the same builds: avx512_fp16.)
+// kPreferFp32Fma (linear/bf16.cpp): builds whose -march has AVX512-FP16 run the fp32 linear kernel by
+// default where AMX does not: on such a core without AMX exposed, vdpbf16ps issued at a quarter of the
+// fp32 FMA rate (docs/performance.md, "bf16 linear"). CPUs without AVX512-FP16 keep vdpbf16ps. (Prompt
+// attention picks its own path on the same builds: avx512_fp16.)
 #pragma once
 
 #if defined(__AVX512F__)

@@ -13,7 +13,7 @@ namespace pyengine {
 
 // 2^e and 2^-e for the e (at most 100) that brings x's binary exponent to `top`: x 2^e in [2^top,
 // 2^(top + 1)), for x >= 0 (x = 0: e = 100). getexp and scalef, not ilogb and ldexp: a row's q and
-// every chunk's weights take one, and the libm calls were 1.5% of an fp8 decode step.
+// every chunk's weights take one, and the libm calls were a visible share of an fp8 decode step.
 struct Pow2 {
   __m512 up;
   float down;

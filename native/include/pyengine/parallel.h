@@ -13,9 +13,8 @@
 // Why not an OpenMP loop (our previous design, on torch's libgomp team): an OpenMP region ends in a
 // barrier that every team thread must reach, so each of the ~300 loops of a prompt step waits until
 // the OS runs every helper. Where the cores are shared (another process, the server's event loop),
-// a helper is often off its core: a 64-token layer norm took 350 us on 2 threads at load 3.8 against
-// 17 us on 1, and a 64-token prompt step 141 ms against 43 ms (bench/compare/bench_prefill_vllm.py's 512-token
-// prompt). Here the calling thread takes the items no helper has taken, so a step is never slower than
+// a helper is often off its core, and a prompt step on 2 threads ran several times slower than on 1
+// (docs/performance.md, "thread pool"). Here the calling thread takes the items no helper has taken, so a step is never slower than
 // on one thread. Helpers spin for kSpin after their last item (the next loop of a step starts within
 // microseconds), then sleep: a short spin, as libgomp's GOMP_SPINCOUNT=10000 that pyengine sets for
 // torch's own team (pyengine/__init__.py), so neither starves the other of the cores.
