@@ -270,8 +270,8 @@ __device__ __forceinline__ void decode_vec(const VecRaw<C>& raw, float (&f)[kVec
 
 // Grid (T, KVH * head chunks, nsplit): one CTA = one query token, up to G q heads of one kv head,
 // one key split. Scores are kept in base 2 (q is pre-scaled by scale * log2(e)).
-// KPI: keys per lane group per step. On an H200, KPI 8 (202 registers, 2 CTAs/SM) ran 25-40%
-// slower than KPI 4 (159 registers, 3 CTAs/SM). The min-blocks bound of 1 lets ptxas use the
+// KPI: keys per lane group per step: 4 (159 registers, 3 CTAs/SM); 8 (202 registers, 2 CTAs/SM) was
+// slower (docs/performance.md, GPU). The min-blocks bound of 1 lets ptxas use the
 // registers it needs: without it some instantiations were capped at 128 and spilled.
 template <typename T, typename C, int G>
 __global__ void __launch_bounds__(kSplitThreads, 1)
