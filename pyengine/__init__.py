@@ -9,10 +9,9 @@ import warnings
 from importlib import import_module
 
 # torch's ops run on libgomp's team, our kernels on a pool of their own (native/include/pyengine/parallel.h).
-# libgomp's default spin after each parallel region (300k iterations) starves the 2-core machines we
-# measure on (when the pools shared one team, batch-1 bf16 decode ran at 2.6 tok/s with it, 50.8 with
-# 10k, 38.3 with OMP_WAIT_POLICY=PASSIVE; bench/engine/bench_decode.py). libgomp reads this once, when torch
-# loads it, so it must be set first.
+# libgomp's default spin after each parallel region (300k iterations) starves small machines of their
+# cores; 10k measured best, ahead of OMP_WAIT_POLICY=PASSIVE (docs/performance.md, "OpenMP spin").
+# libgomp reads this once, when torch loads it, so it must be set first.
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "10000"
     if "torch" in sys.modules:

@@ -85,19 +85,15 @@ class EngineConfig:
     # Most tokens one sequence computes in a step (0: up to max_num_batched_tokens): a long prompt is prefilled in
     # chunks of this size, and a request arriving meanwhile goes first (the chunk shrinks to make room for its first
     # chunk; scheduler.pyx), so it starts within about one chunk's time. None: 64 on CPU, 512 on CUDA (where small
-    # steps leave the GPU idle). On the CPU the chunk bounds a newcomer's wait: with the heaviest step of an n=8
-    # echo+logprobs 2k prompt in flight, its TTFT is 1.9-2.4x idle at 64 and 4.0x at 128 (bench/engine/bench_fairness.py
-    # --cpu-steps; "heaviest" is the max of the heavy request's ~80 steps, 80-95 ms CPU against a 55-65 ms median
-    # chunk, so it moves with noise). Prefill attention reads a bf16 cache in place, so 64-token chunks cost a long
-    # prompt little: 1.2x (2k), about 1.0x (8k) the CPU time of unchunked steps (1 thread). On 2 threads a chunk's
-    # ~300 kernel loops no longer wait for a helper thread the OS has not run (native/include/pyengine/parallel.h): on
-    # shared cores a 64-token step took 3x a 1-thread one before (141 vs 43 ms), about 50 ms now. While nothing else
-    # runs or waits, solo_prefill_tokens applies instead.
+    # steps leave the GPU idle). On the CPU the chunk bounds a newcomer's wait (128 would double it), and
+    # 64-token chunks cost a long prompt little, since prefill attention reads the KV cache in place and the
+    # kernels' thread pool never waits for a helper the OS has not run (native/include/pyengine/parallel.h).
+    # Figures: docs/performance.md, "prefill chunk size". While nothing else runs or waits,
+    # solo_prefill_tokens applies instead.
     long_prefill_tokens: int | None = None
     # The chunk of a prompt that has the engine to itself (the only request running or waiting), never below
     # long_prefill_tokens; None: 512 on CPU (engine.SOLO_PREFILL_TOKENS_CPU), long_prefill_tokens on CUDA. It
-    # stalls nobody's decodes, and larger chunks run faster (a lone 2k prompt, bf16, 2 threads of a Zen 4 host:
-    # 1,184 tok/s in chunks of 64, 1,303 in 256, 1,321 in 512; fp32 on a Zen 2 host: 325 in 256, 359 in 512). A
+    # stalls nobody's decodes, and larger chunks run faster (docs/performance.md, "prefill chunk size"). A
     # request that arrives meanwhile (AsyncLLM, the server) interrupts the chunk before the model's next layer
     # (pyengine/interrupt.py), so it waits about one layer of it; the prompt computes that chunk again.
     solo_prefill_tokens: int | None = None

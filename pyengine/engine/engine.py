@@ -30,11 +30,9 @@ log = logging.getLogger("pyengine.engine")
 
 # Steps in a row in which every model run failed before the engine calls itself broken (step() raises).
 MAX_FAILED_STEPS = 3
-# The default chunk of a lone prompt on the CPU (EngineConfig.solo_prefill_tokens). Lone prompts, 2 threads,
-# chunk sizes alternating in one run: bf16 on a Zen 4 host, 2k at 1,184 tok/s in chunks of 64, 1,303 in 256,
-# 1,321 in 512 (8k: 618, 704, 700); fp32 on a Zen 2 host (AVX2: torch's fp32 GEMMs gain from the taller
-# matrices), 512 tokens at 399 and 453 tok/s in 256 and 512, 2k at 325 and 359, 8k at 188-192 and 208-210.
-# A newcomer interrupts the chunk before the next layer, so its size costs the newcomer little.
+# The default chunk of a lone prompt on the CPU (EngineConfig.solo_prefill_tokens): 512 ran lone prompts
+# fastest of 64, 256 and 512, in bf16 and in fp32 (docs/performance.md, "prefill chunk size"). A newcomer
+# interrupts the chunk before the next layer, so its size costs the newcomer little.
 SOLO_PREFILL_TOKENS_CPU = 512
 
 

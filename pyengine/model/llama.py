@@ -151,8 +151,8 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
                 arena: HugePageArena | None = None) -> Linear:
     """bf16 weights on the CPU: PackedLinear, whose native kernel streams the weight at memory bandwidth
-    for decode-sized batches (2x torch's bf16 GEMM at M=1, bench/kernels/bench_linear.py) and hands larger
-    batches to torch. fp32 weights on AVX2 CPUs without AVX-512: Fp32Linear (its GEMM ~1.4x torch's there).
+    for decode-sized batches (ahead of torch's bf16 GEMM, bench/kernels/bench_linear.py) and hands larger
+    batches to torch. fp32 weights on AVX2 CPUs without AVX-512: Fp32Linear (ahead of torch's GEMM there).
     Anything else: torch's F.linear. `out_dtype` (fp32 for the lm_head) is the result type; `arena` holds the
     packed copy."""
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu":

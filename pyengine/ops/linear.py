@@ -4,7 +4,7 @@ At a decode step each weight is used by only a few token rows, and the time is t
 bytes; torch's bf16 GEMM reaches a fraction of the memory bandwidth there. PackedLinear repacks the
 weight once (at load) into 16-output x 2-k tiles for the CPU kernel (native/cpu/linear/bf16.cpp), which reads
 each weight byte once per call for all rows, and serves prefill rows too (at the bf16 dot-product peak,
-within ~10% of torch's GEMM), so the original weight is not kept: one copy of the weights in memory.
+close to torch's GEMM), so the original weight is not kept: one copy of the weights in memory.
 On CUDA, and on CPUs without bf16 dot products, every call goes to torch.
 Fp32Linear (at the end) packs an fp32 weight in 16-output panels for native/cpu/linear/fp32.cpp, where
 torch's fp32 GEMM lags the FMA peak (AVX2 CPUs without AVX-512, which run fp32 models by default).
@@ -119,8 +119,8 @@ def pack_weight_fp32(weight: torch.Tensor) -> torch.Tensor:
 
 class Fp32Linear:
     """y = x @ weight.T + bias in fp32 on CPUs with AVX2 but no AVX-512, through the native kernel
-    (native/cpu/linear/fp32.cpp): there torch's fp32 GEMM (MKL) ran at 55-65% of the FMA peak, this one
-    at 80-85% for prefill-sized batches, and ahead at decode sizes too (bench/kernels/bench_linear.py --fp32).
+    (native/cpu/linear/fp32.cpp): there torch's fp32 GEMM (MKL) lags the FMA peak, and this one is ahead of
+    it from decode to prefill sizes (docs/performance.md, "fp32 linear").
     Holds only the packed copy of the weight. `runs_here()` says whether a CPU build should use it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
