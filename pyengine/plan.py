@@ -21,15 +21,12 @@ from typing import Callable
 import torch
 
 from pyengine.config import BLOCK_SIZES, EngineConfig, ModelConfig, memory_size
+from pyengine.dtypes import cache_dtype_of, resolve_dtype
 from pyengine.model.metadata import QUANTIZED_CACHE_DTYPES, kv_bytes_per_token
 
 _GiB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 4 * _GiB  # like vLLM-CPU's default KV space
 KV_FRACTION_DEFAULT = 0.9  # of the memory left after weights and the activation reserve
-
-
-def cache_dtype_of(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
-    return {"auto": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[config.kv_cache_dtype]
 
 
 def available_memory(device: torch.device) -> int:
@@ -152,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=256, help="for the concurrency estimate")
     args = p.parse_args(argv)
 
-    from pyengine.engine.engine import resolve_dtype
     from pyengine.model.loader import load_model, resolve_model_path
 
     device = torch.device(args.device)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pyengine.config import EngineConfig
+from pyengine.dtypes import cache_dtype_of, resolve_dtype
 from pyengine.engine.block_pool import BlockPool
 from pyengine.engine.output import (CompletionOutput, IncrementalDetokenizer, RequestMetrics, RequestOutput,
                                     TokenLogprob, check_token_stop)
@@ -23,7 +24,7 @@ from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.interrupt import StepInterrupt, StepInterrupted
 from pyengine.metrics import EngineMetrics, count_requests
 from pyengine.model.metadata import allocate_kv_caches, copy_blocks
-from pyengine.plan import available_memory, cache_dtype_of, plan_memory
+from pyengine.plan import available_memory, plan_memory
 from pyengine.sampling_params import SamplingParams
 
 log = logging.getLogger("pyengine.engine")
@@ -78,24 +79,6 @@ class _Group:
         # computed the prompt, so they fork from it instead of recomputing it.
         self.deferred: list[Request] = []
         self.sent_prompt_logprobs = False
-
-
-def _cpu_has_bf16() -> bool:
-    """Native bf16 dot products (AVX512-BF16 or AMX); without them bf16 GEMMs are emulated and slow."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on GPUs and on CPUs with bf16 dot products (measured ~2x fp32's decode speed on the
-    default model, bench/engine/bench_decode.py), else fp32."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or _cpu_has_bf16() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 class Engine:
