@@ -17,13 +17,13 @@ import torch
 from pyengine.config import EngineConfig
 from pyengine.dtypes import cache_dtype_of, resolve_dtype
 from pyengine.engine.block_pool import BlockPool
-from pyengine.engine.output import (CompletionOutput, IncrementalDetokenizer, RequestMetrics, RequestOutput,
-                                    TokenLogprob, check_token_stop)
+from pyengine.engine.output import CompletionOutput, IncrementalDetokenizer, RequestOutput, check_token_stop
 from pyengine.engine.request import Request, RequestStatus
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.interrupt import StepInterrupt, StepInterrupted
 from pyengine.metrics import EngineMetrics, count_requests
 from pyengine.model.metadata import allocate_kv_caches, copy_blocks
+from pyengine.output_types import RequestMetrics, TokenLogprob
 from pyengine.plan import available_memory, plan_memory
 from pyengine.sampling_params import SamplingParams
 
