@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pyengine.config import EngineConfig
+from pyengine.config import LONG_PREFILL_TOKENS, SOLO_PREFILL_TOKENS_CPU, EngineConfig
 from pyengine.dtypes import cache_dtype_of, resolve_dtype
 from pyengine.engine.block_pool import BlockPool
 from pyengine.engine.output import CompletionOutput, IncrementalDetokenizer, RequestOutput, check_token_stop
@@ -31,12 +31,6 @@ log = logging.getLogger("pyengine.engine")
 
 # Steps in a row in which every model run failed before the engine calls itself broken (step() raises).
 MAX_FAILED_STEPS = 3
-# The default chunk of a lone prompt on the CPU (EngineConfig.solo_prefill_tokens). Lone prompts, 2 threads,
-# chunk sizes alternating in one run: bf16 on a Zen 4 host, 2k at 1,184 tok/s in chunks of 64, 1,303 in 256,
-# 1,321 in 512 (8k: 618, 704, 700); fp32 on a Zen 2 host (AVX2: torch's fp32 GEMMs gain from the taller
-# matrices), 512 tokens at 399 and 453 tok/s in 256 and 512, 2k at 325 and 359, 8k at 188-192 and 208-210.
-# A newcomer interrupts the chunk before the next layer, so its size costs the newcomer little.
-SOLO_PREFILL_TOKENS_CPU = 512
 
 
 class EngineBrokenError(RuntimeError):
@@ -119,7 +113,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, bs, config.enable_prefix_caching)
         long_prefill = config.long_prefill_tokens
         if long_prefill is None:
-            long_prefill = 512 if self.device.type == "cuda" else 64
+            long_prefill = LONG_PREFILL_TOKENS[self.device.type]
         solo_prefill = config.solo_prefill_tokens
         if solo_prefill is None:  # a newcomer interrupts such a chunk (pyengine/interrupt.py)
             solo_prefill = long_prefill if self.device.type == "cuda" else SOLO_PREFILL_TOKENS_CPU

@@ -2,7 +2,7 @@
 finish reasons, and the RequestOutput / CompletionOutput records (vLLM-compatible shapes)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pyengine.engine.request import Request, RequestStatus
 from pyengine.output_types import RequestMetrics, TokenLogprob
