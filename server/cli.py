@@ -8,10 +8,12 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from aiohttp import web
 
-from pyengine.config import BLOCK_SIZES, memory_size
+from pyengine.config import EngineConfig, engine_settings, memory_size
+from pyengine.engine_args import add_engine_arguments, engine_fields
 from pyengine.request_log import RequestLog
 from server import config_file, store
 from server.app import MODELS, ServerConfig, create_app, listen
@@ -21,6 +23,10 @@ from server.gateway import GatewayConfig
 from server.models import ConfigError, ModelEntry, check_config
 from server.routing import RoutingConfig
 from server.tools import PARSERS
+
+# Every engine setting but the model, which --model names (several: NAME=PATH) and a TOML file's `path`.
+SERVER_ENGINE_SETTINGS = [name for name in engine_settings() if name != "model"]
+
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows '(default: X)' except where there is no default value to show."""
@@ -36,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m server",
         description="Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming).",
         formatter_class=_HelpFormatter)
-    m = p.add_argument_group("model and engine")
+    m = p.add_argument_group("models")
     m.add_argument("--model", action="append", default=None, metavar="[NAME=]PATH",
                    help="HF model folder or .gguf file; omitted: the bundled default model. Repeat to serve "
                         "several models, each with its own engine and KV budget (named NAME, or the file's "
@@ -46,43 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(engine flags below are the defaults of its models); see README")
     m.add_argument("--served-model-name", default=None,
                    help="model name clients send and see in responses; default: the model's name")
-    m.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs")
-    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weight and activation dtype")
-    m.add_argument("--weights", default="auto", choices=["auto", "dequantize"],
-                   help="GGUF weights: auto keeps Q8_0/Q4_0/Q4_1 quantized on the CPU (int8 kernels) and "
-                        "dequantizes other types to --dtype; dequantize expands every tensor at load")
-    m.add_argument("--max-model-len", type=int, default=None,
-                   help="context window in tokens (prompt + completion); default: the model's")
-    m.add_argument("--kv-cache-memory", type=memory_size, default=None,
-                   help="KV-cache budget: a fraction (0,1] of the memory left after the weights, "
-                        "or a size such as 2GiB")
-    m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
-                   help="KV-cache element type; fp8/int8 halve or quarter its size")
-    m.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES,
-                   help="tokens per KV-cache block: the prefix cache's unit; larger blocks are longer runs "
-                        "for CPU decode attention to stream")
-    m.add_argument("--max-num-seqs", type=int, default=256,
-                   help="most sequences decoded together in one step")
-    m.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one engine step (decodes + prompt chunks)")
-    m.add_argument("--long-prefill-tokens", type=int, default=None,
-                   help="most tokens one prompt computes in a step while others run or wait (its chunk); a "
-                        "request arriving meanwhile starts within about one chunk (default: 64 on cpu, 512 on cuda)")
-    m.add_argument("--solo-prefill-tokens", type=int, default=None,
-                   help="the chunk of a prompt that has the engine to itself: larger runs faster; a request "
-                        "arriving meanwhile interrupts it and the chunk is computed again (default: 256 on cpu, "
-                        "--long-prefill-tokens on cuda)")
-    m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse KV blocks of identical prompt prefixes")
-    m.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="order of waiting requests (priority: the request field 'priority')")
-    m.add_argument("--num-threads", type=int, default=None, help="CPU threads for the model")
-    m.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
-    m.add_argument("--cuda-graphs", action="store_true",
-                   help="cuda: replay decode steps as CUDA graphs (one per batch-size bucket, captured at start)")
-    m.add_argument("--tensor-core-prefill", action="store_true",
-                   help="cuda: prompt chunks' attention on tensor cores (FlashAttention-2; bf16/fp16, unquantized KV)")
+    add_engine_arguments(p, SERVER_ENGINE_SETTINGS)
 
     s = p.add_argument_group("HTTP and gateway")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -90,26 +60,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' (repeat for several keys; "
                         "also read from PYENGINE_API_KEY); /health stays open")
-    s.add_argument("--max-queue", type=int, default=256,
+    s.add_argument("--max-queue", type=int, default=GatewayConfig.max_queue,
                    help="requests that may wait for their first token; more get 503 at once")
-    s.add_argument("--request-timeout", type=float, default=600.0,
+    s.add_argument("--request-timeout", type=float, default=GatewayConfig.request_timeout,
                    help="seconds a request may take; then it is aborted (504); 0: no limit")
-    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
+    s.add_argument("--max-body-bytes", type=int, default=GatewayConfig.max_body_bytes,
                    help="largest request body; larger ones get 413")
-    s.add_argument("--max-n", type=int, default=16, help="largest 'n' (choices per request)")
+    s.add_argument("--max-n", type=int, default=ServerConfig.max_n, help="largest 'n' (choices per request)")
     s.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
                    help="how tool calls are read from output under tool_choice auto (default: by the model's "
                         "chat template: llama3_json for Llama-3 templates, else hermes)")
-    s.add_argument("--rate-limit-rpm", type=int, default=0,
+    s.add_argument("--rate-limit-rpm", type=int, default=GatewayConfig.rate_limit_rpm,
                    help="requests per minute per API key (or client address); 0: no limit")
-    s.add_argument("--rate-limit-tpm", type=int, default=0,
+    s.add_argument("--rate-limit-tpm", type=int, default=GatewayConfig.rate_limit_tpm,
                    help="prompt + completion tokens per minute per API key; 0: no limit")
-    s.add_argument("--read-timeout", type=float, default=30.0,
+    s.add_argument("--read-timeout", type=float, default=ConnectionLimits.read_timeout,
                    help="seconds a client gets to send a request's headers (from its first byte), and "
                         "as long again for its body; slower clients get 408 and are disconnected")
-    s.add_argument("--keepalive-timeout", type=float, default=15.0,
+    s.add_argument("--keepalive-timeout", type=float, default=ConnectionLimits.keepalive_timeout,
                    help="seconds an idle connection (no request in progress) stays open")
-    s.add_argument("--max-connections", type=int, default=512,
+    s.add_argument("--max-connections", type=int, default=ConnectionLimits.max_connections,
                    help="open connections at most; more are answered 503 and closed")
     s.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
@@ -120,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "read it with `python -m pyengine.report PATH`")
     s.add_argument("--request-log-max-bytes", type=memory_size, default=100 * 2**20,
                    help="rotate the request log at this size (PATH.1, PATH.2, ... 5 kept)")
-    s.add_argument("--stats-interval", type=float, default=10.0,
+    s.add_argument("--stats-interval", type=float, default=ServerConfig.stats_interval,
                    help="seconds between console stats lines (tokens/s, running/waiting, KV, prefix hits); 0: off")
     s.add_argument("--store", default=None, metavar="PATH",
                    help="SQLite file for stored responses and conversations (/v1/responses, /v1/conversations); "
@@ -128,20 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def engine_config(args: argparse.Namespace, model: str | None = None, **overrides):
+def engine_config(args: argparse.Namespace, model: str | None = None, **overrides: Any) -> EngineConfig:
     """The engine flags, with `overrides` (a config file's per-model settings) on top."""
-    from pyengine import EngineConfig
-
-    flags = dict(dtype=args.dtype, weights=args.weights, device=args.device, max_model_len=args.max_model_len,
-                 block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                 kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                 long_prefill_tokens=args.long_prefill_tokens, solo_prefill_tokens=args.solo_prefill_tokens,
-                 scheduling_policy=args.scheduling_policy, num_threads=args.num_threads, seed=args.seed,
-                 cuda_graphs=args.cuda_graphs, tensor_core_prefill=args.tensor_core_prefill)
-    return EngineConfig(model=model, **(flags | overrides))
-
-
+    return EngineConfig(model=model, **(engine_fields(args, SERVER_ENGINE_SETTINGS) | overrides))
 
 
 def model_specs(args: argparse.Namespace, serve_file: ServeFile | None) -> list[ModelSpec] | None:
