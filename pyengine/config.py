@@ -104,8 +104,8 @@ def setting(default: Any, help: str, **details: Any) -> Any:
 class EngineConfig:
     """Everything the engine needs to start. Sizes are in tokens unless named otherwise.
 
-    To add a setting, add a field here with setting(default, help, group=..., ...): the server's flag and
-    TOML key, and --help, follow from it."""
+    To add a setting, add a field here with setting(default, help, group=..., ...): the server's flag, its
+    TOML key and their --help follow from it (and the planner's flag, once named in plan.PLAN_SETTINGS)."""
 
     model: str | None = setting(None, "HF model folder or .gguf file", group="model",
                                 default_text="the bundled default model")

@@ -24,7 +24,10 @@ def example_value(name: str):
         return not default
     if s.parse is not None:  # a size: a fraction of the memory left
         return 0.5
-    return (default or 16) * 2
+    kind = value_types(name)[0]
+    if kind is str:
+        return "example"
+    return kind((default or 16) * 2)
 
 
 def example_argv(name: str) -> list[str]:
