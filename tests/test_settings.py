@@ -97,6 +97,13 @@ def test_a_toml_size_may_be_written_with_units(tmp_path):
     assert config_file.load(str(path)).models[0].engine == {"kv_cache_memory": 64 << 20, "num_threads": 1}
 
 
+def test_a_toml_boolean_is_not_taken_for_a_number(tmp_path):
+    path = tmp_path / "server.toml"
+    path.write_text('[[models]]\nname = "m"\nkv_cache_memory = true\n')  # would be the fraction 1.0
+    with pytest.raises(config_file.ConfigError, match="kv_cache_memory = True has the wrong type"):
+        config_file.load(str(path))
+
+
 def test_help_shows_the_dataclass_defaults(monkeypatch):
     entries = help_entries(build_parser(), monkeypatch)
     for name in SERVER_ENGINE_SETTINGS:
