@@ -37,14 +37,12 @@ def _default_help(name: str, s: Setting) -> str:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, names: Iterable[str],
-                         extra_choices: dict[str, dict[str, str]] | None = None) -> dict[str, argparse.Action]:
+                         extra_choices: dict[str, dict[str, str]] | None = None) -> None:
     """Add the flags of the settings `names` to `parser`, one argument group per Setting.group
     ("engine: KV cache"), each flag's dest the field's name. extra_choices: per setting, choices this
-    program takes beyond the field's and what each means (the planner's --kv-cache-dtype all).
-    Returns the actions by setting name."""
+    program takes beyond the field's and what each means (the planner's --kv-cache-dtype all)."""
     settings = engine_settings()
     groups: dict[str, argparse._ArgumentGroup] = {}
-    actions = {}
     for name in names:
         s = settings[name]
         if s.group not in groups:
@@ -52,7 +50,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, names: Iterable[str],
         extra = (extra_choices or {}).get(name, {})
         help_text = ("cuda only: " if s.cuda_only else "") + s.help.replace("%", "%%")
         help_text += "".join(f"; {choice}: {meaning}" for choice, meaning in extra.items())
-        kwargs: dict[str, Any] = dict(dest=name, default=default_of(name), help=f"{help_text} {_default_help(name, s)}")
+        kwargs: dict[str, Any] = dict(dest=name, default=default_of(name),
+                                      help=f"{help_text} {_default_help(name, s)}")
         kinds = value_types(name)
         if kinds == (bool,):
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -62,8 +61,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, names: Iterable[str],
             raise TypeError(f"EngineConfig.{name}: a value of several types ({kinds}) needs a Setting.parse")
         if s.choices is not None:
             kwargs["choices"] = [*s.choices, *extra]
-        actions[name] = groups[s.group].add_argument(flag_name(name), **kwargs)
-    return actions
+        groups[s.group].add_argument(flag_name(name), **kwargs)
 
 
 def engine_fields(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
