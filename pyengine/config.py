@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -62,70 +62,125 @@ class ModelConfig:
 
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV-cache block the kernels and flags take
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_MODES = ("auto", "dequantize")
+DEVICES = ("cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+# The defaults of the settings whose None means "decided at start-up" (the engine and the memory plan use these).
+LONG_PREFILL_TOKENS = {"cpu": 64, "cuda": 512}
+# The default chunk of a lone prompt on the CPU (EngineConfig.solo_prefill_tokens): 512 ran lone prompts
+# fastest of 64, 256 and 512, in bf16 and in fp32 (docs/performance.md, "prefill chunk size"). A newcomer
+# interrupts the chunk before the next layer, so its size costs the newcomer little.
+SOLO_PREFILL_TOKENS_CPU = 512
+KV_FRACTION_DEFAULT = 0.9  # of the memory left after weights and the activation reserve
+CPU_DEFAULT_KV_BYTES = 4 << 30  # like vLLM-CPU's default KV space
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the command line, the server's TOML file and their help say about one EngineConfig field; the
+    flags and keys are generated from it (pyengine/engine_args.py), so it is written here once."""
+
+    help: str
+    group: str  # the heading it is listed under in --help
+    choices: tuple | None = None
+    minimum: int | None = None  # the least value allowed (None as a value is always allowed)
+    # What a None default means, for --help ("64 on cpu, 512 on cuda"): such defaults are decided at start-up.
+    default_text: str | None = None
+    parse: Callable[[str], Any] | None = None  # a command-line or TOML string -> the value (else: the field's type)
+    cuda_only: bool = False  # a true value needs device="cuda"
+
+
+def setting(default: Any, help: str, **details: Any) -> Any:
+    """An EngineConfig field: its default and its Setting."""
+    return field(default=default, metadata={"setting": Setting(help, **details)})
 
 
 @dataclass
 class EngineConfig:
-    """Everything the engine needs to start. Sizes are in tokens unless named otherwise."""
+    """Everything the engine needs to start. Sizes are in tokens unless named otherwise.
 
-    model: str | None = None  # HF folder or .gguf file; None = the bundled default model
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
-    # "auto": GGUF Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K tensors stay quantized on the CPU (native int8
-    # kernels), other types are dequantized to dtype; "dequantize": every tensor is dequantized at load
-    weights: str = "auto"
-    device: str = "cpu"  # "cpu" | "cuda"
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    block_size: int = 16
-    # KV cache budget: bytes (int > 1) or a fraction (0, 1] of the memory left after the weights.
-    kv_cache_memory: float | int | None = None
-    kv_cache_dtype: str = "auto"  # "auto" (= model dtype) | "fp8" | "int8"
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    To add a setting, add a field here with setting(default, help, group=..., ...): the server's flag, its
+    TOML key and their --help follow from it (and the planner's flag, once named in plan.PLAN_SETTINGS)."""
+
+    model: str | None = setting(None, "HF model folder or .gguf file", group="model",
+                                default_text="the bundled default model")
+    dtype: str = setting("auto", "weight and activation dtype; auto: bfloat16 on cuda and on CPUs with bf16 dot "
+                                 "products (AVX512-BF16 or AMX), else float32", group="model", choices=DTYPES)
+    weights: str = setting("auto", "GGUF weights: auto keeps tensors of the types with native CPU kernels "
+                                   "(ops/qlinear.py) quantized and dequantizes other types to --dtype; dequantize "
+                                   "expands every tensor at load", group="model", choices=WEIGHT_MODES)
+    device: str = setting("cpu", "where the model runs", group="model", choices=DEVICES)
+    max_model_len: int | None = setting(None, "context window in tokens (prompt + completion)", group="model",
+                                        default_text="the model's")
+    block_size: int = setting(16, "tokens per KV-cache block: the prefix cache's unit; larger blocks are longer "
+                                  "runs for CPU decode attention to stream", group="KV cache", choices=BLOCK_SIZES)
+    # bytes (int > 1) or a fraction (0, 1] of the memory left after the weights (plan.plan_memory)
+    kv_cache_memory: float | int | None = setting(
+        None, "KV-cache budget: a fraction (0,1] of the memory left after the weights, or a size such as 2GiB",
+        group="KV cache", parse=memory_size,
+        default_text=f"{KV_FRACTION_DEFAULT:.0%} of the memory left after the weights and the activation "
+                     f"reserve; on cpu at most {CPU_DEFAULT_KV_BYTES >> 30} GiB and what max_num_seqs "
+                     "sequences of max_model_len tokens can use")
+    kv_cache_dtype: str = setting("auto", "KV-cache element type (auto: the model's dtype); fp8/int8 halve or "
+                                          "quarter its size", group="KV cache", choices=KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks of identical prompt prefixes", group="KV cache")
+    max_num_seqs: int = setting(256, "most sequences decoded together in one step", group="scheduling", minimum=1)
+    max_num_batched_tokens: int = setting(2048, "token budget of one engine step (decodes + prompt chunks)",
+                                          group="scheduling", minimum=1)
     # Most tokens one sequence computes in a step (0: up to max_num_batched_tokens): a long prompt is prefilled in
     # chunks of this size, and a request arriving meanwhile goes first (the chunk shrinks to make room for its first
-    # chunk; scheduler.pyx), so it starts within about one chunk's time. None: 64 on CPU, 512 on CUDA (where small
+    # chunk; scheduler.pyx), so it starts within about one chunk's time. 64 on CPU, 512 on CUDA (where small
     # steps leave the GPU idle). On the CPU the chunk bounds a newcomer's wait (128 would double it), and
     # 64-token chunks cost a long prompt little, since prefill attention reads the KV cache in place and the
     # kernels' thread pool never waits for a helper the OS has not run (native/include/pyengine/parallel.h).
     # Figures: docs/performance.md, "prefill chunk size". While nothing else runs or waits,
     # solo_prefill_tokens applies instead.
-    long_prefill_tokens: int | None = None
+    long_prefill_tokens: int | None = setting(
+        None, "most tokens one prompt computes in a step while others run or wait (its chunk; 0: up to "
+              "--max-num-batched-tokens); a request arriving meanwhile starts within about one chunk",
+        group="scheduling", minimum=0,
+        default_text=f"{LONG_PREFILL_TOKENS['cpu']} on cpu, {LONG_PREFILL_TOKENS['cuda']} on cuda")
     # The chunk of a prompt that has the engine to itself (the only request running or waiting), never below
-    # long_prefill_tokens; None: 512 on CPU (engine.SOLO_PREFILL_TOKENS_CPU), long_prefill_tokens on CUDA. It
-    # stalls nobody's decodes, and larger chunks run faster (docs/performance.md, "prefill chunk size"). A
-    # request that arrives meanwhile (AsyncLLM, the server) interrupts the chunk before the model's next layer
-    # (pyengine/interrupt.py), so it waits about one layer of it; the prompt computes that chunk again.
-    solo_prefill_tokens: int | None = None
-    scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
-    num_threads: int | None = None  # CPU threads for torch and the native kernels
-    seed: int = 0  # seeds the RNG that draws a seed for each request without one
-    # CUDA only. cuda_graphs: decode-only steps replay CUDA graphs captured at start-up, one per batch-size
-    # bucket (pyengine/model/cuda_graphs.py). tensor_core_prefill: prompt chunks' attention runs
-    # FlashAttention-2 on tensor cores (bf16/fp16, unquantized KV cache). Both off until measured on a device.
-    cuda_graphs: bool = False
-    tensor_core_prefill: bool = False
+    # long_prefill_tokens. It stalls nobody's decodes, and larger chunks run faster (docs/performance.md, "prefill
+    # chunk size"). A request that arrives meanwhile (AsyncLLM, the server) interrupts the chunk before the
+    # model's next layer (pyengine/interrupt.py), so it waits about one layer of it; the prompt computes that
+    # chunk again.
+    solo_prefill_tokens: int | None = setting(
+        None, "the chunk of a prompt that has the engine to itself: larger runs faster; a request arriving "
+              "meanwhile interrupts it and the chunk is computed again", group="scheduling", minimum=0,
+        default_text=f"{SOLO_PREFILL_TOKENS_CPU} on cpu, --long-prefill-tokens on cuda")
+    scheduling_policy: str = setting("fcfs", "order of waiting requests (priority: the request field 'priority')",
+                                     group="scheduling", choices=SCHEDULING_POLICIES)
+    num_threads: int | None = setting(None, "CPU threads for torch and the native kernels", group="threads and CUDA",
+                                      default_text="torch's and the kernels' own: the CPUs available")
+    seed: int = setting(0, "seeds the RNG that draws a seed for each request without one", group="scheduling")
+    # CUDA only, both off until measured on a device.
+    cuda_graphs: bool = setting(False, "replay decode steps as CUDA graphs, one per batch-size bucket, captured at "
+                                       "start-up (model/cuda_graphs.py)", group="threads and CUDA", cuda_only=True)
+    tensor_core_prefill: bool = setting(False, "prompt chunks' attention on tensor cores (FlashAttention-2; "
+                                               "bf16/fp16, unquantized KV cache)", group="threads and CUDA",
+                                        cuda_only=True)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.weights not in ("auto", "dequantize"):
-            raise ValueError(f"weights must be auto or dequantize, got {self.weights!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
-            raise ValueError(f"kv_cache_dtype must be auto, fp8 or int8, got {self.kv_cache_dtype!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.block_size not in BLOCK_SIZES:
-            sizes = ", ".join(map(str, BLOCK_SIZES[:-1])) + f" or {BLOCK_SIZES[-1]}"
-            raise ValueError(f"block_size must be {sizes}, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.long_prefill_tokens is not None and self.long_prefill_tokens < 0:
-            raise ValueError(f"long_prefill_tokens must be >= 0, got {self.long_prefill_tokens}")
-        if self.solo_prefill_tokens is not None and self.solo_prefill_tokens < 0:
-            raise ValueError(f"solo_prefill_tokens must be >= 0, got {self.solo_prefill_tokens}")
-        for name in ("cuda_graphs", "tensor_core_prefill"):
-            if getattr(self, name) and self.device != "cuda":
+        for name, s in engine_settings().items():
+            value = getattr(self, name)
+            if s.choices is not None and value not in s.choices:
+                raise ValueError(f"{name} must be {_one_of(s.choices)}, got {value!r}")
+            if s.minimum is not None and value is not None and value < s.minimum:
+                raise ValueError(f"{name} must be >= {s.minimum}, got {value}")
+            if s.cuda_only and value and self.device != "cuda":
                 raise ValueError(f"{name} needs device='cuda', got device={self.device!r}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+def engine_settings() -> dict[str, Setting]:
+    """EngineConfig's fields and their Settings, in declaration order."""
+    return {f.name: f.metadata["setting"] for f in fields(EngineConfig)}
+
+
+def _one_of(choices: tuple) -> str:
+    """(8, 16, 32) -> "8, 16 or 32"."""
+    names = [str(c) for c in choices]
+    return ", ".join(names[:-1]) + f" or {names[-1]}"

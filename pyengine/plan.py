@@ -2,7 +2,7 @@
 reserve, and what fits. The engine sizes its KV cache with plan_memory() and logs summary(); the
 planner CLI calls the same function, so its numbers are the ones the engine will log.
 
-    python -m pyengine.plan [--model PATH] [--dtype auto] [--kv-cache-dtype auto|fp8|int8|all]
+    python -m pyengine.plan [--model PATH] [--dtype auto] [--weights auto] [--kv-cache-dtype auto|fp8|int8|all]
         [--max-model-len N] [--memory 24GiB | --device cuda | --kv-cache-memory 2GiB]
         [--prompt-len 512 --output-len 256]
 
@@ -20,16 +20,12 @@ from typing import Callable
 
 import torch
 
-from pyengine.config import BLOCK_SIZES, EngineConfig, ModelConfig, memory_size
+from pyengine.config import CPU_DEFAULT_KV_BYTES, KV_FRACTION_DEFAULT, EngineConfig, ModelConfig, memory_size
+from pyengine.dtypes import cache_dtype_of, resolve_dtype
+from pyengine.engine_args import add_engine_arguments, engine_fields
 from pyengine.model.metadata import QUANTIZED_CACHE_DTYPES, kv_bytes_per_token
 
 _GiB = 1 << 30
-CPU_DEFAULT_KV_BYTES = 4 * _GiB  # like vLLM-CPU's default KV space
-KV_FRACTION_DEFAULT = 0.9  # of the memory left after weights and the activation reserve
-
-
-def cache_dtype_of(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
-    return {"auto": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[config.kv_cache_dtype]
 
 
 def available_memory(device: torch.device) -> int:
@@ -131,28 +127,27 @@ def plan_memory(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype, max_
                       reserve, max_model_len)
 
 
-def main(argv: list[str] | None = None) -> int:
+# The settings that change the plan: the planner takes them as the server does.
+PLAN_SETTINGS = ("model", "dtype", "weights", "device", "max_model_len", "block_size", "kv_cache_memory",
+                 "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pyengine.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF folder or .gguf file; default: the bundled model")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8", "all"],
-                   help="all: one plan per KV cache dtype")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16, choices=BLOCK_SIZES)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="cuda: plan for this machine's GPU (its free memory now)")
-    p.add_argument("--memory", type=memory_size, default=None,
-                   help="total memory to plan for (e.g. 24GiB) instead of measuring the device's free memory")
-    p.add_argument("--kv-cache-memory", type=memory_size, default=None,
-                   help="KV budget as the server takes it: a fraction of the memory left, or a size")
-    p.add_argument("--prompt-len", type=int, default=512, help="for the concurrency estimate")
-    p.add_argument("--output-len", type=int, default=256, help="for the concurrency estimate")
-    args = p.parse_args(argv)
+    add_engine_arguments(p, PLAN_SETTINGS, extra_choices={"kv_cache_dtype": {"all": "one plan per KV cache dtype"}})
+    g = p.add_argument_group("planner")
+    g.add_argument("--memory", type=memory_size, default=None,
+                   help="total memory to plan for (e.g. 24GiB) instead of measuring the device's free memory "
+                        "(with --device cuda: the GPU's)")
+    g.add_argument("--prompt-len", type=int, default=512, help="for the concurrency estimate")
+    g.add_argument("--output-len", type=int, default=256, help="for the concurrency estimate")
+    return p
 
-    from pyengine.engine.engine import resolve_dtype
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
     from pyengine.model.loader import load_model, resolve_model_path
 
     device = torch.device(args.device)
@@ -160,15 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(args.model)
     available = (lambda: int(args.memory)) if args.memory is not None else (lambda: available_memory(device))
     # Weights are counted as the engine holds them (quantized layouts included): load on CPU.
-    cfg, model = load_model(path, dtype, torch.device("cpu"))
+    cfg, model = load_model(path, dtype, torch.device("cpu"), args.weights)
     weights = model.weight_bytes()
     max_len = args.max_model_len or cfg.max_position_embeddings
     print(f"model: {path}\n  {cfg.architecture}, {cfg.num_hidden_layers} layers, {cfg.num_key_value_heads} KV heads "
           f"x head_dim {cfg.head_dim}, dtype {str(dtype).removeprefix('torch.')}, context {max_len} tokens")
     for kv in (["auto", "fp8", "int8"] if args.kv_cache_dtype == "all" else [args.kv_cache_dtype]):
-        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=max_len,
-                              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=kv,
-                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        config = EngineConfig(**(engine_fields(args, PLAN_SETTINGS) | dict(max_model_len=max_len, kv_cache_dtype=kv)))
         plan = plan_memory(cfg, config, dtype, max_len, weights, lambda: available() - weights)
         total = weights + plan.kv_bytes + plan.activation_reserve_bytes
         cache_dtype = cache_dtype_of(config, dtype)

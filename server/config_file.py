@@ -36,15 +36,13 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyengine.config import EngineConfig, memory_size
+from pyengine.config import EngineConfig, engine_settings
+from pyengine.engine_args import from_toml, toml_types
 from server.models import ConfigError, check_config
 from server.routing import CanarySplit, RoutingConfig, Rule
 
-ENGINE_KEYS = {"dtype": str, "weights": str, "device": str, "max_model_len": int, "block_size": int,
-               "kv_cache_memory": (str, int, float), "kv_cache_dtype": str, "enable_prefix_caching": bool,
-               "max_num_seqs": int, "max_num_batched_tokens": int, "long_prefill_tokens": int,
-               "solo_prefill_tokens": int, "scheduling_policy": str, "seed": int, "cuda_graphs": bool,
-               "tensor_core_prefill": bool}
+# Every engine setting but the model (a table's `path`), typed as EngineConfig's fields are.
+ENGINE_KEYS = toml_types(name for name in engine_settings() if name != "model")
 _MODEL_KEYS = {"name": str, "path": str, "aliases": list, "tier": str}
 _RULE_KEYS = {"name": str, "model": str, "min_prompt_tokens": int, "max_prompt_tokens": int,
               "tier": (str, list), "metadata": dict}
@@ -138,12 +136,14 @@ def _model(t: dict, i: int, base: str) -> ModelSpec:
             resolve_model_path(path)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(str(e), (*where, "path")) from None
-    engine = {k: t[k] for k in ENGINE_KEYS if k in t}
-    if isinstance(engine.get("kv_cache_memory"), str):
+    engine: dict[str, Any] = {}
+    for k, v in t.items():
+        if k not in ENGINE_KEYS:
+            continue
         try:
-            engine["kv_cache_memory"] = memory_size(engine["kv_cache_memory"])
-        except argparse.ArgumentTypeError as e:
-            raise ConfigError(str(e), (*where, "kv_cache_memory")) from None
+            engine[k] = from_toml(k, v)
+        except (argparse.ArgumentTypeError, ValueError) as e:  # a string that does not parse ("2 GiB!")
+            raise ConfigError(str(e), (*where, k)) from None
     try:  # the values' ranges, checked now rather than after the models before it have loaded
         EngineConfig(**engine)
     except ValueError as e:  # EngineConfig's messages start with the field's name
@@ -158,7 +158,8 @@ def _check_keys(t: Any, allowed: dict[str, Any], where: tuple) -> None:
     for k, v in t.items():
         if k not in allowed:
             raise ConfigError(f"unknown setting {k!r} (allowed: {', '.join(allowed)})", (*where, k))
-        if not isinstance(v, allowed[k]) or (isinstance(v, bool) and allowed[k] in (int, (int, float))):
+        kinds = allowed[k] if isinstance(allowed[k], tuple) else (allowed[k],)
+        if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):  # a bool is an int too
             raise ConfigError(f"{k} = {v!r} has the wrong type", (*where, k))
 
 

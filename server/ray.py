@@ -38,7 +38,7 @@ from pyengine.config import EngineConfig
 from pyengine.engine.engine import EngineStats
 from pyengine.engine.output import RequestOutput
 from pyengine.sampling_params import SamplingParams
-from server.__main__ import build_parser, engine_config, server_config
+from server.cli import build_parser, engine_config, server_config
 from server.app import create_app, listen
 from server.protocol import APIError
 from server.replica_router import Decision, PrefixRouter, Replica, RouterConfig

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from server import config_file
-from server.__main__ import build_parser, main, model_specs
+from server.cli import build_parser, main, model_specs
 from server.models import ConfigError
 
 # The KV sizes hold max_model_len tokens of an fp32 cache too (auto dtype on a CPU without bf16 dot products).

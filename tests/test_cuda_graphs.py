@@ -39,7 +39,7 @@ def test_cuda_options_need_a_cuda_device():
 
 
 def test_server_flags_reach_the_engine_config():
-    from server.__main__ import build_parser, engine_config
+    from server.cli import build_parser, engine_config
 
     cfg = engine_config(build_parser().parse_args(["--device", "cuda", "--cuda-graphs", "--tensor-core-prefill"]))
     assert cfg.cuda_graphs and cfg.tensor_core_prefill

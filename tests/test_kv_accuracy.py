@@ -52,7 +52,7 @@ import torch
 
 from model_helpers import natural_text_ids, real_engine
 from pyengine import _C
-from pyengine.engine.output import TokenLogprob
+from pyengine.output_types import TokenLogprob
 from pyengine.llm import LLM
 from pyengine.sampling_params import SamplingParams
 from test_server_e2e import ServerProcess

@@ -300,7 +300,7 @@ def test_prefix_cache_computes_only_suffix():
 
 
 def test_prefill_chunk_flags_reach_the_engine_config():
-    from server.__main__ import build_parser, engine_config
+    from server.cli import build_parser, engine_config
 
     cfg = engine_config(build_parser().parse_args(["--long-prefill-tokens", "32", "--solo-prefill-tokens", "256"]))
     assert (cfg.long_prefill_tokens, cfg.solo_prefill_tokens) == (32, 256)
@@ -310,7 +310,7 @@ def test_prefill_chunk_flags_reach_the_engine_config():
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
 def test_block_size_flag_reaches_the_engine_config(block_size):
-    from server.__main__ import build_parser, engine_config
+    from server.cli import build_parser, engine_config
 
     assert engine_config(build_parser().parse_args(["--block-size", str(block_size)])).block_size == block_size
 

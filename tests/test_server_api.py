@@ -567,7 +567,7 @@ SERVE_SCRIPT = """
 import asyncio, sys
 sys.path[:0] = [{root!r}, {tests!r}]
 from test_server_api import FakeEngine, make_config
-from server.__main__ import serve
+from server.cli import serve
 from server.app import create_app
 app = create_app(FakeEngine(step_delay=0.05), make_config())
 asyncio.run(serve(app, "127.0.0.1", 0, {grace}))

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from server.__main__ import build_parser, memory_size, server_config
+from server.cli import build_parser, memory_size, server_config
 from server.gateway import AdmissionControl, RateLimiter, TokenBucket, authenticate, check_context
 from server.protocol import APIError, parse_chat, parse_completion, parse_json
 

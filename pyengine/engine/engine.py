@@ -14,26 +14,23 @@ from dataclasses import dataclass
 
 import torch
 
-from pyengine.config import EngineConfig
+from pyengine.config import LONG_PREFILL_TOKENS, SOLO_PREFILL_TOKENS_CPU, EngineConfig
+from pyengine.dtypes import cache_dtype_of, resolve_dtype
 from pyengine.engine.block_pool import BlockPool
-from pyengine.engine.output import (CompletionOutput, IncrementalDetokenizer, RequestMetrics, RequestOutput,
-                                    TokenLogprob, check_token_stop)
+from pyengine.engine.output import CompletionOutput, IncrementalDetokenizer, RequestOutput, check_token_stop
 from pyengine.engine.request import Request, RequestStatus
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
 from pyengine.interrupt import StepInterrupt, StepInterrupted
 from pyengine.metrics import EngineMetrics, count_requests
 from pyengine.model.metadata import allocate_kv_caches, copy_blocks
-from pyengine.plan import available_memory, cache_dtype_of, plan_memory
+from pyengine.output_types import RequestMetrics, TokenLogprob
+from pyengine.plan import available_memory, plan_memory
 from pyengine.sampling_params import SamplingParams
 
 log = logging.getLogger("pyengine.engine")
 
 # Steps in a row in which every model run failed before the engine calls itself broken (step() raises).
 MAX_FAILED_STEPS = 3
-# The default chunk of a lone prompt on the CPU (EngineConfig.solo_prefill_tokens): 512 ran lone prompts
-# fastest of 64, 256 and 512, in bf16 and in fp32 (docs/performance.md, "prefill chunk size"). A newcomer
-# interrupts the chunk before the next layer, so its size costs the newcomer little.
-SOLO_PREFILL_TOKENS_CPU = 512
 
 
 class EngineBrokenError(RuntimeError):
@@ -78,24 +75,6 @@ class _Group:
         self.sent_prompt_logprobs = False
 
 
-def _cpu_has_bf16() -> bool:
-    """Native bf16 dot products (AVX512-BF16 or AMX); without them bf16 GEMMs are emulated and slow."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on GPUs and on CPUs with bf16 dot products (measured ~2x fp32's decode speed on the
-    default model, bench/engine/bench_decode.py), else fp32."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or _cpu_has_bf16() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 class Engine:
     def __init__(self, config: EngineConfig, *, parts: tuple | None = None) -> None:
         """parts: (model_config, model, tokenizer, name) to use instead of loading config.model
@@ -134,7 +113,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, bs, config.enable_prefix_caching)
         long_prefill = config.long_prefill_tokens
         if long_prefill is None:
-            long_prefill = 512 if self.device.type == "cuda" else 64
+            long_prefill = LONG_PREFILL_TOKENS[self.device.type]
         solo_prefill = config.solo_prefill_tokens
         if solo_prefill is None:  # a newcomer interrupts such a chunk (pyengine/interrupt.py)
             solo_prefill = long_prefill if self.device.type == "cuda" else SOLO_PREFILL_TOKENS_CPU

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from pyengine.config import ModelConfig
+from pyengine.config import WEIGHT_MODES, ModelConfig
 from pyengine.model.families import SUPPORTED_ARCHITECTURES, family_fields, rope_parameters, scaled_context
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,6 @@ def _safetensors_getter(folder: str):
     return get
 
 
-WEIGHT_MODES = ("auto", "dequantize")
 # HF tensor names -> [(GGML type name, uint8 blocks [rows, row bytes])] of the row-concatenated tensors
 # (runs of one type joined), or None where one of them has no native kernel
 QuantizedGetter = Callable[[list[str]], "list[tuple[str, torch.Tensor]] | None"]

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pyengine.engine.output import TokenLogprob
 from pyengine.engine.scheduler import prepare_batch, prepare_sampling
 from pyengine.interrupt import StepInterrupt
 from pyengine.model.cuda_graphs import DecodeGraphs
 from pyengine.model.metadata import AttentionMetadata, KVCache
 from pyengine.ops.sampling import apply_penalties, sample
+from pyengine.output_types import TokenLogprob
 
 
 @dataclass
