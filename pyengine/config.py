@@ -109,6 +109,11 @@ class EngineConfig:
     # FlashAttention-2 on tensor cores (bf16/fp16, unquantized KV cache). Both off until measured on a device.
     cuda_graphs: bool = False
     tensor_core_prefill: bool = False
+    # Structured output: grammars (JSON schemas, regexes, EBNF) compile in this many worker processes
+    # (pyengine/grammar_pool.py), apart from tokenization and chat templates; a compile that takes longer
+    # than grammar_compile_timeout seconds is killed and its request refused (400).
+    grammar_compile_workers: int = 2
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -131,5 +136,9 @@ class EngineConfig:
         for name in ("cuda_graphs", "tensor_core_prefill"):
             if getattr(self, name) and self.device != "cuda":
                 raise ValueError(f"{name} needs device='cuda', got device={self.device!r}")
+        if self.grammar_compile_workers < 1:
+            raise ValueError(f"grammar_compile_workers must be >= 1, got {self.grammar_compile_workers}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -2,7 +2,9 @@
 
 StructuredOutputs is built once per engine from its tokenizer. compile() turns a request's
 StructuredOutputsParams into an xgrammar CompiledGrammar (cached by a hash of the grammar's kind
-and text, so a schema every request shares compiles once); a Request holds its own GrammarMatcher
+and text, so a schema every request shares compiles once). Compiles run in worker processes with a
+time limit (pyengine/grammar_pool.py); a cached grammar is served from this process. A Request
+holds its own GrammarMatcher
 (req.grammar). Each step the runner asks fill_bitmask() for the sampling rows' allowed tokens (a
 [rows, ceil(vocab/32)] int32 bitmask, rows without a grammar all ones) and the native sampler
 applies it; after the step the engine feeds each sampled token to the request's matcher.
@@ -22,6 +24,7 @@ from collections import OrderedDict
 import torch
 import xgrammar as xgr
 
+from pyengine.grammar_pool import GrammarPool
 from pyengine.sampling_params import StructuredOutputsParams
 
 _CACHE_SIZE = 256  # compiled grammars kept (least recently used first out)
@@ -37,9 +40,12 @@ _SUBSCHEMAS = ("items", "additionalProperties", "unevaluatedProperties", "uneval
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], *, max_threads: int = 2) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], *, max_threads: int = 2,
+                 compile_workers: int = 1, compile_timeout: float = 10.0) -> None:
         """tokenizer: pyengine.tokenizer.Tokenizer; vocab_size: the model's (logits width, may exceed the
-        tokenizer's); eos_ids: the tokens that end a sequence (the grammar's stop tokens)."""
+        tokenizer's); eos_ids: the tokens that end a sequence (the grammar's stop tokens). Grammars
+        compile in `compile_workers` processes, each compile within `compile_timeout` seconds
+        (pyengine/grammar_pool.py)."""
         hf = tokenizer._tok
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(hf.to_str())
         vocab = [""] * max(vocab_size, hf.get_vocab_size(with_added_tokens=True))
@@ -47,48 +53,53 @@ class StructuredOutputs:
             vocab[i] = token
         self.info = xgr.TokenizerInfo(vocab[:vocab_size], meta["vocab_type"], vocab_size=vocab_size,
                                       stop_token_ids=list(eos_ids), add_prefix_space=meta["add_prefix_space"])
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
         self.batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
-        self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()  # compile() runs on request threads, the step loop reads the cache
+        # key -> CompiledGrammar, or the ValueError its compile raised (an invalid or too slow grammar
+        # is refused again at once instead of taking a worker for another time limit)
+        self._cache: OrderedDict[str, xgr.CompiledGrammar | ValueError] = OrderedDict()  # by _digest(key)
+        self._lock = threading.Lock()  # compiles finish on the pool's threads, the step loop reads the cache
+        self.pool = GrammarPool(self.info.serialize_json(), workers=compile_workers, time_limit=compile_timeout,
+                                on_result=self._store, load=self._load)
         self.num_words = -(-vocab_size // 32)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """The compiled grammar for params; ValueError naming the problem if xgrammar rejects it."""
-        kind, text = params.key
-        digest = hashlib.sha256(f"{kind}\0{text}".encode()).hexdigest()
+        """The compiled grammar for params (blocking); ValueError naming the problem if xgrammar rejects
+        it or it does not compile within the time limit."""
+        hit = self._cached(params.key)
+        return hit if hit is not None else self.pool.compile(params.key)
+
+    async def compile_async(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """As compile(), awaiting the worker; a caller that is cancelled stops waiting, and a compile
+        nobody waits for any more is killed. A cached grammar returns at once."""
+        hit = self._cached(params.key)
+        return hit if hit is not None else await self.pool.compile_async(params.key)
+
+    def close(self) -> None:
+        """Kill the compile workers (compiles in flight fail)."""
+        self.pool.close()
+
+    def _cached(self, key: tuple[str, str]) -> xgr.CompiledGrammar | None:
+        key = _digest(key)
         with self._lock:
-            hit = self._cache.get(digest)
-            if hit is not None:
-                self._cache.move_to_end(digest)
-                return hit
-        compiled = self._compile(kind, params)
+            hit = self._cache.get(key)
+            if hit is None:
+                return None
+            self._cache.move_to_end(key)
+        if isinstance(hit, ValueError):
+            raise ValueError(str(hit))
+        return hit
+
+    def _load(self, data: str) -> xgr.CompiledGrammar:
+        return xgr.CompiledGrammar.deserialize_json(data, self.info)
+
+    def _store(self, key: tuple[str, str], result: xgr.CompiledGrammar | Exception) -> None:
+        if not isinstance(result, (xgr.CompiledGrammar, ValueError)):
+            return
+        key = _digest(key)
         with self._lock:
-            self._cache[digest] = compiled
+            self._cache[key] = result
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return compiled
-
-    def _compile(self, kind: str, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        what = {"json": "JSON schema", "json_object": "JSON", "regex": "regex", "choice": "choice",
-                "grammar": "grammar"}[kind]
-        try:
-            if kind == "json":
-                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                check_schema(json.loads(schema))
-                # strict_mode: no properties beyond the schema's (what OpenAI's strict schemas say, and
-                # what keeps a small model on track)
-                return self.compiler.compile_json_schema(schema, any_whitespace=False)
-            if kind == "json_object":
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                         strict_mode=False)
-            if kind == "regex":
-                return self.compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return self.compiler.compile_grammar(choice_grammar(params.choice))
-            return self.compiler.compile_grammar(params.grammar)
-        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError subclasses
-            raise ValueError(f"invalid {what} for structured output: {_first_line(e)}") from None
 
     def matcher(self, params: StructuredOutputsParams) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(self.compile(params))
@@ -108,6 +119,27 @@ class StructuredOutputs:
             out.fill_(-1)
         self.batch.batch_fill_next_token_bitmask([reqs[i].grammar for i in rows], out, rows)
         return out
+
+
+def compile_grammar(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.CompiledGrammar:
+    """Compile one StructuredOutputsParams.key; ValueError naming the problem (runs in a worker process)."""
+    what = {"json": "JSON schema", "json_object": "JSON", "regex": "regex", "choice": "choice",
+            "grammar": "grammar"}[kind]
+    try:
+        if kind == "json":
+            check_schema(json.loads(text))
+            # strict_mode: no properties beyond the schema's (what OpenAI's strict schemas say, and
+            # what keeps a small model on track)
+            return compiler.compile_json_schema(text, any_whitespace=False)
+        if kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_grammar(json.loads(text)))
+        return compiler.compile_grammar(text)
+    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError subclasses
+        raise ValueError(f"invalid {what} for structured output: {_first_line(e)}") from None
 
 
 def check_schema(schema, path: str = "#") -> None:
@@ -135,6 +167,12 @@ def check_schema(schema, path: str = "#") -> None:
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly the given strings."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _digest(key: tuple[str, str]) -> str:
+    """The cache's key for a grammar: a hash, so the cache does not hold every schema's text."""
+    kind, text = key
+    return hashlib.sha256(f"{kind}\0{text}".encode()).hexdigest()
 
 
 def _first_line(e: Exception) -> str:

@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cuda: replay decode steps as CUDA graphs (one per batch-size bucket, captured at start)")
     m.add_argument("--tensor-core-prefill", action="store_true",
                    help="cuda: prompt chunks' attention on tensor cores (FlashAttention-2; bf16/fp16, unquantized KV)")
+    m.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="seconds a structured-output grammar (json_schema, regex, tool schema) may take to compile; "
+                        "a slower one is stopped and its request gets 400")
+    m.add_argument("--grammar-compile-workers", type=int, default=2,
+                   help="processes that compile grammars, apart from tokenization and templates (each holds the "
+                        "tokenizer's vocabulary); started on the first structured request")
 
     s = p.add_argument_group("HTTP and gateway")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -137,7 +143,9 @@ def engine_config(args: argparse.Namespace, model: str | None = None, **override
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  long_prefill_tokens=args.long_prefill_tokens, solo_prefill_tokens=args.solo_prefill_tokens,
                  scheduling_policy=args.scheduling_policy, num_threads=args.num_threads, seed=args.seed,
-                 cuda_graphs=args.cuda_graphs, tensor_core_prefill=args.tensor_core_prefill)
+                 cuda_graphs=args.cuda_graphs, tensor_core_prefill=args.tensor_core_prefill,
+                 grammar_compile_timeout=args.grammar_compile_timeout,
+                 grammar_compile_workers=args.grammar_compile_workers)
     return EngineConfig(model=model, **(flags | overrides))
 
 

@@ -44,7 +44,7 @@ ENGINE_KEYS = {"dtype": str, "weights": str, "device": str, "max_model_len": int
                "kv_cache_memory": (str, int, float), "kv_cache_dtype": str, "enable_prefix_caching": bool,
                "max_num_seqs": int, "max_num_batched_tokens": int, "long_prefill_tokens": int,
                "solo_prefill_tokens": int, "scheduling_policy": str, "seed": int, "cuda_graphs": bool,
-               "tensor_core_prefill": bool}
+               "tensor_core_prefill": bool, "grammar_compile_timeout": (int, float), "grammar_compile_workers": int}
 _MODEL_KEYS = {"name": str, "path": str, "aliases": list, "tier": str}
 _RULE_KEYS = {"name": str, "model": str, "min_prompt_tokens": int, "max_prompt_tokens": int,
               "tier": (str, list), "metadata": dict}

@@ -191,13 +191,15 @@ class Engine:
         if self._structured is None:
             from pyengine.structured import StructuredOutputs
 
-            self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+            self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids),
+                                                 compile_workers=self.config.grammar_compile_workers,
+                                                 compile_timeout=self.config.grammar_compile_timeout)
             self.runner.structured = self._structured
         return self._structured
 
-    def check_params(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams, compile_grammar: bool = True) -> None:
         """What SamplingParams cannot check alone: token ids and logprob counts against this vocabulary,
-        and the grammar (compiled here, so a later add_request finds it in the cache)."""
+        and (compile_grammar) the grammar, compiled here so that a later add_request finds it cached."""
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
@@ -209,8 +211,14 @@ class Engine:
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {k}")
-        if params.structured_outputs is not None:
+        if compile_grammar and params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)
+
+    def close_structured(self) -> None:
+        """Stop the grammar compile workers, if any were started (compiles in flight fail)."""
+        if self._structured is not None:
+            self._structured.close()
+            self._structured = None  # a restarted engine starts new workers
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     priority: int = 0, arrival_time: float | None = None,
