@@ -127,7 +127,9 @@ def compile_grammar(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.
             "grammar": "grammar"}[kind]
     try:
         if kind == "json":
-            check_schema(json.loads(text))
+            schema = json.loads(text)
+            check_schema(schema)
+            check_refs(schema)
             # strict_mode: no properties beyond the schema's (what OpenAI's strict schemas say, and
             # what keeps a small model on track)
             return compiler.compile_json_schema(text, any_whitespace=False)
@@ -162,6 +164,44 @@ def check_schema(schema, path: str = "#") -> None:
     for key in _SUBSCHEMAS:
         if isinstance(schema.get(key), dict):
             check_schema(schema[key], f"{path}/{key}")
+
+
+def check_refs(root) -> None:
+    """ValueError for a `$ref` xgrammar would not enforce: one outside the schema (a URL or another
+    file: xgrammar ignores it and leaves that part unconstrained) or one that names nothing in it."""
+    for path, ref in _refs(root, "#"):
+        if not ref.startswith("#"):
+            raise ValueError(f"$ref {ref!r} at {path} is not supported: only references within the schema "
+                             f"('#/$defs/...') are; put the referenced schema under $defs")
+        if resolve_ref(root, ref) is None:
+            raise ValueError(f"$ref {ref!r} at {path} names nothing in the schema")
+
+
+def _refs(node, path: str):
+    """(path, value) of every $ref under node."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):  # (a dict there is a property named "$ref")
+                yield path, value
+            else:
+                yield from _refs(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _refs(value, f"{path}/{i}")
+
+
+def resolve_ref(root, ref: str):
+    """The subschema a local `$ref` ("#", "#/$defs/A", JSON pointer escapes ~0 ~1) names; None if none."""
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node if isinstance(node, (dict, bool)) else None
 
 
 def choice_grammar(choices: list[str]) -> str:

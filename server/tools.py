@@ -54,13 +54,43 @@ class ToolSpec:
             return fn.get("parameters") or {"type": "object"}
         if self.choice != "required":
             return None
-        item = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                               "arguments": f.get("parameters") or {"type": "object"}},
-                           "required": ["name", "arguments"]} for f in self.functions]}
-        schema = {"type": "array", "items": item, "minItems": 1}
+        defs, items = {}, []
+        for i, f in enumerate(self.functions):
+            params = f.get("parameters") or {"type": "object"}
+            arguments = params
+            if _has_refs(params):  # its references are relative to its own root: give it a place in ours
+                defs[f"tool_{i}"] = _reroot(params, f"#/$defs/tool_{i}")
+                arguments = {"$ref": f"#/$defs/tool_{i}"}
+            items.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": arguments},
+                          "required": ["name", "arguments"]})
+        schema = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
         if not self.parallel:
             schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
         return schema
+
+
+def _has_refs(node) -> bool:
+    if isinstance(node, dict):
+        return "$ref" in node or any(_has_refs(v) for v in node.values())
+    return isinstance(node, list) and any(_has_refs(v) for v in node)
+
+
+def _reroot(node, base: str):
+    """A copy of a schema whose local references ("#...") point into it where it sits at `base`;
+    other references stay as they are (and are refused when compiled)."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                out[key] = base + value[1:]
+            else:
+                out[key] = _reroot(value, base)
+        return out
+    if isinstance(node, list):
+        return [_reroot(v, base) for v in node]
+    return node
 
 
 def parse_tools(body: dict, invalid) -> ToolSpec | None:
