@@ -162,11 +162,26 @@ def test_tool_choice_required(client, model):
     r = chat(client, model, "Weather in Oslo and time in Tokyo?", tools=tools, tool_choice="required",
              max_tokens=100, temperature=1.0, seed=8, n=4)
     for c in r.choices:
-        assert c.message.content is None and c.message.tool_calls
-        complete = c.message.tool_calls if c.finish_reason == "tool_calls" else c.message.tool_calls[:-1]
-        assert c.finish_reason in ("tool_calls", "length")
-        for call in complete:
+        assert c.finish_reason in ("tool_calls", "length") and c.message.tool_calls
+        assert (c.message.content is None) == (c.finish_reason == "tool_calls")  # a cut call is content
+        for call in c.message.tool_calls:  # every call handed out is complete
             valid_call(call, tools)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_cut_by_max_tokens_is_content_with_finish_reason_length(client, model, stream):
+    kw = dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=3,
+              temperature=0)
+    if not stream:
+        c = chat(client, model, "Weather in Paris?", **kw).choices[0]
+        assert c.finish_reason == "length" and not c.message.tool_calls and c.message.content.startswith("{")
+        return
+    deltas, finish = [], None
+    for chunk in chat(client, model, "Weather in Paris?", stream=True, **kw):
+        for ch in chunk.choices:
+            deltas += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert finish == "length" and deltas == []
 
 
 def test_tool_choice_named_function(client, model):
