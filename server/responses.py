@@ -7,8 +7,10 @@ check, sampling parameters, rate limits, admission, generation); only the wire f
 (`ResponsesWire`). Finished responses go to the store, which keeps them per API key.
 
 With `truncation: "auto"`, history that does not fit the context window with max_output_tokens is
-dropped oldest turn first (a turn: a user message and what follows it up to the next one); system
-messages and the last turn are never dropped. Turns of one conversation run one at a time.
+dropped oldest turns first (a turn: a user message and what follows it up to the next one), a block
+of about half the window at a time, at cut points that stay put as the conversation grows, so the
+kept history stays a cached prefix for many turns (ResponsesAPI._fit); system messages and the last
+turn are never dropped. Turns of one conversation run one at a time.
 """
 from __future__ import annotations
 
@@ -178,6 +180,31 @@ def turns(messages: list[dict]) -> list[list[int]]:
             out.append([])
         out[-1].append(i)
     return out
+
+
+def cut_points(sizes: list[int], block: int) -> list[int]:
+    """Where "auto" truncation may cut a history of turns of these token sizes (the number of turns
+    dropped), in order: after each run of turns that adds up to at least `block` tokens, counted
+    from the first turn. They depend only on the turns before them, so a growing conversation
+    keeps them; the last turn is never cut."""
+    cuts, run = [], 0
+    for i, size in enumerate(sizes[:-1]):
+        run += size
+        if run >= max(block, 1):
+            cuts.append(i + 1)
+            run = 0
+    return cuts
+
+
+def _text(message: dict) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else json.dumps(content) if content else ""
+
+
+def _turn_sizes(tokenizer: Any, messages: list[dict], groups: list[list[int]]) -> list[int]:
+    """Tokens of each turn's text (without the template's markup: an estimate that is the same
+    every time the turn is counted)."""
+    return [len(tokenizer.encode("\n".join(_text(messages[i]) for i in g), False)) for g in groups]
 
 
 # ---------------------------------------------------------------- wire format
@@ -373,9 +400,13 @@ class ResponsesAPI:
         return []
 
     async def _fit(self, serving: OpenAIServing, messages: list[dict], req: ResponseRequest) -> tuple[list[int], int]:
-        """The prompt's token ids and how many items were dropped to fit the context window:
-        none under truncation "disabled" (the context check answers 400); under "auto" the fewest
-        oldest turns that make it fit (binary search: one render when nothing needs dropping)."""
+        """The prompt's token ids and how many items were dropped to fit the context window: none
+        under truncation "disabled" (the context check answers 400). Under "auto" the history is
+        cut at one of fixed cut points (cut_points: blocks of turns of about half the prompt budget,
+        counted from the conversation's start), the first whose rest fits. The cut points do not
+        move as the conversation grows, so the kept history, and with it the prefix cache, stays
+        the same turn after turn until the rest outgrows the window again; then a whole block goes.
+        Instructions (system messages) and the last turn are never dropped."""
         max_len = serving.engine.max_model_len
 
         def fits(ids: list[int]) -> bool:
@@ -393,6 +424,16 @@ class ResponsesAPI:
         groups = turns(messages)
         if req.truncation == "disabled" or fits(ids) or len(groups) < 2:
             return ids, 0
+        budget = max_len - (req.max_output_tokens or 1)  # prompt tokens that fit
+        sizes = await serving._off_loop(sum(len(_text(messages[i])) for g in groups for i in g), _turn_sizes,
+                                        serving.tokenizer, messages, groups)
+        for cut in cut_points(sizes, budget // 2):
+            if sum(sizes[cut:]) > budget:  # (an estimate: the template adds a few tokens per message)
+                continue
+            cand = await serving._chat_ids(without(cut), True)
+            if fits(cand):
+                return cand, sum(len(t) for t in groups[:cut])
+        # no cut point fits (the last block is most of the window): the fewest oldest turns that do
         lo, hi = 1, len(groups) - 1  # the last turn holds the new input: never dropped
         best = (await serving._chat_ids(without(hi), True), hi)
         while lo < hi:
