@@ -77,7 +77,10 @@ class _Worker:
     """One worker process: stdin takes (kind, text), stdout answers ("ok", bytes) or ("error", text)."""
 
     def __init__(self, info_json: str) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        # the worker imports the same pyengine as this process, whatever the working directory
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
         self.proc = subprocess.Popen([sys.executable, "-m", "pyengine.grammar_pool"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, bufsize=0)
         send(self.proc.stdin, info_json)

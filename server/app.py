@@ -171,6 +171,12 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
                                               "in_flight": m.serving.admission.in_flight},
                                   "live": observers[m.name].snapshot(), "plan": plan})
 
+    async def tokenizer_info(request: web.Request) -> web.Response:
+        """One model's tokenizer settings (?model=NAME; default: the default model), as vLLM's
+        /tokenizer_info and lm-eval's "remote" tokenizer have them."""
+        m = models.get(request.query.get("model", models.default.name), request[RATE_KEY])
+        return web.json_response(m.serving.tokenizer_info())
+
     async def index(request: web.Request) -> web.FileResponse:
         return web.FileResponse(os.path.join(STATIC_DIR, "index.html"))
 
@@ -201,6 +207,7 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
     app.router.add_get("/v1/models/{id:.+}", get_model)
     app.router.add_post("/tokenize", on_model("tokenize"))
     app.router.add_post("/detokenize", on_model("detokenize"))
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     responses.add_routes(app.router)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -157,6 +157,13 @@ class OpenAIServing:
         return web.json_response({"tokens": ids, "count": len(ids),
                                   "max_model_len": self.engine.max_model_len})
 
+    def tokenizer_info(self) -> dict:
+        """The tokenizer's settings (tokenizer_config.json's names; pyengine.tokenizer.Tokenizer.info)."""
+        info = getattr(self.tokenizer, "info", None)
+        base = info(self.engine.max_model_len) if info is not None else {
+            "chat_template": getattr(self.tokenizer, "chat_template", None)}
+        return {**base, "model": self.model}
+
     async def detokenize(self, request: web.Request, key: str, body: dict) -> web.Response:
         ids = parse_detokenize(body, self.tokenizer.vocab_size)
         text = await self._off_loop(len(ids), self.tokenizer.decode, ids)

@@ -262,6 +262,32 @@ def test_tokenize_detokenize(server, tokenizer):
     assert server.post("/detokenize", json_body={"tokens": r["tokens"]}).json()["prompt"].endswith("hello world")
 
 
+def test_tokenizer_info_and_the_exported_folder_tokenize_as_the_server(server, model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from pyengine.tokenizer import main as tokenizer_main
+
+    info = server.get("/tokenizer_info").json()  # what lm-eval's "remote" tokenizer reads
+    assert info["eos_token"] == "<|im_end|>" and "<|im_start|>" in info["chat_template"]
+    assert info["model"] == model and info["model_max_length"] == 1024
+    assert server.get(f"/tokenizer_info?model={model}").json() == info
+    assert server.get("/tokenizer_info?model=nope").status_code == 404
+    assert server.get("/tokenizer_info", key=None).status_code == 401
+
+    assert tokenizer_main(["export", str(tmp_path)]) == 0
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))  # what guidellm / aiperf / lm-eval load with --tokenizer
+    for text in ["hello world", "  two  spaces\tand\nlines", "héllo 日本語 🙂", "<|im_start|>user\nhi<|im_end|>"]:
+        for special in (True, False):  # lm-eval's remote backend asks for add_special_tokens false
+            served = server.post("/tokenize", json_body={"prompt": text, "add_special_tokens": special}).json()
+            assert hf(text, add_special_tokens=special)["input_ids"] == served["tokens"]
+        assert hf.decode(served["tokens"]) == server.post("/detokenize", json_body={
+            "tokens": served["tokens"]}).json()["prompt"]
+    messages = [{"role": "user", "content": "hi"}]
+    assert hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"] == \
+        server.post("/tokenize", json_body={"messages": messages}).json()["tokens"]
+    assert hf.eos_token == info["eos_token"]
+
+
 def test_32_streams_a_third_disconnect(server, model):
     async def one(session: aiohttp.ClientSession, i: int) -> str | None:
         body = {"model": model, "prompt": f"Story number {i}:", "max_tokens": 16, "stream": True,
