@@ -114,7 +114,7 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
         except web.HTTPException as e:  # routing: unknown path, wrong method
             if e.status < 400:
                 raise
-            return web.json_response(APIError(e.status, e.reason).body(), status=e.status,
+            return web.json_response(APIError(e.status, _routing_message(request, e)).body(), status=e.status,
                                      headers={k: v for k, v in e.headers.items() if k == "Allow"})
         except (asyncio.CancelledError, ConnectionResetError):
             raise
@@ -234,6 +234,17 @@ async def listen(app: web.Application, host: str, port: int) -> web.AppRunner:
         await runner.cleanup()
         raise
     return runner
+
+
+def _routing_message(request: web.Request, e: web.HTTPException) -> str:
+    """OpenAI's words for a path it does not serve ("Invalid URL (POST /v1/embeddings)"), naming the
+    method and path; other routing errors keep their reason, with the path."""
+    where = f"{request.method} {request.path}"
+    if e.status == 404:
+        return f"Invalid URL ({where}): this server has no such endpoint."
+    if e.status == 405:
+        return f"Method {request.method} is not allowed on {request.path}; allowed: {e.headers.get('Allow', '')}."
+    return f"{e.reason} ({where})"
 
 
 def _as_dict(obj: Any) -> dict:

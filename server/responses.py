@@ -152,12 +152,21 @@ def parse_response(body: dict) -> ResponseRequest:
         chat_body["response_format"] = (
             {"type": "json_object"} if text_format["type"] == "json_object" else
             {"type": "json_schema", "json_schema": {"name": text_format.get("name"), "schema": text_format.get("schema")}})
-    chat = parse_chat({**chat_body, "messages": to_messages(items), "max_tokens": max_output}, 1)
+    try:
+        chat = parse_chat({**chat_body, "messages": to_messages(items), "max_tokens": max_output}, 1)
+    except APIError as e:  # the chat request's names for what this request calls otherwise
+        e.param = _RESPONSES_PARAMS.get(e.param, e.param)
+        raise
+    if chat.structured_param == "response_format":  # grammar errors name the field that was sent
+        chat = dataclasses.replace(chat, structured_param="text.format")
     return ResponseRequest(
         model=get_str(body, "model"), input=items, instructions=get_str(body, "instructions"),
         previous_response_id=previous, conversation_id=conversation, store=store,
         stream=bool(get_bool(body, "stream", False)), truncation=truncation, max_output_tokens=max_output,
         metadata=metadata, user=get_str(body, "user"), chat=chat, text_format=text_format)
+
+
+_RESPONSES_PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
 
 
 def _text_format(text: Any) -> dict:
@@ -357,6 +366,7 @@ class ResponsesAPI:
         router.add_get("/v1/responses/{id}/input_items", self.input_items)
         router.add_post("/v1/conversations", self.create_conversation)
         router.add_get("/v1/conversations/{id}", self.retrieve_conversation)
+        router.add_post("/v1/conversations/{id}", self.update_conversation)
         router.add_delete("/v1/conversations/{id}", self.delete_conversation)
         router.add_get("/v1/conversations/{id}/items", self.list_items)
         router.add_post("/v1/conversations/{id}/items", self.add_items)
@@ -381,7 +391,7 @@ class ResponsesAPI:
                 wire = ResponsesWire(serving, self.store, timer, owner, req, rid,
                                      dropped if req.truncation == "auto" else None)
                 try:
-                    return await serving._serve(request, key, "chat", chat, [ids], wire, rid)
+                    return await serving._serve(request, key, "chat", chat, [ids], wire, rid, prompt_param="input")
                 finally:
                     self.store_wait.labels(serving.model).observe(timer.total)
                     self.store_work.labels(serving.model).observe(timer.work[0])
@@ -491,6 +501,22 @@ class ResponsesAPI:
             raise invalid("metadata", f"'metadata' must be an object of at most {MAX_METADATA} values")
         conv = {"id": _new_id("conv"), "object": "conversation", "created_at": int(time.time()), "metadata": metadata}
         await _stored(self.store.create_conversation(_owner(request), conv, items))
+        return web.json_response(conv)
+
+    async def update_conversation(self, request: web.Request) -> web.Response:
+        """POST /v1/conversations/{id}: replace its metadata (OpenAI's "update a conversation")."""
+        cid = request.match_info["id"]
+        body = await read_json(request, self.read_timeout)
+        if "metadata" not in body:
+            raise invalid("metadata", "'metadata' is required: the conversation's new metadata")
+        metadata = body["metadata"] or {}
+        if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise invalid("metadata", f"'metadata' must be an object of at most {MAX_METADATA} string values")
+        async with self._turn(cid):
+            conv = await _stored(self.store.update_conversation(_owner(request), cid, metadata))
+        if conv is None:
+            raise _not_found("Conversation", cid)
         return web.json_response(conv)
 
     async def retrieve_conversation(self, request: web.Request) -> web.Response:

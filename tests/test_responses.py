@@ -240,6 +240,15 @@ async def test_conversations_items_and_serialised_turns(served):
     client = served.client()
     conv = await client.conversations.create(items=[{"role": "system", "content": "sys"}], metadata={"a": "b"})
     assert conv.metadata == {"a": "b"} and (await client.conversations.retrieve(conv.id)).id == conv.id
+    updated = await client.conversations.update(conv.id, metadata={"topic": "sea"})  # POST /v1/conversations/{id}
+    assert updated.metadata == {"topic": "sea"} and updated.created_at == conv.created_at
+    assert (await client.conversations.retrieve(conv.id)).metadata == {"topic": "sea"}
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.conversations.update(conv.id, metadata={"n": 1})
+    assert e.value.body["param"] == "metadata"
+    assert (await client.conversations.retrieve(conv.id)).metadata == {"topic": "sea"}  # a bad update changes nothing
+    with pytest.raises(openai.NotFoundError):
+        await served.client("k2").conversations.update(conv.id, metadata={})  # another key's conversation
     added = await client.conversations.items.create(conv.id, items=[{"role": "user", "content": "hi"},
                                                                     {"role": "assistant", "content": "yo"}])
     assert [i.role for i in added.data] == ["user", "assistant"]

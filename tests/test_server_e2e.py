@@ -225,6 +225,36 @@ def test_completions_logprobs(client, model):
     assert echo.choices[0].text == "The sky is" + r.choices[0].text
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt(client, model):
+    full = client.completions.create(model=model, prompt="The sky is blue", max_tokens=1, temperature=0,
+                                     logprobs=1, echo=True)
+    r = client.completions.create(model=model, prompt="The sky is blue", max_tokens=0, logprobs=1, echo=True)
+    c, n = r.choices[0], r.usage.prompt_tokens
+    assert c.text == "The sky is blue" and r.usage.completion_tokens == 0 and c.finish_reason == "length"
+    assert len(c.logprobs.tokens) == n and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs == full.choices[0].logprobs.token_logprobs[:n]
+    with pytest.raises(openai.BadRequestError) as e:  # without echo there is nothing to return
+        client.completions.create(model=model, prompt="x", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+
+
+def test_context_errors_name_the_field_that_holds_the_prompt(client, model):
+    long = "word " * 1100  # over the 1024-token window
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=long, max_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": long}], max_tokens=4)
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input=long, max_output_tokens=4, store=False)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input="hi", max_output_tokens=4, store=False, text={"format": {
+            "type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}}})
+    assert e.value.body["param"] == "text.format"
+
+
 def test_error_paths_then_good_request(server, client, model):
     cases = [
         (lambda: client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=-1),
