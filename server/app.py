@@ -49,6 +49,9 @@ class ServerConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     key_tiers: dict[str, str] = field(default_factory=dict)  # API key -> tier; these keys are valid too
     store: ConversationStore | None = None  # stored responses and conversations; None: SQLite in memory
+    # /metrics names the engine's series "<metrics_prefix>:name": "pyengine", or "vllm" so that an
+    # unchanged vLLM Grafana dashboard finds them (the server's own pyengine_server: series keep theirs)
+    metrics_prefix: str = "pyengine"
 
 
 def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = None) -> web.Application:
@@ -75,7 +78,7 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
                                      stats_interval=config.stats_interval)
         own.register(_PoolCollector(m.serving))
         sources += [(m.engine.metrics.registry, m.name), (own, m.name)]
-    registry.register(_MergedMetrics(sources))
+    registry.register(_MergedMetrics(sources, config.metrics_prefix))
     store = config.store or SQLiteStore(":memory:")
     responses = ResponsesAPI(store, models.choose, limiter, registry,
                              read_timeout=config.connections.read_timeout)
@@ -281,17 +284,27 @@ class _MergedMetrics:
     name once), every sample labelled model_name with its model's served name (an engine labels
     its own series with its model's name, which two configurations of one model share)."""
 
-    def __init__(self, sources: list[tuple[CollectorRegistry, str]]) -> None:
+    def __init__(self, sources: list[tuple[CollectorRegistry, str]], prefix: str = "pyengine") -> None:
+        if prefix not in ("pyengine", "vllm"):
+            raise ValueError(f"metrics prefix must be pyengine or vllm, got {prefix!r}")
         self.sources = sources
+        self.prefix = prefix
+
+    def _name(self, name: str) -> str:
+        """The engine's "pyengine:" series under the configured prefix."""
+        if self.prefix != "pyengine" and name.startswith("pyengine:"):
+            return f"{self.prefix}:{name[len('pyengine:'):]}"
+        return name
 
     def collect(self):
         families: dict[str, Metric] = {}
         for registry, model in self.sources:
             for metric in registry.collect():
-                family = families.get(metric.name)
+                name = self._name(metric.name)
+                family = families.get(name)
                 if family is None:
-                    family = families[metric.name] = Metric(metric.name, metric.documentation, metric.type,
-                                                            metric.unit)
+                    family = families[name] = Metric(name, metric.documentation, metric.type, metric.unit)
                 for s in metric.samples:
-                    family.add_sample(s.name, {**s.labels, "model_name": model}, s.value, s.timestamp, s.exemplar)
+                    family.add_sample(self._name(s.name), {**s.labels, "model_name": model}, s.value, s.timestamp,
+                                      s.exemplar)
         yield from families.values()

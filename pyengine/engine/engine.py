@@ -251,7 +251,7 @@ class Engine:
         for req in rest:
             req.fork_source = first
         group.deferred = rest
-        self.metrics.on_added(len(ids))
+        self.metrics.on_added(len(ids), params)
 
     def queue_abort(self, request_id: str) -> None:
         """Thread-safe: the abort is applied at the start of the next step."""
@@ -306,6 +306,7 @@ class Engine:
                 self._last_interrupted = False
                 self.num_steps += 1
                 self.num_computed_tokens += sched.num_tokens
+                self.metrics.iteration_tokens.observe(sched.num_tokens)
                 self._failed_steps = 0 if done else self._failed_steps + 1
             for part, result in done:
                 for req, entries in (result.prompt_logprobs or ()) if result else ():
