@@ -9,6 +9,7 @@ import collections
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass
 
@@ -151,6 +152,7 @@ class Engine:
                                   cuda_graphs=config.cuda_graphs, tensor_cores=config.tensor_core_prefill)
         self.metrics = EngineMetrics(self.model_name)
         self._structured = None  # pyengine.structured.StructuredOutputs, built on first use
+        self._structured_lock = threading.Lock()
         self.groups: dict[str, _Group] = {}
         self._pending_aborts: collections.deque[str] = collections.deque()
         self.num_steps = 0
@@ -188,14 +190,18 @@ class Engine:
     @property
     def structured(self):
         """Grammar compiler and bitmask filler (xgrammar), built on the first structured request."""
-        if self._structured is None:
-            from pyengine.structured import StructuredOutputs
-
-            self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids),
-                                                 compile_workers=self.config.grammar_compile_workers,
-                                                 compile_timeout=self.config.grammar_compile_timeout)
-            self.runner.structured = self._structured
+        with self._structured_lock:  # two first structured requests at once build it once
+            if self._structured is None:
+                self._build_structured()
         return self._structured
+
+    def _build_structured(self) -> None:
+        from pyengine.structured import StructuredOutputs
+
+        self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids),
+                                             compile_workers=self.config.grammar_compile_workers,
+                                             compile_timeout=self.config.grammar_compile_timeout)
+        self.runner.structured = self._structured
 
     def check_params(self, params: SamplingParams, compile_grammar: bool = True) -> None:
         """What SamplingParams cannot check alone: token ids and logprob counts against this vocabulary,
