@@ -40,6 +40,10 @@ class CompileAbandoned(Exception):
     """Every waiter of the job left before it finished."""
 
 
+class CompileCrashed(ValueError):
+    """The worker died compiling the grammar (e.g. out of memory): the grammar is refused (a 400)."""
+
+
 def send(stream: BinaryIO, obj: Any) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(_HEADER.pack(len(data)) + data)
@@ -145,19 +149,25 @@ class GrammarPool:
 
     def compile(self, key: tuple[str, str]) -> Any:
         """Blocking: the compiled result; ValueError (CompileTimeout included) when it fails."""
-        job = self.submit(key)
-        try:
-            return job.future.result()
-        finally:
-            self.release(job)
+        while True:
+            job = self.submit(key)
+            try:
+                return job.future.result()
+            except CompileAbandoned:  # joined a job just as its last waiter left it: start another
+                continue
+            finally:
+                self.release(job)
 
     async def compile_async(self, key: tuple[str, str]) -> Any:
         """As compile(); a cancelled caller stops waiting, and a job nobody waits for is killed."""
-        job = self.submit(key)
-        try:  # shield: one waiter's cancel must not cancel the job the others share
-            return await asyncio.shield(asyncio.wrap_future(job.future))
-        finally:
-            self.release(job)
+        while True:
+            job = self.submit(key)
+            try:  # shield: one waiter's cancel must not cancel the job the others share
+                return await asyncio.shield(asyncio.wrap_future(job.future))
+            except CompileAbandoned:  # joined a job just as its last waiter left it: start another
+                continue
+            finally:
+                self.release(job)
 
     def close(self) -> None:
         """Kill the workers now; jobs in flight or queued fail."""
@@ -222,7 +232,9 @@ class GrammarPool:
                 status, value = receive(out)
             except (EOFError, OSError, pickle.UnpicklingError):
                 self._drop(slot)
-                raise RuntimeError("the grammar compiler worker exited") from None
+                if deadline is None:  # it died starting up, not on this grammar
+                    raise RuntimeError("the grammar compiler worker exited") from None
+                raise CompileCrashed("the grammar compiler failed on this grammar (its process exited)") from None
             if status == "started":
                 deadline = time.monotonic() + self.time_limit
             elif status == "ok":

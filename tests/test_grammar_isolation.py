@@ -166,3 +166,19 @@ def test_pool_refuses_bad_settings():
         GrammarPool("{}", workers=0)
     with pytest.raises(ValueError, match="time limit"):
         GrammarPool("{}", time_limit=0)
+
+
+def test_a_worker_that_dies_on_a_grammar_refuses_that_grammar_and_the_next_one_compiles(structured):
+    params = StructuredOutputsParams(json=slow_schema("d_"))
+
+    async def kill_it():
+        task = asyncio.ensure_future(structured.compile_async(params))
+        await asyncio.sleep(1.0)  # compiling by now
+        for w in structured.pool._workers:
+            if w is not None:
+                w.proc.kill()  # what the kernel's OOM killer would do
+        with pytest.raises(ValueError, match="process exited"):
+            await task
+
+    asyncio.run(kill_it())
+    assert structured.compile(StructuredOutputsParams(regex="[a-z]+")) is not None
