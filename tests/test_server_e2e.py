@@ -265,7 +265,7 @@ def test_error_paths_then_good_request(server, client, model):
         (lambda: client.chat.completions.create(model="no-such-model", messages=MESSAGES),
          openai.NotFoundError, "model"),
         (lambda: client.completions.create(model=model, prompt="hi " * 2000, max_tokens=5),
-         openai.BadRequestError, "messages"),
+         openai.BadRequestError, "prompt"),  # the field that held the prompt
     ]
     for call, exc, param in cases:
         with pytest.raises(exc) as e:
