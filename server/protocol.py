@@ -394,7 +394,9 @@ def _message(m: Any, i: int) -> dict[str, Any]:
 
 def parse_completion(body: dict, max_n: int, vocab_size: int) -> CompletionRequest:
     echo = bool(get_bool(body, "echo", False))
-    score_only = echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
+    zero = body.get("max_tokens")
+    score_only = (echo and type(zero) in (int, float) and zero == 0  # (not False, which == 0 too)
+                  and body.get("max_completion_tokens") is None)
     common = _common({**body, "max_tokens": 1} if score_only else body, max_n)
     prompts = _prompts(body.get("prompt"), vocab_size)
     num_logprobs = get_param(body, "logprobs")
