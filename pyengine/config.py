@@ -163,6 +163,15 @@ class EngineConfig:
     tensor_core_prefill: bool = setting(False, "prompt chunks' attention on tensor cores (FlashAttention-2; "
                                                "bf16/fp16, unquantized KV cache)", group="threads and CUDA",
                                         cuda_only=True)
+    # Structured output: grammars (JSON schemas, regexes, EBNF) compile in worker processes
+    # (pyengine/grammar_pool.py), apart from tokenization and chat templates.
+    grammar_compile_workers: int = setting(2, "processes that compile structured-output grammars, apart from "
+                                              "tokenization and templates (each holds the tokenizer's vocabulary); "
+                                              "started on the first structured request", group="scheduling",
+                                           minimum=1)
+    grammar_compile_timeout: float = setting(10.0, "seconds a grammar (json_schema, regex, tool schema) may take to "
+                                                   "compile; a slower one is stopped and its request gets 400",
+                                             group="scheduling")
 
     def __post_init__(self) -> None:
         for name, s in engine_settings().items():
@@ -173,6 +182,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= {s.minimum}, got {value}")
             if s.cuda_only and value and self.device != "cuda":
                 raise ValueError(f"{name} needs device='cuda', got device={self.device!r}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
 
 
 def engine_settings() -> dict[str, Setting]:

@@ -71,6 +71,19 @@ class EngineMetrics:
         self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS)
         self.request_generation_tokens = hist("request_generation_tokens",
                                               "Generated tokens per request (all n sequences)", _TOKEN_BUCKETS)
+        # Names vLLM's dashboards also query: vLLM's older names for two of the above, the tokens of
+        # each engine step, the request parameters and the longest sequence of a request.
+        self.time_per_output_token = hist("time_per_output_token_seconds",
+                                          "Time between two tokens of a sequence (vLLM's older name of "
+                                          "inter_token_latency_seconds)", _TPOT_BUCKETS)
+        self.gpu_cache_usage = metric(Gauge, "gpu_cache_usage_perc",
+                                      "Fraction of KV blocks in use (vLLM's older name of kv_cache_usage_perc)")
+        self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed in one engine step",
+                                     _TOKEN_BUCKETS)
+        self.params_n = hist("request_params_n", "The n of each request", (1, 2, 5, 10, 20))
+        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens of each request", _TOKEN_BUCKETS)
+        self.max_num_generation_tokens = hist("request_max_num_generation_tokens",
+                                              "Tokens of the longest sequence of each request", _TOKEN_BUCKETS)
         self._last_queries = 0
         self._last_hits = 0
         self._last_preemptions = 0
@@ -82,6 +95,7 @@ class EngineMetrics:
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
+        self.gpu_cache_usage.set(kv_usage)
         if num_generated:
             self.generation_tokens.inc(num_generated)
         if query_tokens != self._last_queries:
@@ -94,10 +108,14 @@ class EngineMetrics:
             self.preemptions.inc(num_preemptions - self._last_preemptions)
             self._last_preemptions = num_preemptions
 
-    def on_added(self, num_prompt_tokens: int) -> None:
-        """Once per user request, whatever its n."""
+    def on_added(self, num_prompt_tokens: int, params=None) -> None:
+        """Once per user request, whatever its n; params: its SamplingParams."""
         self.prompt_tokens.inc(num_prompt_tokens)
         self.request_prompt_tokens.observe(num_prompt_tokens)
+        if params is not None:
+            self.params_n.observe(params.n)
+            if params.max_tokens is not None:
+                self.params_max_tokens.observe(params.max_tokens)
 
     def on_token(self, req: Request, now: float) -> None:
         """A sequence got a token at `now` (before req.*_token_time are updated)."""
@@ -105,6 +123,7 @@ class EngineMetrics:
             self.ttft.observe(now - req.arrival_time)
         else:
             self.itl.observe(now - req.last_token_time)
+            self.time_per_output_token.observe(now - req.last_token_time)
 
     def on_finished(self, req: Request) -> None:
         self._finished.labels(self.model_name, req.finish_reason).inc()
@@ -131,6 +150,7 @@ class EngineMetrics:
     def on_request_finished(self, children: list[Request]) -> None:
         """Once per user request, when its last sequence finished."""
         self.request_generation_tokens.observe(sum(c.num_output_tokens for c in children))
+        self.max_num_generation_tokens.observe(max((c.num_output_tokens for c in children), default=0))
 
 
 def _ms(t: float | None, t0: float) -> str:

@@ -115,9 +115,10 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple[str, str]:
-        """(kind, canonical text): what the compiled grammar depends on."""
+        """(kind, text): what the compiled grammar depends on. A schema keeps its key order: xgrammar
+        writes properties in the schema's order (a tool call's name before its arguments)."""
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
             return "json", text
         if self.json_object:
             return "json_object", ""

@@ -2,7 +2,9 @@
 
 StructuredOutputs is built once per engine from its tokenizer. compile() turns a request's
 StructuredOutputsParams into an xgrammar CompiledGrammar (cached by a hash of the grammar's kind
-and text, so a schema every request shares compiles once); a Request holds its own GrammarMatcher
+and text, so a schema every request shares compiles once). Compiles run in worker processes with a
+time limit (pyengine/grammar_pool.py); a cached grammar is served from this process. A Request
+holds its own GrammarMatcher
 (req.grammar). Each step the runner asks fill_bitmask() for the sampling rows' allowed tokens (a
 [rows, ceil(vocab/32)] int32 bitmask, rows without a grammar all ones) and the native sampler
 applies it; after the step the engine feeds each sampled token to the request's matcher.
@@ -14,32 +16,25 @@ matcher's stop tokens are the model's EOS ids, and they are masked out until the
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 import threading
 from collections import OrderedDict
 
 import torch
 import xgrammar as xgr
 
+from pyengine.grammar_pool import GrammarPool
 from pyengine.sampling_params import StructuredOutputsParams
 
 _CACHE_SIZE = 256  # compiled grammars kept (least recently used first out)
-# JSON schema keywords xgrammar would silently ignore (measured: e.g. multipleOf 2 still accepts 3):
-# a schema using one is refused rather than half-enforced.
-UNSUPPORTED_KEYWORDS = frozenset({
-    "not", "if", "then", "else", "multipleOf", "uniqueItems", "contains", "minContains", "maxContains",
-    "dependentRequired", "dependentSchemas", "dependencies", "contentEncoding", "contentMediaType",
-    "contentSchema"})
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SUBSCHEMAS = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], *, max_threads: int = 2) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], *, max_threads: int = 2,
+                 compile_workers: int = 1, compile_timeout: float = 10.0) -> None:
         """tokenizer: pyengine.tokenizer.Tokenizer; vocab_size: the model's (logits width, may exceed the
-        tokenizer's); eos_ids: the tokens that end a sequence (the grammar's stop tokens)."""
+        tokenizer's); eos_ids: the tokens that end a sequence (the grammar's stop tokens). Grammars
+        compile in `compile_workers` processes, each compile within `compile_timeout` seconds
+        (pyengine/grammar_pool.py)."""
         hf = tokenizer._tok
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(hf.to_str())
         vocab = [""] * max(vocab_size, hf.get_vocab_size(with_added_tokens=True))
@@ -47,48 +42,53 @@ class StructuredOutputs:
             vocab[i] = token
         self.info = xgr.TokenizerInfo(vocab[:vocab_size], meta["vocab_type"], vocab_size=vocab_size,
                                       stop_token_ids=list(eos_ids), add_prefix_space=meta["add_prefix_space"])
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
         self.batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
-        self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()  # compile() runs on request threads, the step loop reads the cache
+        # key -> CompiledGrammar, or the ValueError its compile raised (an invalid or too slow grammar
+        # is refused again at once instead of taking a worker for another time limit)
+        self._cache: OrderedDict[str, xgr.CompiledGrammar | ValueError] = OrderedDict()  # by _digest(key)
+        self._lock = threading.Lock()  # compiles finish on the pool's threads, the step loop reads the cache
+        self.pool = GrammarPool(self.info.serialize_json(), workers=compile_workers, time_limit=compile_timeout,
+                                on_result=self._store, load=self._load)
         self.num_words = -(-vocab_size // 32)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """The compiled grammar for params; ValueError naming the problem if xgrammar rejects it."""
-        kind, text = params.key
-        digest = hashlib.sha256(f"{kind}\0{text}".encode()).hexdigest()
+        """The compiled grammar for params (blocking); ValueError naming the problem if xgrammar rejects
+        it or it does not compile within the time limit."""
+        hit = self._cached(params.key)
+        return hit if hit is not None else self.pool.compile(params.key)
+
+    async def compile_async(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """As compile(), awaiting the worker; a caller that is cancelled stops waiting, and a compile
+        nobody waits for any more is killed. A cached grammar returns at once."""
+        hit = self._cached(params.key)
+        return hit if hit is not None else await self.pool.compile_async(params.key)
+
+    def close(self) -> None:
+        """Kill the compile workers (compiles in flight fail)."""
+        self.pool.close()
+
+    def _cached(self, key: tuple[str, str]) -> xgr.CompiledGrammar | None:
+        key = _digest(key)
         with self._lock:
-            hit = self._cache.get(digest)
-            if hit is not None:
-                self._cache.move_to_end(digest)
-                return hit
-        compiled = self._compile(kind, params)
+            hit = self._cache.get(key)
+            if hit is None:
+                return None
+            self._cache.move_to_end(key)
+        if isinstance(hit, ValueError):
+            raise ValueError(str(hit))
+        return hit
+
+    def _load(self, data: str) -> xgr.CompiledGrammar:
+        return xgr.CompiledGrammar.deserialize_json(data, self.info)
+
+    def _store(self, key: tuple[str, str], result: xgr.CompiledGrammar | Exception) -> None:
+        if not isinstance(result, (xgr.CompiledGrammar, ValueError)):
+            return
+        key = _digest(key)
         with self._lock:
-            self._cache[digest] = compiled
+            self._cache[key] = result
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return compiled
-
-    def _compile(self, kind: str, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        what = {"json": "JSON schema", "json_object": "JSON", "regex": "regex", "choice": "choice",
-                "grammar": "grammar"}[kind]
-        try:
-            if kind == "json":
-                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                check_schema(json.loads(schema))
-                # strict_mode: no properties beyond the schema's (what OpenAI's strict schemas say, and
-                # what keeps a small model on track)
-                return self.compiler.compile_json_schema(schema, any_whitespace=False)
-            if kind == "json_object":
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                         strict_mode=False)
-            if kind == "regex":
-                return self.compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return self.compiler.compile_grammar(choice_grammar(params.choice))
-            return self.compiler.compile_grammar(params.grammar)
-        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError subclasses
-            raise ValueError(f"invalid {what} for structured output: {_first_line(e)}") from None
 
     def matcher(self, params: StructuredOutputsParams) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(self.compile(params))
@@ -110,35 +110,7 @@ class StructuredOutputs:
         return out
 
 
-def check_schema(schema, path: str = "#") -> None:
-    """ValueError naming the first keyword xgrammar cannot enforce (UNSUPPORTED_KEYWORDS), by its path."""
-    if not isinstance(schema, dict):
-        if isinstance(schema, bool):
-            return
-        raise ValueError(f"{path} must be a schema object, got {type(schema).__name__}")
-    for key in schema:
-        if key in UNSUPPORTED_KEYWORDS:
-            raise ValueError(f"unsupported keyword {key!r} at {path}")
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for name, sub in schema[key].items():
-                check_schema(sub, f"{path}/{key}/{name}")
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for i, sub in enumerate(schema[key]):
-                check_schema(sub, f"{path}/{key}/{i}")
-    for key in _SUBSCHEMAS:
-        if isinstance(schema.get(key), dict):
-            check_schema(schema[key], f"{path}/{key}")
-
-
-def choice_grammar(choices: list[str]) -> str:
-    """An EBNF grammar whose language is exactly the given strings."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def _first_line(e: Exception) -> str:
-    """xgrammar's message without its log prefix ("[12:00:00] /path/file.cc:123: ")."""
-    text = str(e).strip()
-    line = text.splitlines()[0] if text else type(e).__name__
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", line)
+def _digest(key: tuple[str, str]) -> str:
+    """The cache's key for a grammar: a hash, so the cache does not hold every schema's text."""
+    kind, text = key
+    return hashlib.sha256(f"{kind}\0{text}".encode()).hexdigest()

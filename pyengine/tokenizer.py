@@ -96,6 +96,40 @@ class Tokenizer:
                                      **{**self._special_tokens, **kwargs})
 
 
+    def info(self, max_model_len: int | None = None) -> dict[str, Any]:
+        """The tokenizer's settings as transformers' tokenizer_config.json names them: what the
+        server's /tokenizer_info answers (lm-eval's "remote" tokenizer reads eos_token, bos_token and
+        chat_template from it) and what save_pretrained writes."""
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **self._special_tokens,
+                                  "chat_template": self.chat_template, "clean_up_tokenization_spaces": False}
+        if max_model_len is not None:
+            config["model_max_length"] = max_model_len
+        return config
+
+    def save_pretrained(self, folder: str, max_model_len: int | None = None) -> list[str]:
+        """Write this tokenizer as a Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json,
+        special_tokens_map.json, chat_template.jinja), which transformers' AutoTokenizer loads, so that
+        tools that want a tokenizer on disk (guidellm, aiperf, lm-eval) encode as the server does.
+        Returns the files written."""
+        os.makedirs(folder, exist_ok=True)
+        config = self.info(max_model_len)
+        template = config.pop("chat_template")
+        files = {"tokenizer_config.json": config,
+                 "special_tokens_map.json": {k: v for k, v in self._special_tokens.items() if v is not None}}
+        written = []
+        self._tok.save(os.path.join(folder, "tokenizer.json"))
+        written.append("tokenizer.json")
+        for name, obj in files.items():
+            with open(os.path.join(folder, name), "w") as f:
+                json.dump(obj, f, indent=2, ensure_ascii=False)
+            written.append(name)
+        if template:
+            with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
+                f.write(template)
+            written.append("chat_template.jinja")
+        return written
+
+
 def _read_json(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         return {}
@@ -121,3 +155,28 @@ def _compile(source: str):
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pyengine.tokenizer export OUT_DIR [--model PATH]`: the served model's tokenizer as a
+    Hugging Face folder, for clients that need `--tokenizer DIR`."""
+    import argparse
+
+    from pyengine.model.loader import resolve_model_path
+
+    p = argparse.ArgumentParser(prog="python -m pyengine.tokenizer",
+                                description="Write a model's tokenizer as a Hugging Face tokenizer folder.")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="write tokenizer.json, tokenizer_config.json and the chat template")
+    e.add_argument("out", help="folder to write (created if missing)")
+    e.add_argument("--model", default=None, help="HF model folder or .gguf file; omitted: the bundled default model")
+    e.add_argument("--max-model-len", type=int, default=None, help="model_max_length to record")
+    args = p.parse_args(argv)
+    tok = Tokenizer.from_model_path(resolve_model_path(args.model))
+    for name in tok.save_pretrained(args.out, args.max_model_len):
+        print(os.path.join(args.out, name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

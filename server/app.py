@@ -49,6 +49,9 @@ class ServerConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     key_tiers: dict[str, str] = field(default_factory=dict)  # API key -> tier; these keys are valid too
     store: ConversationStore | None = None  # stored responses and conversations; None: SQLite in memory
+    # /metrics names the engine's series "<metrics_prefix>:name": "pyengine", or "vllm" so that an
+    # unchanged vLLM Grafana dashboard finds them (the server's own pyengine_server: series keep theirs)
+    metrics_prefix: str = "pyengine"
 
 
 def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = None) -> web.Application:
@@ -75,7 +78,7 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
                                      stats_interval=config.stats_interval)
         own.register(_PoolCollector(m.serving))
         sources += [(m.engine.metrics.registry, m.name), (own, m.name)]
-    registry.register(_MergedMetrics(sources))
+    registry.register(_MergedMetrics(sources, config.metrics_prefix))
     store = config.store or SQLiteStore(":memory:")
     responses = ResponsesAPI(store, models.choose, limiter, registry,
                              read_timeout=config.connections.read_timeout)
@@ -114,7 +117,7 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
         except web.HTTPException as e:  # routing: unknown path, wrong method
             if e.status < 400:
                 raise
-            return web.json_response(APIError(e.status, e.reason).body(), status=e.status,
+            return web.json_response(APIError(e.status, _routing_message(request, e)).body(), status=e.status,
                                      headers={k: v for k, v in e.headers.items() if k == "Allow"})
         except (asyncio.CancelledError, ConnectionResetError):
             raise
@@ -171,6 +174,12 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
                                               "in_flight": m.serving.admission.in_flight},
                                   "live": observers[m.name].snapshot(), "plan": plan})
 
+    async def tokenizer_info(request: web.Request) -> web.Response:
+        """One model's tokenizer settings (?model=NAME; default: the default model), as vLLM's
+        /tokenizer_info and lm-eval's "remote" tokenizer have them."""
+        m = models.get(request.query.get("model", models.default.name), request[RATE_KEY])
+        return web.json_response(m.serving.tokenizer_info())
+
     async def index(request: web.Request) -> web.FileResponse:
         return web.FileResponse(os.path.join(STATIC_DIR, "index.html"))
 
@@ -201,6 +210,7 @@ def create_app(engine: Any | list[ModelEntry], config: ServerConfig | None = Non
     app.router.add_get("/v1/models/{id:.+}", get_model)
     app.router.add_post("/tokenize", on_model("tokenize"))
     app.router.add_post("/detokenize", on_model("detokenize"))
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     responses.add_routes(app.router)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -227,6 +237,17 @@ async def listen(app: web.Application, host: str, port: int) -> web.AppRunner:
         await runner.cleanup()
         raise
     return runner
+
+
+def _routing_message(request: web.Request, e: web.HTTPException) -> str:
+    """OpenAI's words for a path it does not serve ("Invalid URL (POST /v1/embeddings)"), naming the
+    method and path; other routing errors keep their reason, with the path."""
+    where = f"{request.method} {request.path}"
+    if e.status == 404:
+        return f"Invalid URL ({where}): this server has no such endpoint."
+    if e.status == 405:
+        return f"Method {request.method} is not allowed on {request.path}; allowed: {e.headers.get('Allow', '')}."
+    return f"{e.reason} ({where})"
 
 
 def _as_dict(obj: Any) -> dict:
@@ -263,17 +284,27 @@ class _MergedMetrics:
     name once), every sample labelled model_name with its model's served name (an engine labels
     its own series with its model's name, which two configurations of one model share)."""
 
-    def __init__(self, sources: list[tuple[CollectorRegistry, str]]) -> None:
+    def __init__(self, sources: list[tuple[CollectorRegistry, str]], prefix: str = "pyengine") -> None:
+        if prefix not in ("pyengine", "vllm"):
+            raise ValueError(f"metrics prefix must be pyengine or vllm, got {prefix!r}")
         self.sources = sources
+        self.prefix = prefix
+
+    def _name(self, name: str) -> str:
+        """The engine's "pyengine:" series under the configured prefix."""
+        if self.prefix != "pyengine" and name.startswith("pyengine:"):
+            return f"{self.prefix}:{name[len('pyengine:'):]}"
+        return name
 
     def collect(self):
         families: dict[str, Metric] = {}
         for registry, model in self.sources:
             for metric in registry.collect():
-                family = families.get(metric.name)
+                name = self._name(metric.name)
+                family = families.get(name)
                 if family is None:
-                    family = families[metric.name] = Metric(metric.name, metric.documentation, metric.type,
-                                                            metric.unit)
+                    family = families[name] = Metric(name, metric.documentation, metric.type, metric.unit)
                 for s in metric.samples:
-                    family.add_sample(s.name, {**s.labels, "model_name": model}, s.value, s.timestamp, s.exemplar)
+                    family.add_sample(self._name(s.name), {**s.labels, "model_name": model}, s.value, s.timestamp,
+                                      s.exemplar)
         yield from families.values()

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rotate the request log at this size (PATH.1, PATH.2, ... 5 kept)")
     s.add_argument("--stats-interval", type=float, default=ServerConfig.stats_interval,
                    help="seconds between console stats lines (tokens/s, running/waiting, KV, prefix hits); 0: off")
+    s.add_argument("--metrics-prefix", default=ServerConfig.metrics_prefix, choices=["pyengine", "vllm"],
+                   help="prefix of the engine's /metrics series; vllm: the names vLLM exports, so that an unchanged "
+                        "vLLM Grafana dashboard works")
     s.add_argument("--store", default=None, metavar="PATH",
                    help="SQLite file for stored responses and conversations (/v1/responses, /v1/conversations); "
                         f"':memory:' keeps them until the server stops (default: {store.default_path()})")
@@ -133,6 +136,7 @@ def server_config(args: argparse.Namespace, request_log: RequestLog | None = Non
     return ServerConfig(served_model_name=args.served_model_name, max_n=args.max_n, request_log=request_log,
                         routing=routing, key_tiers=key_tiers, store=conversations,
                         stats_interval=args.stats_interval, tool_call_parser=args.tool_call_parser,
+                        metrics_prefix=args.metrics_prefix,
                         gateway=GatewayConfig(
         api_keys=keys, max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
         request_timeout=args.request_timeout or None, rate_limit_rpm=args.rate_limit_rpm,

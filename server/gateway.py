@@ -210,8 +210,9 @@ class AdmissionControl:
 
 
 # ---------------------------------------------------------------- context budget
-def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
-    """Return the completion budget; 400 with OpenAI's message when it does not fit.
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "messages") -> int:
+    """Return the completion budget; 400 with OpenAI's message when it does not fit, naming `param`
+    (the request's prompt field: messages, prompt or input).
 
     max_tokens None defaults to what is left of the window (at least one token must fit).
     """
@@ -222,7 +223,7 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + completion} tokens ({prompt_len} in the messages, {completion} in the "
             "completion).",
-            param="messages", code="context_length_exceeded")
+            param=param, code="context_length_exceeded")
     return completion
 
 

@@ -157,6 +157,13 @@ class OpenAIServing:
         return web.json_response({"tokens": ids, "count": len(ids),
                                   "max_model_len": self.engine.max_model_len})
 
+    def tokenizer_info(self) -> dict:
+        """The tokenizer's settings (tokenizer_config.json's names; pyengine.tokenizer.Tokenizer.info)."""
+        info = getattr(self.tokenizer, "info", None)
+        base = info(self.engine.max_model_len) if info is not None else {
+            "chat_template": getattr(self.tokenizer, "chat_template", None)}
+        return {**base, "model": self.model}
+
     async def detokenize(self, request: web.Request, key: str, body: dict) -> web.Response:
         ids = parse_detokenize(body, self.tokenizer.vocab_size)
         text = await self._off_loop(len(ids), self.tokenizer.decode, ids)
@@ -192,15 +199,17 @@ class OpenAIServing:
 
     async def _serve(self, request: web.Request, key: str, kind: str, req: GenerationRequest,
                      prompt_ids: list[list[int]], wire: ChatWire | None = None,
-                     request_id: str | None = None) -> web.StreamResponse:
+                     request_id: str | None = None, prompt_param: str | None = None) -> web.StreamResponse:
         """Context budget, sampling parameters, token rate limit, admission, then generation written
-        out by `wire` (default: chat / completions objects) under `request_id` (default: a new id)."""
+        out by `wire` (default: chat / completions objects) under `request_id` (default: a new id).
+        prompt_param: the field that held the prompt, for the context error (default: messages or prompt)."""
         max_len = self.engine.max_model_len
+        prompt_param = prompt_param or ("messages" if kind == "chat" else "prompt")
         params, cost = [], 0
         for ids in prompt_ids:
             if not ids:
                 raise APIError(400, "The prompt is empty (0 tokens).", param="prompt")
-            max_tokens = gateway.check_context(len(ids), req.max_tokens, max_len)
+            max_tokens = gateway.check_context(len(ids), req.max_tokens, max_len, prompt_param)
             try:
                 echo_lps = isinstance(req, CompletionRequest) and req.echo and req.num_logprobs is not None
                 params.append(SamplingParams(**req.sampling, max_tokens=max_tokens, logprobs=req.num_logprobs,
@@ -327,6 +336,10 @@ class OpenAIServing:
             if ch.finish_reason is not None:  # a finished choice has nothing more to say
                 continue
             ids = list(o.token_ids or [])
+            finish, stop_reason = o.finish_reason, o.stop_reason
+            if isinstance(job.req, CompletionRequest) and job.req.score_only:  # max_tokens 0: the prompt only
+                text, ids = text[:len(text) - len(o.text or "")], []
+                finish, stop_reason = ("length", None) if finish is not None else (None, None)
             ch.num_tokens += len(ids)
             ch.text.append(text)
             lps = self._logprobs(job.kind, o.logprobs, ids) if job.req.num_logprobs is not None else None
@@ -334,8 +347,8 @@ class OpenAIServing:
                 lps = echoed + (lps or [])
             if lps:
                 ch.logprobs.extend(lps)
-            if o.finish_reason is not None:
-                ch.finish_reason, ch.stop_reason = o.finish_reason, o.stop_reason
+            if finish is not None:
+                ch.finish_reason, ch.stop_reason = finish, stop_reason
             if not job.req.stream:
                 continue
             if job.kind == "chat" and not ch.role_sent:

@@ -177,6 +177,9 @@ class CompletionRequest(GenerationRequest):
     # One engine request per prompt: text or token ids.
     prompts: list[str | list[int]] = field(default_factory=list)
     echo: bool = False  # the prompt text comes first in each choice's text
+    # max_tokens 0 with echo (the legacy API's prompt scoring): the engine generates one token for the
+    # prompt's logprobs, and the answer leaves it out
+    score_only: bool = False
 
 
 def _common(body: dict, max_n: int) -> dict[str, Any]:
@@ -390,11 +393,14 @@ def _message(m: Any, i: int) -> dict[str, Any]:
 
 
 def parse_completion(body: dict, max_n: int, vocab_size: int) -> CompletionRequest:
-    common = _common(body, max_n)
+    echo = bool(get_bool(body, "echo", False))
+    zero = body.get("max_tokens")
+    score_only = (echo and type(zero) in (int, float) and zero == 0  # (not False, which == 0 too)
+                  and body.get("max_completion_tokens") is None)
+    common = _common({**body, "max_tokens": 1} if score_only else body, max_n)
     prompts = _prompts(body.get("prompt"), vocab_size)
     num_logprobs = get_param(body, "logprobs")
-    echo = bool(get_bool(body, "echo", False))
-    return CompletionRequest(**common, num_logprobs=num_logprobs, prompts=prompts, echo=echo)
+    return CompletionRequest(**common, num_logprobs=num_logprobs, prompts=prompts, echo=echo, score_only=score_only)
 
 
 def _prompts(v: Any, vocab_size: int) -> list[str | list[int]]:

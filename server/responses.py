@@ -7,8 +7,10 @@ check, sampling parameters, rate limits, admission, generation); only the wire f
 (`ResponsesWire`). Finished responses go to the store, which keeps them per API key.
 
 With `truncation: "auto"`, history that does not fit the context window with max_output_tokens is
-dropped oldest turn first (a turn: a user message and what follows it up to the next one); system
-messages and the last turn are never dropped. Turns of one conversation run one at a time.
+dropped oldest turns first (a turn: a user message and what follows it up to the next one), a block
+of about half the window at a time, at cut points that stay put as the conversation grows, so the
+kept history stays a cached prefix for many turns (ResponsesAPI._fit); system messages and the last
+turn are never dropped. Turns of one conversation run one at a time.
 """
 from __future__ import annotations
 
@@ -150,12 +152,21 @@ def parse_response(body: dict) -> ResponseRequest:
         chat_body["response_format"] = (
             {"type": "json_object"} if text_format["type"] == "json_object" else
             {"type": "json_schema", "json_schema": {"name": text_format.get("name"), "schema": text_format.get("schema")}})
-    chat = parse_chat({**chat_body, "messages": to_messages(items), "max_tokens": max_output}, 1)
+    try:
+        chat = parse_chat({**chat_body, "messages": to_messages(items), "max_tokens": max_output}, 1)
+    except APIError as e:  # the chat request's names for what this request calls otherwise
+        e.param = _RESPONSES_PARAMS.get(e.param, e.param)
+        raise
+    if chat.structured_param == "response_format":  # grammar errors name the field that was sent
+        chat = dataclasses.replace(chat, structured_param="text.format")
     return ResponseRequest(
         model=get_str(body, "model"), input=items, instructions=get_str(body, "instructions"),
         previous_response_id=previous, conversation_id=conversation, store=store,
         stream=bool(get_bool(body, "stream", False)), truncation=truncation, max_output_tokens=max_output,
         metadata=metadata, user=get_str(body, "user"), chat=chat, text_format=text_format)
+
+
+_RESPONSES_PARAMS = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
 
 
 def _text_format(text: Any) -> dict:
@@ -178,6 +189,31 @@ def turns(messages: list[dict]) -> list[list[int]]:
             out.append([])
         out[-1].append(i)
     return out
+
+
+def cut_points(sizes: list[int], block: int) -> list[int]:
+    """Where "auto" truncation may cut a history of turns of these token sizes (the number of turns
+    dropped), in order: after each run of turns that adds up to at least `block` tokens, counted
+    from the first turn. They depend only on the turns before them, so a growing conversation
+    keeps them; the last turn is never cut."""
+    cuts, run = [], 0
+    for i, size in enumerate(sizes[:-1]):
+        run += size
+        if run >= max(block, 1):
+            cuts.append(i + 1)
+            run = 0
+    return cuts
+
+
+def _text(message: dict) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else json.dumps(content) if content else ""
+
+
+def _turn_sizes(tokenizer: Any, messages: list[dict], groups: list[list[int]]) -> list[int]:
+    """Tokens of each turn's text (without the template's markup: an estimate that is the same
+    every time the turn is counted)."""
+    return [len(tokenizer.encode("\n".join(_text(messages[i]) for i in g), False)) for g in groups]
 
 
 # ---------------------------------------------------------------- wire format
@@ -330,6 +366,7 @@ class ResponsesAPI:
         router.add_get("/v1/responses/{id}/input_items", self.input_items)
         router.add_post("/v1/conversations", self.create_conversation)
         router.add_get("/v1/conversations/{id}", self.retrieve_conversation)
+        router.add_post("/v1/conversations/{id}", self.update_conversation)
         router.add_delete("/v1/conversations/{id}", self.delete_conversation)
         router.add_get("/v1/conversations/{id}/items", self.list_items)
         router.add_post("/v1/conversations/{id}/items", self.add_items)
@@ -354,7 +391,7 @@ class ResponsesAPI:
                 wire = ResponsesWire(serving, self.store, timer, owner, req, rid,
                                      dropped if req.truncation == "auto" else None)
                 try:
-                    return await serving._serve(request, key, "chat", chat, [ids], wire, rid)
+                    return await serving._serve(request, key, "chat", chat, [ids], wire, rid, prompt_param="input")
                 finally:
                     self.store_wait.labels(serving.model).observe(timer.total)
                     self.store_work.labels(serving.model).observe(timer.work[0])
@@ -373,9 +410,13 @@ class ResponsesAPI:
         return []
 
     async def _fit(self, serving: OpenAIServing, messages: list[dict], req: ResponseRequest) -> tuple[list[int], int]:
-        """The prompt's token ids and how many items were dropped to fit the context window:
-        none under truncation "disabled" (the context check answers 400); under "auto" the fewest
-        oldest turns that make it fit (binary search: one render when nothing needs dropping)."""
+        """The prompt's token ids and how many items were dropped to fit the context window: none
+        under truncation "disabled" (the context check answers 400). Under "auto" the history is
+        cut at one of fixed cut points (cut_points: blocks of turns of about half the prompt budget,
+        counted from the conversation's start), the first whose rest fits. The cut points do not
+        move as the conversation grows, so the kept history, and with it the prefix cache, stays
+        the same turn after turn until the rest outgrows the window again; then a whole block goes.
+        Instructions (system messages) and the last turn are never dropped."""
         max_len = serving.engine.max_model_len
 
         def fits(ids: list[int]) -> bool:
@@ -393,6 +434,16 @@ class ResponsesAPI:
         groups = turns(messages)
         if req.truncation == "disabled" or fits(ids) or len(groups) < 2:
             return ids, 0
+        budget = max_len - (req.max_output_tokens or 1)  # prompt tokens that fit
+        sizes = await serving._off_loop(sum(len(_text(messages[i])) for g in groups for i in g), _turn_sizes,
+                                        serving.tokenizer, messages, groups)
+        for cut in cut_points(sizes, budget // 2):
+            if sum(sizes[cut:]) > budget:  # (an estimate: the template adds a few tokens per message)
+                continue
+            cand = await serving._chat_ids(without(cut), True)
+            if fits(cand):
+                return cand, sum(len(t) for t in groups[:cut])
+        # no cut point fits (the last block is most of the window): the fewest oldest turns that do
         lo, hi = 1, len(groups) - 1  # the last turn holds the new input: never dropped
         best = (await serving._chat_ids(without(hi), True), hi)
         while lo < hi:
@@ -450,6 +501,22 @@ class ResponsesAPI:
             raise invalid("metadata", f"'metadata' must be an object of at most {MAX_METADATA} values")
         conv = {"id": _new_id("conv"), "object": "conversation", "created_at": int(time.time()), "metadata": metadata}
         await _stored(self.store.create_conversation(_owner(request), conv, items))
+        return web.json_response(conv)
+
+    async def update_conversation(self, request: web.Request) -> web.Response:
+        """POST /v1/conversations/{id}: replace its metadata (OpenAI's "update a conversation")."""
+        cid = request.match_info["id"]
+        body = await read_json(request, self.read_timeout)
+        if "metadata" not in body:
+            raise invalid("metadata", "'metadata' is required: the conversation's new metadata")
+        metadata = body["metadata"] or {}
+        if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise invalid("metadata", f"'metadata' must be an object of at most {MAX_METADATA} string values")
+        async with self._turn(cid):
+            conv = await _stored(self.store.update_conversation(_owner(request), cid, metadata))
+        if conv is None:
+            raise _not_found("Conversation", cid)
         return web.json_response(conv)
 
     async def retrieve_conversation(self, request: web.Request) -> web.Response:

@@ -69,6 +69,10 @@ class ConversationStore(abc.ABC):
     async def get_conversation(self, owner: str, conversation_id: str) -> dict | None: ...
 
     @abc.abstractmethod
+    async def update_conversation(self, owner: str, conversation_id: str, metadata: dict) -> dict | None:
+        """Replace the conversation's metadata; the updated conversation."""
+
+    @abc.abstractmethod
     async def conversation_items(self, owner: str, conversation_id: str, *, after: str | None = None,
                                  limit: int | None = None, descending: bool = False) -> list[dict] | None:
         """Items in order (or reversed), starting after the item `after`; at most `limit`."""
@@ -253,6 +257,18 @@ class SQLiteStore(ConversationStore):
         row = await self._run(self._one, "SELECT body FROM conversations WHERE id = ? AND owner = ?",
                               (conversation_id, owner))
         return json.loads(row[0]) if row else None
+
+    async def update_conversation(self, owner: str, conversation_id: str, metadata: dict) -> dict | None:
+        def update() -> dict | None:
+            with self._transaction():
+                row = self._one("SELECT body FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner))
+                if row is None:
+                    return None
+                conversation = {**json.loads(row[0]), "metadata": metadata}
+                self.db.execute("UPDATE conversations SET body = ? WHERE id = ?",
+                                (json.dumps(conversation), conversation_id))
+                return conversation
+        return await self._run(update)
 
     async def conversation_items(self, owner: str, conversation_id: str, *, after: str | None = None,
                                  limit: int | None = None, descending: bool = False) -> list[dict] | None:

@@ -54,13 +54,43 @@ class ToolSpec:
             return fn.get("parameters") or {"type": "object"}
         if self.choice != "required":
             return None
-        item = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                               "arguments": f.get("parameters") or {"type": "object"}},
-                           "required": ["name", "arguments"]} for f in self.functions]}
-        schema = {"type": "array", "items": item, "minItems": 1}
+        defs, items = {}, []
+        for i, f in enumerate(self.functions):
+            params = f.get("parameters") or {"type": "object"}
+            arguments = params
+            if _has_refs(params):  # its references are relative to its own root: give it a place in ours
+                defs[f"tool_{i}"] = _reroot(params, f"#/$defs/tool_{i}")
+                arguments = {"$ref": f"#/$defs/tool_{i}"}
+            items.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": arguments},
+                          "required": ["name", "arguments"]})
+        schema = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
         if not self.parallel:
             schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
         return schema
+
+
+def _has_refs(node) -> bool:
+    if isinstance(node, dict):
+        return "$ref" in node or any(_has_refs(v) for v in node.values())
+    return isinstance(node, list) and any(_has_refs(v) for v in node)
+
+
+def _reroot(node, base: str):
+    """A copy of a schema whose local references ("#...") point into it where it sits at `base`;
+    other references stay as they are (and are refused when compiled)."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                out[key] = base + value[1:]
+            else:
+                out[key] = _reroot(value, base)
+        return out
+    if isinstance(node, list):
+        return [_reroot(v, base) for v in node]
+    return node
 
 
 def parse_tools(body: dict, invalid) -> ToolSpec | None:
@@ -192,38 +222,79 @@ def _read_call(text: str, start: int) -> tuple[str | None, str, int | None]:
     return json.loads(f'"{name_m.group(1)}"'), body[a0:a_end] if a_end is not None else body[a0:], end
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass
+class Call:
+    name: str | None
+    arguments: str  # the text the model wrote for the arguments so far
+    start: int  # where the call's text starts in the output
+    complete: bool  # its object (or, for a named function, its arguments) is closed, and they are JSON
+
+
 @dataclass
 class Parsed:
     content: str  # text that is not a tool call (streamable so far)
-    calls: list[tuple[str | None, str]]  # (name, arguments text so far) per call
+    calls: list[Call]
+
+    def handed_out(self) -> list[Call]:
+        """The calls a client gets: the complete ones before the first that is not."""
+        out = []
+        for c in self.calls:
+            if not c.complete:
+                break
+            out.append(c)
+        return out
 
 
 class CallScanner:
-    """Reads calls from the text generated so far (any prefix of the final output)."""
+    """Reads calls from the text generated so far (any prefix of the final output). A call that is
+    still open, or was cut (max_tokens), is not a call: at the end its text joins the content."""
 
     def __init__(self, spec: ToolSpec, parser: str) -> None:
         self.spec = spec
         self.parser = parser
+        self.names = {f["name"] for f in spec.functions}
 
     def parse(self, text: str, final: bool) -> Parsed:
+        parsed = self._parse(text, final)
+        if final:  # what follows the last complete call was meant as a call and never became one
+            calls = parsed.handed_out()
+            if len(calls) < len(parsed.calls):
+                parsed = Parsed(parsed.content + text[parsed.calls[len(calls)].start:], calls)
+        return parsed
+
+    def _parse(self, text: str, final: bool) -> Parsed:
         if self.spec.choice == "named":
-            return Parsed("", [(self.spec.named, text.lstrip())])
+            args = text.lstrip()
+            closed = _value_end(args, 0) == len(args.rstrip()) if args[:1] in ("{", "[") else False
+            return Parsed("", [Call(self.spec.named, args, 0, closed and _is_json(args))])
         if self.spec.choice == "required":
             return Parsed("", self._objects(text, 0))
         if self.parser == "llama3_json":
             return self._llama3(text, final)
         return self._hermes(text, final)
 
-    @staticmethod
-    def _objects(text: str, pos: int) -> list:
+    def _call(self, text: str, i: int) -> tuple[Call, int | None]:
+        name, args, end = _read_call(text, i)
+        complete = end is not None and name in self.names and bool(args) and _is_json(args)
+        return Call(name, args, i, complete), end
+
+    def _objects(self, text: str, pos: int) -> list[Call]:
         """Call objects one after another from pos (in a JSON array, or separated by `;`)."""
         calls = []
         while True:
             i = text.find("{", pos)
             if i < 0:
                 return calls
-            name, args, end = _read_call(text, i)
-            calls.append((name, args))
+            call, end = self._call(text, i)
+            calls.append(call)
             if end is None:
                 return calls
             pos = end
@@ -238,23 +309,32 @@ class CallScanner:
         while (pos := text.find(_HERMES_OPEN, pos)) >= 0:
             i = text.find("{", pos)
             if i < 0:
+                calls.append(Call(None, "", pos, False))
                 break
-            name, args, end = _read_call(text, i)
-            calls.append((name, args))
+            call, end = self._call(text, i)
+            call.start = pos
+            calls.append(call)
             if end is None:
                 break
             pos = end
         return Parsed(text[:first], calls)
 
     def _llama3(self, text: str, final: bool) -> Parsed:
-        stripped = text.lstrip()
+        lead = len(text) - len(text.lstrip())
+        stripped = text[lead:]
         if stripped.startswith(_PYTHON_TAG):
             stripped = stripped[len(_PYTHON_TAG):].lstrip()
         if not final and _PYTHON_TAG.startswith(stripped):  # nothing decided yet (empty or a partial tag)
             return Parsed("", [])
         if not stripped.startswith("{"):
             return Parsed(text, [])
-        return Parsed("", self._objects(stripped, 0))
+        offset = len(text) - len(stripped)
+        calls = self._objects(stripped, 0)
+        for c in calls:
+            c.start += offset
+        if calls:
+            calls[0].start = 0  # the tag and blanks before the first call belong to it
+        return Parsed("", calls)
 
 
 def _without_partial_tag(text: str, tag: str) -> int:
@@ -282,37 +362,35 @@ class ToolStream:
     scanner: CallScanner
     text: str = ""
     sent_content: int = 0
-    sent_args: list[int] = field(default_factory=list)  # per started call: argument chars sent
+    sent_args: list[int] = field(default_factory=list)  # per announced call: argument chars sent
     ids: list[str] = field(default_factory=list)
 
     def feed(self, piece: str, final: bool) -> tuple[str, list[dict]]:
-        """Append generated text; return (new content text, new tool_call delta entries)."""
+        """Append generated text; return (new content text, new tool_call delta entries). A call is
+        announced only once it is complete: its header (id, name) and then its whole arguments."""
         self.text += piece
         parsed = self.scanner.parse(self.text, final)
         content = parsed.content[self.sent_content:]
         self.sent_content = len(parsed.content)
         deltas = []
-        for k, (name, args) in enumerate(parsed.calls):
-            if name is None:
-                break
-            if k == len(self.sent_args):
-                self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
-                self.sent_args.append(0)
-                deltas.append({"index": k, "id": self.ids[k], "type": "function",
-                               "function": {"name": name, "arguments": ""}})
-            new = args[self.sent_args[k]:]
-            if new:
-                self.sent_args[k] = len(args)
-                deltas.append({"index": k, "function": {"arguments": new}})
+        for k, call in enumerate(parsed.handed_out()):
+            if k < len(self.sent_args):
+                continue
+            self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+            self.sent_args.append(len(call.arguments))
+            deltas.append({"index": k, "id": self.ids[k], "type": "function",
+                           "function": {"name": call.name, "arguments": ""}})
+            deltas.append({"index": k, "function": {"arguments": call.arguments}})
         return content, deltas
 
     def message(self) -> tuple[str | None, list[dict]]:
         """The final (content, tool_calls) of the whole output (call after the last feed)."""
         parsed = self.scanner.parse(self.text, True)
         calls = []
-        for k, (name, args) in enumerate(c for c in parsed.calls if c[0] is not None):
+        for k, call in enumerate(parsed.handed_out()):
             while len(self.ids) <= k:
                 self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
-            calls.append({"id": self.ids[k], "type": "function", "function": {"name": name, "arguments": args}})
+            calls.append({"id": self.ids[k], "type": "function",
+                          "function": {"name": call.name, "arguments": call.arguments}})
         content = parsed.content if parsed.content.strip() or not calls else None
         return content, calls

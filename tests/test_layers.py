@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                           "pyengine._C", "pyengine._cuda")),
     ("ops", ("pyengine.ops",)),
     ("model", ("pyengine.model",)),
-    ("text", ("pyengine.gguf_tokenizer", "pyengine.tokenizer", "pyengine.structured")),  # GGUF vocabularies
+    ("text", ("pyengine.gguf_tokenizer", "pyengine.tokenizer", "pyengine.structured", "pyengine.grammar_pool",
+              "pyengine.grammars")),  # GGUF vocabularies
     ("engine", ("pyengine.engine", "pyengine.plan", "pyengine.metrics")),
     ("API", ("pyengine", "pyengine.llm", "pyengine.engine.async_engine", "pyengine.report")),
 ]

@@ -199,23 +199,56 @@ async def test_truncation_auto_drops_oldest_turns_disabled_is_400():
         t = await create(client, input="fourth question", instructions="sys", truncation="auto", max_output_tokens=10,
                          previous_response_id=r.id)
         dropped = t.truncation_details["dropped_items"]
-        assert dropped in (2, 4) and dropped % 2 == 0  # whole turns (user + assistant), oldest first
+        assert dropped in (2, 4, 6) and dropped % 2 == 0  # whole turns (user + assistant), oldest first
         kept = [full[0], *history[dropped:], ask]  # the instructions stay
         assert t.output_text == answer(kept, 10)
         assert t.usage.input_tokens + 10 <= 160
-        if dropped == 4:  # the fewest turns: one turn fewer must not fit
-            one_fewer = [full[0], *history[2:], ask]
-            assert len(TOK.encode(TOK.apply_chat_template(one_fewer), False)) + 10 > 160
 
         with pytest.raises(openai.BadRequestError) as e:  # the new input alone is too long: nothing to drop
             await create(client, input="x" * 200, truncation="auto", max_output_tokens=10)
         assert e.value.body["code"] == "context_length_exceeded"
 
 
+async def test_truncation_auto_keeps_the_cached_prefix_for_many_turns():
+    async with Served(max_model_len=600) as s:
+        client = s.client()
+        r, rows = None, []
+        for t in range(30):
+            r = await create(client, input=f"question {t} " + "about the sea " * 2, instructions="Be brief.",
+                             truncation="auto", max_output_tokens=12, previous_response_id=r.id if r else None)
+            rows.append((r.truncation_details["dropped_items"], r.usage.input_tokens,
+                         r.usage.input_tokens_details.cached_tokens))
+            assert r.usage.input_tokens + 12 <= 600
+        after = [row for row in rows[next(i for i, row in enumerate(rows) if row[0]):]]
+        assert len(after) >= 10  # the conversation went well past the window
+        # the history is cut in blocks: the same turns are kept for several turns in a row
+        assert len({d for d, _, _ in after}) <= len(after) // 3
+        ratios = sorted(c / n for _, n, c in after)
+        assert ratios[len(ratios) // 2] >= 0.5  # the median turn is served mostly from the prefix cache
+
+
+def test_cut_points_stay_put_as_the_history_grows():
+    from server.responses import cut_points
+
+    sizes = [30, 50, 20, 70, 10, 10, 60, 40]
+    assert cut_points(sizes, 100) == [3, 7]  # 30+50+20, then 70+10+10+60 ... the last turn never counts
+    for n in range(2, len(sizes)):  # a longer history only adds cut points after the old ones
+        assert cut_points(sizes[:n], 100) == [c for c in cut_points(sizes, 100) if c < n]
+
+
 async def test_conversations_items_and_serialised_turns(served):
     client = served.client()
     conv = await client.conversations.create(items=[{"role": "system", "content": "sys"}], metadata={"a": "b"})
     assert conv.metadata == {"a": "b"} and (await client.conversations.retrieve(conv.id)).id == conv.id
+    updated = await client.conversations.update(conv.id, metadata={"topic": "sea"})  # POST /v1/conversations/{id}
+    assert updated.metadata == {"topic": "sea"} and updated.created_at == conv.created_at
+    assert (await client.conversations.retrieve(conv.id)).metadata == {"topic": "sea"}
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.conversations.update(conv.id, metadata={"n": 1})
+    assert e.value.body["param"] == "metadata"
+    assert (await client.conversations.retrieve(conv.id)).metadata == {"topic": "sea"}  # a bad update changes nothing
+    with pytest.raises(openai.NotFoundError):
+        await served.client("k2").conversations.update(conv.id, metadata={})  # another key's conversation
     added = await client.conversations.items.create(conv.id, items=[{"role": "user", "content": "hi"},
                                                                     {"role": "assistant", "content": "yo"}])
     assert [i.role for i in added.data] == ["user", "assistant"]

@@ -371,7 +371,7 @@ async def test_logprobs_formats(client, engine):
     ("/v1/chat/completions", chat_body(messages=[{"role": "bot", "content": "x"}]), 400, "messages[0].role"),
     ("/v1/chat/completions", chat_body(model="gpt-5"), 404, "model"),
     ("/v1/chat/completions", chat_body(max_tokens=300), 400, "messages"),
-    ("/v1/completions", {"prompt": "x" * 2000, "max_tokens": 1}, 400, "messages"),
+    ("/v1/completions", {"prompt": "x" * 2000, "max_tokens": 1}, 400, "prompt"),  # the field that was sent
     ("/v1/completions", {"prompt": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
@@ -407,8 +407,13 @@ async def test_unknown_route_and_body_limit(engine):
     try:
         r = await client.get("/v1/nothing")
         assert r.status == 404 and "error" in await r.json()
+        r = await client.post("/v1/embeddings", json={"input": "x"})
+        err = (await r.json())["error"]  # OpenAI's words, naming what was asked for
+        assert r.status == 404 and err["message"].startswith("Invalid URL (POST /v1/embeddings)")
+        assert err["type"] == "invalid_request_error"
         r = await client.get("/v1/chat/completions")
-        assert r.status == 405 and "error" in await r.json()
+        assert r.status == 405 and "GET" in (await r.json())["error"]["message"]
+        assert "/v1/chat/completions" in (await r.json())["error"]["message"]
         r = await client.post("/v1/completions", json={"prompt": "x" * 2000})
         assert r.status == 413 and (await r.json())["error"]["code"] == "request_too_large"
 

@@ -225,6 +225,36 @@ def test_completions_logprobs(client, model):
     assert echo.choices[0].text == "The sky is" + r.choices[0].text
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt(client, model):
+    full = client.completions.create(model=model, prompt="The sky is blue", max_tokens=1, temperature=0,
+                                     logprobs=1, echo=True)
+    r = client.completions.create(model=model, prompt="The sky is blue", max_tokens=0, logprobs=1, echo=True)
+    c, n = r.choices[0], r.usage.prompt_tokens
+    assert c.text == "The sky is blue" and r.usage.completion_tokens == 0 and c.finish_reason == "length"
+    assert len(c.logprobs.tokens) == n and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs == full.choices[0].logprobs.token_logprobs[:n]
+    with pytest.raises(openai.BadRequestError) as e:  # without echo there is nothing to return
+        client.completions.create(model=model, prompt="x", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+
+
+def test_context_errors_name_the_field_that_holds_the_prompt(client, model):
+    long = "word " * 1100  # over the 1024-token window
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=long, max_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": long}], max_tokens=4)
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input=long, max_output_tokens=4, store=False)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input="hi", max_output_tokens=4, store=False, text={"format": {
+            "type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}}})
+    assert e.value.body["param"] == "text.format"
+
+
 def test_error_paths_then_good_request(server, client, model):
     cases = [
         (lambda: client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=-1),
@@ -235,7 +265,7 @@ def test_error_paths_then_good_request(server, client, model):
         (lambda: client.chat.completions.create(model="no-such-model", messages=MESSAGES),
          openai.NotFoundError, "model"),
         (lambda: client.completions.create(model=model, prompt="hi " * 2000, max_tokens=5),
-         openai.BadRequestError, "messages"),
+         openai.BadRequestError, "prompt"),  # the field that held the prompt
     ]
     for call, exc, param in cases:
         with pytest.raises(exc) as e:
@@ -260,6 +290,32 @@ def test_tokenize_detokenize(server, tokenizer):
     r = server.post("/tokenize", json_body={"prompt": "hello world"}).json()
     assert r["tokens"] == tokenizer.encode("hello world") and r["count"] == len(r["tokens"])
     assert server.post("/detokenize", json_body={"tokens": r["tokens"]}).json()["prompt"].endswith("hello world")
+
+
+def test_tokenizer_info_and_the_exported_folder_tokenize_as_the_server(server, model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from pyengine.tokenizer import main as tokenizer_main
+
+    info = server.get("/tokenizer_info").json()  # what lm-eval's "remote" tokenizer reads
+    assert info["eos_token"] == "<|im_end|>" and "<|im_start|>" in info["chat_template"]
+    assert info["model"] == model and info["model_max_length"] == 1024
+    assert server.get(f"/tokenizer_info?model={model}").json() == info
+    assert server.get("/tokenizer_info?model=nope").status_code == 404
+    assert server.get("/tokenizer_info", key=None).status_code == 401
+
+    assert tokenizer_main(["export", str(tmp_path)]) == 0
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))  # what guidellm / aiperf / lm-eval load with --tokenizer
+    for text in ["hello world", "  two  spaces\tand\nlines", "héllo 日本語 🙂", "<|im_start|>user\nhi<|im_end|>"]:
+        for special in (True, False):  # lm-eval's remote backend asks for add_special_tokens false
+            served = server.post("/tokenize", json_body={"prompt": text, "add_special_tokens": special}).json()
+            assert hf(text, add_special_tokens=special)["input_ids"] == served["tokens"]
+        assert hf.decode(served["tokens"]) == server.post("/detokenize", json_body={
+            "tokens": served["tokens"]}).json()["prompt"]
+    messages = [{"role": "user", "content": "hi"}]
+    assert hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"] == \
+        server.post("/tokenize", json_body={"messages": messages}).json()["tokens"]
+    assert hf.eos_token == info["eos_token"]
 
 
 def test_32_streams_a_third_disconnect(server, model):

@@ -162,11 +162,26 @@ def test_tool_choice_required(client, model):
     r = chat(client, model, "Weather in Oslo and time in Tokyo?", tools=tools, tool_choice="required",
              max_tokens=100, temperature=1.0, seed=8, n=4)
     for c in r.choices:
-        assert c.message.content is None and c.message.tool_calls
-        complete = c.message.tool_calls if c.finish_reason == "tool_calls" else c.message.tool_calls[:-1]
-        assert c.finish_reason in ("tool_calls", "length")
-        for call in complete:
+        assert c.finish_reason in ("tool_calls", "length") and c.message.tool_calls
+        assert (c.message.content is None) == (c.finish_reason == "tool_calls")  # a cut call is content
+        for call in c.message.tool_calls:  # every call handed out is complete
             valid_call(call, tools)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_cut_by_max_tokens_is_content_with_finish_reason_length(client, model, stream):
+    kw = dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=3,
+              temperature=0)
+    if not stream:
+        c = chat(client, model, "Weather in Paris?", **kw).choices[0]
+        assert c.finish_reason == "length" and not c.message.tool_calls and c.message.content.startswith("{")
+        return
+    deltas, finish = [], None
+    for chunk in chat(client, model, "Weather in Paris?", stream=True, **kw):
+        for ch in chunk.choices:
+            deltas += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert finish == "length" and deltas == []
 
 
 def test_tool_choice_named_function(client, model):
@@ -205,6 +220,35 @@ def test_streamed_tool_call_deltas_concatenate_to_the_non_streaming_result(clien
     assert sum(len(a) > 0 for _, a in calls.values()) == len(calls) and len(headers) == len(calls)
 
 
+class Address(BaseModel):
+    city: str = Field(max_length=20)
+    zip_code: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Shipment(BaseModel):
+    """Ship a parcel (pydantic writes the nested model under $defs and refers to it with $ref)."""
+
+    weight_kg: int = Field(ge=1, le=50)
+    to: Address
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto", {"type": "function", "function": {"name": "Shipment"}}])
+def test_a_pydantic_tool_with_a_nested_model_works_under_every_tool_choice(client, model, tool_choice):
+    tool = openai.pydantic_function_tool(Shipment)
+    assert "$defs" in json.dumps(tool)  # what the test is about
+    r = chat(client, model, "Ship 3 kg to Paris, zip 75001.", tools=[tool, WEATHER], tool_choice=tool_choice,
+             max_tokens=120, temperature=0)
+    c = r.choices[0]
+    if tool_choice == "auto" and not c.message.tool_calls:  # the model may answer in words
+        assert c.finish_reason in ("stop", "length")
+        return
+    call = c.message.tool_calls[0]
+    if call.function.name == "Shipment":
+        Shipment.model_validate_json(call.function.arguments)
+    else:
+        valid_call(call, [WEATHER])
+
+
 def test_multi_turn_tool_conversation_renders(client, model):
     messages = [{"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -241,6 +285,14 @@ def test_logit_bias_plus_100_forces_the_token(client, model, tokenizer):
     (dict(extra_body={"best_of": 3}), "best_of", "best_of"),
     (dict(extra_body={"functions": [{"name": "f"}]}), "functions", "tools"),
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "nope"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$ref": "http://example.com/schema.json"}}}), "response_format", "http://example.com/schema.json"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}}}), "response_format",
+     "names nothing"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "other.json#/A"}}}}}], tool_choice="required"), "tools",
+     "other.json"),
 ])
 def test_bad_structured_requests_get_a_400_naming_the_field(client, model, kw, param, words):
     with pytest.raises(openai.BadRequestError) as e:

@@ -86,6 +86,33 @@ def test_required_and_named_modes_read_the_constrained_output():
                                "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}])
 
 
+@pytest.mark.parametrize("spec,parser,text,calls", [
+    (ToolSpec([WEATHER, TIME], "required"), "hermes",
+     '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"ci', 1),
+    (ToolSpec([WEATHER, TIME], "required"), "hermes", '[{"name": "get_weather", "arguments": ', 0),
+    (ToolSpec([WEATHER, TIME], "named", "get_weather"), "hermes", '{"', 0),
+    (ToolSpec([WEATHER, TIME], "named", "get_weather"), "hermes", "", 0),
+    (ToolSpec([WEATHER], "auto"), "hermes", 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro', 0),
+    (ToolSpec([WEATHER], "auto"), "llama3_json", '{"name": "get_weather", "parameters": {"city": "Ro', 0),
+])
+@pytest.mark.parametrize("step", [1, 5])
+def test_a_call_cut_short_is_content_and_never_announced(spec, parser, text, calls, step):
+    content, streamed, message = stream(spec, parser, text, step)
+    check_stream_matches_message(content, streamed, message)
+    assert len(message[1]) == calls and len(streamed) == calls
+    for c in message[1]:
+        json.loads(c["function"]["arguments"])  # what a client will do with it
+    assert (message[0] or "").rstrip().endswith(text.rstrip()[-5:])  # the cut call's text is there, as content
+
+
+def test_a_call_to_an_unknown_function_or_with_invalid_arguments_is_content():
+    spec = ToolSpec([WEATHER], "auto")
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": 1,}}</tool_call>'
+    assert stream(spec, "hermes", text)[2] == (text, [])
+    text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert stream(spec, "hermes", text)[2] == (text, [])
+
+
 @pytest.mark.parametrize("body,param", [
     ({"tools": {"a": 1}}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0]"),

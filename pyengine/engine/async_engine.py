@@ -61,6 +61,7 @@ class AsyncLLM:
             return
         self._stop = True
         self._wakeup.set()
+        self.engine.close_structured()  # never wait on a grammar compile
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         err = EngineDeadError("the engine was shut down")
@@ -110,11 +111,16 @@ class AsyncLLM:
 
     async def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError naming what the engine cannot use in params (a token id beyond the
-        vocabulary, an invalid grammar). Grammars compile here, off the event loop, and stay cached."""
+        vocabulary, an invalid grammar, one that does not compile in time). Grammars compile here, off
+        the event loop, and stay cached."""
+        self.engine.check_params(params, compile_grammar=False)
         if params.structured_outputs is None:
-            self.engine.check_params(params)
-        else:
-            await asyncio.to_thread(self.engine.check_params, params)
+            return
+        if self.engine._structured is None:  # built once: the tokenizer's vocabulary for xgrammar (~0.1 s)
+            await asyncio.to_thread(lambda: self.engine.structured)
+        # the compile runs in a worker process with a time limit (pyengine/grammar_pool.py); a request
+        # that leaves stops waiting, and the compile is killed once nobody waits for it
+        await self.engine.structured.compile_async(params.structured_outputs)
 
     async def abort(self, request_id: str) -> None:
         self._command(("abort", request_id))

@@ -9,6 +9,7 @@ import collections
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass
 
@@ -128,6 +129,7 @@ class Engine:
                                   cuda_graphs=config.cuda_graphs, tensor_cores=config.tensor_core_prefill)
         self.metrics = EngineMetrics(self.model_name)
         self._structured = None  # pyengine.structured.StructuredOutputs, built on first use
+        self._structured_lock = threading.Lock()
         self.groups: dict[str, _Group] = {}
         self._pending_aborts: collections.deque[str] = collections.deque()
         self.num_steps = 0
@@ -165,16 +167,22 @@ class Engine:
     @property
     def structured(self):
         """Grammar compiler and bitmask filler (xgrammar), built on the first structured request."""
-        if self._structured is None:
-            from pyengine.structured import StructuredOutputs
-
-            self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
-            self.runner.structured = self._structured
+        with self._structured_lock:  # two first structured requests at once build it once
+            if self._structured is None:
+                self._build_structured()
         return self._structured
 
-    def check_params(self, params: SamplingParams) -> None:
+    def _build_structured(self) -> None:
+        from pyengine.structured import StructuredOutputs
+
+        self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids),
+                                             compile_workers=self.config.grammar_compile_workers,
+                                             compile_timeout=self.config.grammar_compile_timeout)
+        self.runner.structured = self._structured
+
+    def check_params(self, params: SamplingParams, compile_grammar: bool = True) -> None:
         """What SamplingParams cannot check alone: token ids and logprob counts against this vocabulary,
-        and the grammar (compiled here, so a later add_request finds it in the cache)."""
+        and (compile_grammar) the grammar, compiled here so that a later add_request finds it cached."""
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
@@ -186,8 +194,14 @@ class Engine:
             k = getattr(params, name)
             if k is not None and k > vocab:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {k}")
-        if params.structured_outputs is not None:
+        if compile_grammar and params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)
+
+    def close_structured(self) -> None:
+        """Stop the grammar compile workers, if any were started (compiles in flight fail)."""
+        if self._structured is not None:
+            self._structured.close()
+            self._structured = None  # a restarted engine starts new workers
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     priority: int = 0, arrival_time: float | None = None,
@@ -220,7 +234,7 @@ class Engine:
         for req in rest:
             req.fork_source = first
         group.deferred = rest
-        self.metrics.on_added(len(ids))
+        self.metrics.on_added(len(ids), params)
 
     def queue_abort(self, request_id: str) -> None:
         """Thread-safe: the abort is applied at the start of the next step."""
@@ -275,6 +289,7 @@ class Engine:
                 self._last_interrupted = False
                 self.num_steps += 1
                 self.num_computed_tokens += sched.num_tokens
+                self.metrics.iteration_tokens.observe(sched.num_tokens)
                 self._failed_steps = 0 if done else self._failed_steps + 1
             for part, result in done:
                 for req, entries in (result.prompt_logprobs or ()) if result else ():
