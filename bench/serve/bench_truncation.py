@@ -20,7 +20,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from bench.serve_load import WORDS  # noqa: E402
+from bench.serve.serve_load import WORDS  # noqa: E402
 
 
 def post(url: str, body: dict, key: str | None) -> dict:
