@@ -7,6 +7,7 @@ Two vocabulary kinds (`tokenizer.ggml.model`):
   and the gaps between them), then merged by rank. Types llama.cpp marks `ignore_merges` (Llama-3, Tekken, ...)
   emit a pre-token that is itself in the vocabulary as that one id, before any merge.
 - `llama`: SentencePiece BPE (Llama-2, Mistral, TinyLlama, Gemma). See `_sentencepiece`.
+- `gemma4`: BPE over `▁`-spelt text with `<0xXX>` byte fallback (Gemma 4). See `_gemma4`.
 
 Control and user-defined tokens are kept verbatim and matched whole inside text, as transformers does (llama.cpp
 with parse_special, the mode chat templates need).
@@ -125,8 +126,10 @@ def gguf_tokenizer(meta: Callable[..., Any]) -> tuple[HFTokenizer, dict[str, Any
         tok, add_bos_default = _byte_level_bpe(tokens, types, meta)
     elif kind == "llama":
         tok, add_bos_default = _sentencepiece(tokens, types, meta), True
+    elif kind == "gemma4":
+        tok, add_bos_default = _gemma4(tokens, meta), True
     else:
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (gpt2, llama)")
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (gpt2, llama, gemma4)")
     # Verbatim, whole, never split by the model: control tokens as specials, user-defined ones as plain added tokens.
     lstrip, rstrip = _whitespace_eaters(meta, tokens, types)
     for ty, add in ((CONTROL, tok.add_special_tokens), (USER_DEFINED, tok.add_tokens)):
@@ -142,7 +145,8 @@ def gguf_tokenizer(meta: Callable[..., Any]) -> tuple[HFTokenizer, dict[str, Any
         "eos_token": name("eos"),
         "unk_token": name("unknown"),
         "pad_token": name("padding"),
-        "add_bos_token": meta("tokenizer.ggml.add_bos_token", add_bos_default),
+        # llama.cpp always adds BOS for Gemma 4, whatever the file says (Gemma 4 degrades without it).
+        "add_bos_token": True if kind == "gemma4" else meta("tokenizer.ggml.add_bos_token", add_bos_default),
         "add_eos_token": meta("tokenizer.ggml.add_eos_token", False),
         "chat_template": meta("tokenizer.chat_template"),
     }
@@ -215,6 +219,61 @@ def _sentencepiece(tokens: list[str], types: list[int], meta) -> HFTokenizer:
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
                                     + ([decoders.Strip(content=" ", left=1, right=0)] if space_prefix else []))
     return tok
+
+
+def _gemma4(tokens: list[str], meta) -> HFTokenizer:
+    """Gemma 4's BPE as llama.cpp's `gemma4` tokenizer runs it, expressed as a `tokenizers` BPE.
+
+    llama.cpp spells every space `▁` (no prefix space), cuts the text into runs of newlines and runs of
+    everything else, and merges each run by the file's merge ranks (lowest first, leftmost on ties), starting
+    from single characters; a final piece missing from the vocabulary becomes its `<0xXX>` byte tokens. One
+    exception: a run of newlines that is itself a token is that token, whatever the merges make of it. A
+    `tokenizers` BPE does all of this but the exception; `_newline_runs` arranges that part.
+    """
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges: dict[tuple[str, str], None] = {}  # in rank order; a repeated pair keeps its first rank, as in llama.cpp
+    for m in meta("tokenizer.ggml.merges") or []:
+        cut = m.find(" ", 1)  # llama.cpp's split: the first space after the first character
+        left, right = (m[:cut], m[cut + 1:]) if cut > 0 else ("", "")
+        if left in vocab and right in vocab and left + right in vocab:  # others could only yield bytes
+            merges.setdefault((left, right))
+    split, extra = _newline_runs(vocab, list(merges))
+    tok = HFTokenizer(models.BPE(vocab, extra + list(merges), fuse_unk=False, byte_fallback=True, ignore_merges=False))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def _newline_runs(vocab: dict[str, int], merges: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str]]]:
+    """The pre-tokenizer regex and the merges to put first that make a newline run of length 1..K (all tokens)
+    one token, as llama.cpp does, and leave longer runs to the file's merges (llama.cpp merges those)."""
+    k = 0
+    while "\n" * (k + 1) in vocab:
+        k += 1
+    newline_merges = [(a, b) for a, b in merges if a.strip("\n") == b.strip("\n") == ""]
+    if k < 2 or all(_bpe_newlines(n, newline_merges) == 1 for n in range(2, k + 1)):
+        return r"\n+", []  # the file's own merges already give each whole-run token
+    have = set(newline_merges)
+    extra = [m for n in range(2, k + 1) for a in range(1, n) if (m := ("\n" * a, "\n" * (n - a))) not in have]
+    if not newline_merges:
+        # No newline merges: llama.cpp leaves a run longer than K as single newlines. Cutting such runs into
+        # single newlines here keeps the added merges (which would join them) to runs of 1..K.
+        return rf"(?<!\n)\n{{1,{k}}}(?!\n)|\n", extra
+    logger.warning("GGUF gemma4 vocabulary: newline runs longer than %d may tokenize differently from llama.cpp", k)
+    return r"\n+", extra
+
+
+def _bpe_newlines(n: int, merges: list[tuple[str, str]]) -> int:
+    """How many pieces BPE by these merges' ranks leaves of a run of n newlines."""
+    rank = {m: i for i, m in enumerate(merges)}
+    pieces = ["\n"] * n
+    while True:
+        best = min(((rank[p], i) for i, p in enumerate(zip(pieces, pieces[1:])) if p in rank), default=None)
+        if best is None:
+            return len(pieces)
+        i = best[1]
+        pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
 
 
 def _set_post_processor(tok: HFTokenizer, config: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ import re
 
 import gguf
 import pytest
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 from pyengine.gguf_tokenizer import (
@@ -255,3 +255,131 @@ def test_unknown_pre_tokenizer_is_an_error(tmp_path):
                        merges=["a b"])
     with pytest.raises(ValueError, match="pre-tokenizer type 'no-such-pre' is not supported"):
         Tokenizer.from_model_path(path)
+
+
+# ---------------------------------------------------------------- Gemma 4 (`gemma4`) vocabularies
+
+G4_CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"]
+G4_USER = ["<|channel>", "<channel|>"]  # user-defined, as Gemma 4's channel and tool tokens
+G4_NEWLINES = 4  # "\n" .. "\n\n\n\n" are tokens (Gemma 4 has runs of 1..31)
+# Strings of the kinds llama.cpp's ggml-vocab-*.gguf.inp test files hold (newline and space runs, tabs, digits,
+# emoji sequences, scripts with combining marks).
+LLAMA_CPP_VOCAB_TESTS = [
+    "ied 4 ½ months", "Äpfel", "", " ", "  ", "   ", "\t", "\n", "\n\n", "\n\n\n", "\t\n", "Hello world",
+    " Hello world", "Hello World", " Hello World", " Hello World!", "Hello, world!", " Hello, world!",
+    " this is 🦙.cpp", "w048 7tuijk dsdfhu", "нещо на Български", "កាន់តែពិសេសអាចខលចេញ",
+    "🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ (only emoji that has its own token)", "Hello",
+    " Hello", "  Hello", "   Hello", "    Hello", "    Hello\n    Hello", " (", "\n =", "' era",
+    "Hello, y'all! How are you 😁 ?我想在apple工作1314151天～", "!!!!!!", "3", "33", "333", "3333", "33333",
+    "333333", "3333333", "33333333", "333333333", "Cửa Việt", " discards",
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ ✅ 🦙🦙 3 33 333 3333 3.3 3..3 3...3 "
+    "កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо ''''''```````\"\"\"\"......!!!!!!?????? "
+    "I've been 'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL",
+]
+G4_TEXTS = STRESS + LLAMA_CPP_VOCAB_TESTS + [
+    "<|turn>user\nHi <|channel>thought\n\nok<channel|>there<turn|>\n<|turn>model\n",
+    "a\nb\n\nc\n\n\nd\n\n\n\ne\n\n\n\n\nf\n\n\n\n\n\n\n\n\ng", "\n", "\n\n\n\n\n", "\n\n x  \n\n\n\n\n\n\n",
+    "  <|channel>  <turn|>\n\n<bos>", "tab\there  two  spaces   three",
+]
+
+
+def _gemma4_gguf(folder, newline_merges: str):
+    """A small vocabulary shaped as Gemma 4's: control and user-defined tokens, newline runs, <0xXX> bytes and
+    BPE pieces trained on `▁`-spelt text over a small alphabet (so that byte fallback happens). newline_merges:
+    "none" (no merge joins newlines), "all" (merges build every newline-run token) or "pair" ("\n \n" only)."""
+    tok = HFTokenizer(models.BPE())
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = _split(r"\n+")
+    tok.train_from_iterator([t.replace("\n", " ") for t in TRAIN], trainers.BpeTrainer(
+        vocab_size=600, limit_alphabet=80, show_progress=False))
+    trained = tok.get_vocab()
+    merges = [m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    fixed = G4_CONTROL + G4_USER + ["\n" * n for n in range(1, G4_NEWLINES + 1)] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens = fixed + [t for t in sorted(trained, key=trained.get) if t not in fixed]
+    types = ([CONTROL] * len(G4_CONTROL) + [USER_DEFINED] * len(G4_USER) + [NORMAL] * G4_NEWLINES + [BYTE] * 256
+             + [NORMAL] * (len(tokens) - len(fixed)))
+    if newline_merges == "all":
+        merges += ["\n" * a + " " + "\n" * (n - a) for n in range(2, G4_NEWLINES + 1) for a in range(1, n)]
+    elif newline_merges == "pair":
+        merges += ["\n \n"]
+    path = _write_gguf(folder / "gemma4.gguf", tokens, types, model="gemma4", merges=merges, bos=2, eos=1,
+                       add_bos=False)  # llama.cpp adds BOS for Gemma 4 even so
+    return tokens, types, merges, path
+
+
+def _llama_cpp_gemma4(tokens, types, merges, text: str) -> list[int]:
+    """llama.cpp's `gemma4` tokenization (llama-vocab.cpp), written out plainly: control and user-defined tokens
+    cut out whole (longest first), spaces spelt `▁`, runs of newlines and of other characters tokenized apart;
+    a newline run that is a token is that token, anything else is merged by rank (lowest first, leftmost on
+    ties) from single characters, and a piece missing from the vocabulary becomes its <0xXX> bytes."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    rank = {}
+    for i, m in enumerate(merges):
+        cut = m.find(" ", 1)
+        rank.setdefault((m[:cut], m[cut + 1:]), i)
+    specials = sorted((t for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)), key=len, reverse=True)
+    fragments: list = [text] if text else []
+    for special in specials:  # each special splits every text fragment left by the longer ones
+        out = []
+        for f in fragments:
+            if isinstance(f, int):
+                out.append(f)
+                continue
+            parts = f.split(special)
+            for j, part in enumerate(parts):
+                if j:
+                    out.append(vocab[special])
+                if part:
+                    out.append(part)
+        fragments = out
+    ids = []
+    for f in fragments:
+        if isinstance(f, int):
+            ids.append(f)
+            continue
+        for word in re.findall(r"[^\n]+|\n+", f.replace(" ", "▁")):
+            if not word.strip("\n") and word in vocab:
+                ids.append(vocab[word])
+                continue
+            pieces = list(word)
+            while True:
+                found = [(rank[p], i) for i, p in enumerate(zip(pieces, pieces[1:])) if p in rank]
+                if not found:
+                    break
+                i = min(found)[1]
+                pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
+            for p in pieces:
+                ids += [vocab[p]] if p in vocab else [vocab[f"<0x{b:02X}>"] for b in p.encode()]
+    return ids
+
+
+@pytest.mark.parametrize("newline_merges", ["none", "all"])
+def test_gemma4_matches_llama_cpp(newline_merges, tmp_path, caplog):
+    tokens, types, merges, path = _gemma4_gguf(tmp_path, newline_merges)
+    ours = Tokenizer.from_model_path(path)
+    assert "differently" not in caplog.text
+    assert ours.bos_token_id == 2 and ours.eos_token_ids == [1]
+    fallback = 0
+    for text in G4_TEXTS:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == _llama_cpp_gemma4(tokens, types, merges, text), text
+        assert ours.encode(text) == [2] + ids
+        fallback += sum(types[i] == BYTE for i in ids)
+        if not any(s in text for s in G4_CONTROL + G4_USER):
+            assert ours.decode(ids) == text, text
+    assert fallback > 10  # the strings reach characters the vocabulary only has as <0xXX> bytes
+    nl = tokens.index("\n")
+    assert ours.encode("x\n\n\ny", add_special_tokens=False)[1:-1] == [nl + 2]  # a newline-run token, whole
+    six = ours.encode("x" + "\n" * 6, add_special_tokens=False)[1:]
+    assert six == ([nl] * 6 if newline_merges == "none" else [nl + 3, nl + 1])  # longer: merged as llama.cpp does
+
+
+def test_gemma4_newline_tokens_whole_when_merges_disagree(tmp_path, caplog):
+    """Merges that build the newline-run tokens only in part: runs up to the longest token still match llama.cpp,
+    and the load says that longer runs may not."""
+    tokens, types, merges, path = _gemma4_gguf(tmp_path, "pair")
+    ours = Tokenizer.from_model_path(path)
+    assert "newline runs longer than 4 may tokenize differently" in caplog.text
+    for text in G4_TEXTS:
+        if "\n" * (G4_NEWLINES + 1) not in text:
+            assert ours.encode(text, add_special_tokens=False) == _llama_cpp_gemma4(tokens, types, merges, text), text
