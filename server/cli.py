@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "name); model \"auto\" then means the first one")
     m.add_argument("--config", default=None, metavar="TOML",
                    help="serve the models, API key tiers and routing rules of a TOML file instead of --model "
-                        "(engine flags below are the defaults of its models); see README")
+                        "(engine flags below are the defaults of its models); see docs/deployment.md")
     m.add_argument("--served-model-name", default=None,
                    help="model name clients send and see in responses; default: the model's name")
     add_engine_arguments(p, SERVER_ENGINE_SETTINGS)

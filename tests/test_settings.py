@@ -3,7 +3,9 @@ the dataclass's default, --help shows that default (or says what a None default 
 memory planner's flags are the server's."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import pathlib
 
 import pytest
 
@@ -13,6 +15,8 @@ from pyengine.config import EngineConfig, engine_settings
 from pyengine.engine_args import default_of, flag_name, value_types
 from server import config_file
 from server.cli import SERVER_ENGINE_SETTINGS, build_parser, engine_config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def example_value(name: str):
@@ -146,3 +150,12 @@ def test_a_setting_outside_its_choices_or_range_is_refused_by_name():
         EngineConfig(max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="tensor_core_prefill needs device='cuda'"):
         EngineConfig(tensor_core_prefill=True)
+
+
+def test_the_docs_settings_table_is_generated_from_the_dataclass():
+    """docs/configuration.md lists every setting as tools/settings_table.py prints it from EngineConfig."""
+    spec = importlib.util.spec_from_file_location("settings_table", ROOT / "tools" / "settings_table.py")
+    settings_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(settings_table)
+    page = settings_table.PAGE.read_text()
+    assert settings_table.page_with_table(page) == page, "run: python tools/settings_table.py --write"
