@@ -103,6 +103,10 @@ class EngineConfig:
     solo_prefill_tokens: int | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     num_threads: int | None = None  # CPU threads for torch and the native kernels
+    # CPU, GGUF weights kept quantized: from this many rows a step's projections run the AMX-INT8 GEMM
+    # (native/cpu/linear/quant_amx.cpp: one int8 code per activation) where the host has AMX-INT8; 0 keeps
+    # the default paths (the int8 kernels, and from 16 rows on AMX hosts the bf16 strips).
+    qlinear_gemm_rows: int = 0
     seed: int = 0  # seeds the RNG that draws a seed for each request without one
     # CUDA only. cuda_graphs: decode-only steps replay CUDA graphs captured at start-up, one per batch-size
     # bucket (pyengine/model/cuda_graphs.py). tensor_core_prefill: prompt chunks' attention runs

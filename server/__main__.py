@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="order of waiting requests (priority: the request field 'priority')")
     m.add_argument("--num-threads", type=int, default=None, help="CPU threads for the model")
+    m.add_argument("--qlinear-gemm-rows", type=int, default=0,
+                   help="cpu, quantized weights: from this many rows run the AMX-INT8 GEMM (0: off)")
     m.add_argument("--seed", type=int, default=0, help="seed for requests that do not set one")
     m.add_argument("--cuda-graphs", action="store_true",
                    help="cuda: replay decode steps as CUDA graphs (one per batch-size bucket, captured at start)")
@@ -136,7 +138,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None, **override
                  kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  long_prefill_tokens=args.long_prefill_tokens, solo_prefill_tokens=args.solo_prefill_tokens,
-                 scheduling_policy=args.scheduling_policy, num_threads=args.num_threads, seed=args.seed,
+                 scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
+                 qlinear_gemm_rows=args.qlinear_gemm_rows, seed=args.seed,
                  cuda_graphs=args.cuda_graphs, tensor_core_prefill=args.tensor_core_prefill)
     return EngineConfig(model=model, **(flags | overrides))
 
