@@ -11,7 +11,7 @@ from pyengine.ops.qlinear import QUANT_TYPES, QuantLinear
 from test_qlinear_op import quantized_weight
 
 AMX = "amx" in _C.qlinear_isas().split(",")
-pytestmark = pytest.mark.skipif(not AMX, reason="no AMX-INT8 in this build or process: the GEMM is not built")
+needs_amx = pytest.mark.skipif(not AMX, reason="no AMX-INT8 in this build or process: the GEMM is not built")
 
 
 @pytest.fixture
@@ -68,6 +68,7 @@ def shapes(type_name: str) -> list[tuple[int, int]]:
     return [(1, 32), (17, 96), (50, 800)]
 
 
+@needs_amx
 @pytest.mark.parametrize("type_name", list(QUANT_TYPES))
 def test_matches_reference(gemm_rows, type_name):
     gemm_rows(16)
@@ -77,6 +78,7 @@ def test_matches_reference(gemm_rows, type_name):
         check(QuantLinear(blocks, type_name, bias), w, bias)
 
 
+@needs_amx
 def test_row_panels(gemm_rows):
     """More rows than one panel (the activations' L2 share): each panel on every tile."""
     gemm_rows(16)
@@ -84,6 +86,7 @@ def test_row_panels(gemm_rows):
     check(QuantLinear(blocks, "Q4_K"), w, None, rows=(300, 515))
 
 
+@needs_amx
 def test_row_ranges_of_different_types(gemm_rows):
     """A fused projection whose parts differ in type (Q4_K_M's qkv): the activations quantized once for all."""
     gemm_rows(16)
@@ -93,6 +96,7 @@ def test_row_ranges_of_different_types(gemm_rows):
     check(lin, torch.cat([w for _, w in parts]), bias, rows=(16, 45))
 
 
+@needs_amx
 def test_path_by_rows(gemm_rows):
     """From qlinear_gemm_rows rows on the amx path; below, and on every other SIMD path, the int8 kernels."""
     gemm_rows(16)
@@ -111,3 +115,10 @@ def test_path_by_rows(gemm_rows):
     gemm_rows(0)
     assert _C.qlinear_path(500, 512) == "amx"
     assert not torch.equal(lin(x, out_dtype=torch.float32), gemm)
+
+
+def test_server_flag_reaches_the_engine_config():
+    from server.__main__ import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["--qlinear-gemm-rows", "16"])).qlinear_gemm_rows == 16
+    assert engine_config(build_parser().parse_args([])).qlinear_gemm_rows == 0
