@@ -11,8 +11,9 @@ decode step gives them) is timed per path, the paths alternating, wall ms, min o
   amx_gemm  the AMX-INT8 GEMM (linear/quant_amx.cpp) from 16 rows
   strips    the weight dequantized to bf16 a strip at a time for the bf16 AMX kernel (the previous default)
   int8      the int8 kernels (quant.cpp) at every M
-M = 1 runs the int8 kernels on every path. Roofline: the host's read bandwidth (a torch sum over 1 GiB,
---threads threads) and the best GEMM rate this bench measures (bf16 PackedLinear and the AMX-INT8 GEMM on a
+M = 1 runs the int8 kernels on every path. Roofline: the host's read bandwidth (the faster of a torch sum
+over 1 GiB on --threads threads and the weight bytes over the fastest 1-row step: that step reads every
+weight once, so it bounds the bandwidth from below) and the best GEMM rate this bench measures (bf16 PackedLinear and the AMX-INT8 GEMM on a
 [8192, 2048] weight at M = 512); a step's floor is max(weight bytes / bandwidth, FLOPs / rate), FLOPs =
 2 x M x the layers' weights + 2 x the lm_head's (one row: the last), and each step is shown as a fraction of it.
 
@@ -179,8 +180,11 @@ def main() -> None:
                     best[p, m] = min(best.get((p, m), float("inf")), (time.perf_counter() - t0) * 1e3)
         _C.set_qlinear_gemm_rows(defaults[0])
         _C.set_qlinear_strip_rows(defaults[1])
-        print(f"\n{recipe}: {weight_bytes / 1e9:.2f} GB of weights, {args.layers} layers; wall ms per step, "
-              f"min of {args.repeats}; (x.xx) = the floor's ms / the step's ms")
+        if 1 in sizes:
+            bandwidth = max(bandwidth, weight_bytes / (1e-3 * min(best[p, 1] for p in paths)))
+        print(f"\n{recipe}: {weight_bytes / 1e9:.2f} GB of weights, {args.layers} layers; read bandwidth "
+              f"{bandwidth / 1e9:.1f} GB/s; wall ms per step, min of {args.repeats}; (x.xx) = the floor's ms / "
+              f"the step's ms")
         print(f"{'M':>4s} {'floor':>7s} " + " ".join(f"{p:>16s}" for p in paths) + "  amx_gemm / strips")
         for m in sizes:
             floor = 1e3 * max(weight_bytes / bandwidth, 2 * (m * layer_params + lm_head) / rate)

@@ -27,6 +27,8 @@
 //         weight line; below, vpmaddubsw + vpmaddwd on the int8 pairs (Q8_0 on signed values: no i16
 //         overflow), 4 int8 rows (2 of x) per unpacked weight line. Both give the same sums, so the same bits;
 //   scalar: a portable loop over the same layout.
+// From qlinear_gemm_rows() rows of x (opt-in) on the amx path, linear/quant_amx.cpp's AMX-INT8 GEMM runs
+// instead (one int8 code per activation, no residual).
 // From qlinear_strip_rows() rows of bf16 x (16 on AMX hosts, else never), linear/quant_strips.cpp runs
 // instead: the weight dequantized to bf16 a strip at a time for linear/bf16.cpp's kernel, bit-identical to
 // weights="dequantize".

@@ -65,7 +65,7 @@ constexpr int zero_point() {
 struct Activations {
   const int8_t* xq;
   const float *dx, *sx, *sh;
-  int64_t Mp, K, KB;
+  int64_t Mp, KB;
 };
 
 // Rows [r0, r1) of x -> xq, dx, sx, sh (the layouts at the top).
@@ -162,7 +162,8 @@ void unpack_tile(const uint8_t* w, int64_t KB, uint8_t* u) {
 }
 
 // Rows [r0, r0 + 16) of the panel x one tile (n0: its first column; rec: its records; u: its unpacked
-// groups) -> out. `next`, `next_bytes`: the following tile's records, prefetched into L2 across the steps.
+// groups) -> out (rows ldo apart), rows from M and columns from N left out (padding). `next`, `next_bytes`:
+// the following tile's records, prefetched into L2 across the steps.
 template <int T>
 void row_block(const Activations& x, int64_t r0, int64_t n0, const uint8_t* rec, const uint8_t* u,
                const float* bias, void* out, int64_t M, int64_t N, int64_t ldo, bool out_f32, const uint8_t* next,
@@ -281,7 +282,7 @@ bool qlinear_amx_gemm(const void* x, bool x_f32, const int64_t* seg, const float
   pool.parallel_for(parts, [&](int64_t p) {
     quantize_rows(x, x_f32, M * p / parts, M * (p + 1) / parts, xqb, dx, sx, sh, Mp, K);
   });
-  const Activations a{xqb, dx, sx, sh, Mp, K, KB};
+  const Activations a{xqb, dx, sx, sh, Mp, KB};
   for (int64_t p0 = 0; p0 < Mp; p0 += kPanelRows) {
     const int64_t p1 = std::min(Mp, p0 + kPanelRows);
     for (int64_t s = 0, col = 0; s < seg[0]; col += seg[2 + 3 * s], ++s) {
