@@ -20,10 +20,13 @@ pytestmark = pytest.mark.skipif(not STRIPS, reason="no AVX512-BF16 linear in thi
 
 @pytest.fixture
 def strip_rows():
-    """Sets qlinear_strip_rows for one test, restored after."""
-    default = _C.qlinear_strip_rows()
+    """Sets qlinear_strip_rows for one test (the AMX-INT8 GEMM, which runs ahead of the strips, off), restored
+    after."""
+    default = _C.qlinear_strip_rows(), _C.qlinear_gemm_rows()
+    _C.set_qlinear_gemm_rows(0)
     yield _C.set_qlinear_strip_rows
-    _C.set_qlinear_strip_rows(default)
+    _C.set_qlinear_strip_rows(default[0])
+    _C.set_qlinear_gemm_rows(default[1])
 
 
 def load_time_bf16(blocks, type_name: str, n: int, k: int) -> torch.Tensor:

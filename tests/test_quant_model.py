@@ -17,6 +17,7 @@ from pyengine.model.gguf import requantize
 from pyengine.model.loader import load_model
 from pyengine.ops.qlinear import QuantLinear
 from pyengine.tokenizer import Tokenizer
+from test_qlinear_amx_gemm import gemm_rows  # noqa: F401  (fixture)
 from test_qlinear_strips import strip_rows  # noqa: F401  (fixture)
 
 TOKENS, CHUNK = 2048, 512
@@ -54,6 +55,20 @@ def ids():
     return english_text_ids(TOKENS)
 
 
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    """type name -> the default model in that type: the file itself for Q4_1, else requantized once."""
+    files: dict[str, str] = {"Q4_1": default_model_path()}
+
+    def get(type_name: str) -> str:
+        if type_name not in files:
+            files[type_name] = requantize(default_model_path(),
+                                          str(tmp_path_factory.mktemp("quant") / f"{type_name}.gguf"), type_name)
+        return files[type_name]
+
+    return get
+
+
 # Q4_K_M: llama.cpp's mix (pyengine.model.kquants.mix_type); on this model's rows of 576 values mostly
 # its fallbacks: Q5_0 (q, k, o, gate, up; v in most layers), Q8_0 (the embedding; v in the others, so a
 # qkv of two types), Q4_K / Q6_K in ffn_down (rows of 1536). Q2_K: Q2_K in ffn_down, llama.cpp's IQ4_NL
@@ -65,10 +80,8 @@ def ids():
     ("Q4_K_M", ["Q4_K", "Q5_0", "Q6_K", "Q8_0"], "Q5_0+Q8_0", 0.98),
     ("Q2_K", ["Q2_K", "IQ4_NL"], "IQ4_NL", 0.98),
 ])
-def test_teacher_forced_agreement(type_name, held, qkv, min_agreement, ids, tmp_path, caplog):
-    path = default_model_path()
-    if type_name != "Q4_1":  # the default file is Q4_1 (a Q8_0 embedding); the rest is requantized
-        path = requantize(path, str(tmp_path / f"{type_name}.gguf"), type_name)
+def test_teacher_forced_agreement(type_name, held, qkv, min_agreement, ids, model_file, caplog):
+    path = model_file(type_name)  # the default file is Q4_1 (a Q8_0 embedding); the rest is requantized
     with caplog.at_level(logging.INFO, logger="pyengine.model.loader"):
         cfg, model = load_model(path, torch.float32, "cpu")
     for t in held:
@@ -79,6 +92,25 @@ def test_teacher_forced_agreement(type_name, held, qkv, min_agreement, ids, tmp_
     _, ref = load_model(path, torch.float32, "cpu", weights="dequantize")
     agreement, mean_delta = teacher_forced(model, ref, cfg, ids)
     print(f"{type_name}: top-1 agreement {agreement:.4f}, mean |delta logprob| {mean_delta:.4f} over {TOKENS} tokens")
+    assert agreement >= min_agreement
+    assert mean_delta < 0.1
+
+
+# The AMX-INT8 GEMM rounds each activation to one int8 code (the int8 kernels keep a residual code too, the
+# strips multiply bf16): it agrees less often with fp32, more so where the weights' own rounding leaves logits
+# closer together. The floors are this path's measured agreement, a little below; they hold the path to
+# it, and are below the 99% the default paths reach (the report of issue 60 has the figures per type).
+@pytest.mark.skipif("amx" not in _C.qlinear_isas().split(","), reason="no AMX-INT8 in this build: no GEMM")
+@pytest.mark.parametrize("type_name,min_agreement", [("Q8_0", 0.955), ("Q4_K_M", 0.95)])
+def test_amx_gemm_teacher_forced_agreement_bf16(type_name, min_agreement, ids, model_file, gemm_rows):
+    """bf16 activations, one 512-row prompt chunk on the AMX-INT8 GEMM, against the same file dequantized to
+    fp32 (fp32 activations)."""
+    gemm_rows(16)
+    path = model_file(type_name)
+    cfg, model = load_model(path, torch.bfloat16, "cpu")
+    _, ref = load_model(path, torch.float32, "cpu", weights="dequantize")
+    agreement, mean_delta = teacher_forced(model, ref, cfg, ids[:CHUNK])
+    print(f"{type_name} bf16 amx_gemm: top-1 agreement {agreement:.4f}, mean |delta logprob| {mean_delta:.4f}")
     assert agreement >= min_agreement
     assert mean_delta < 0.1
 

@@ -210,4 +210,9 @@ struct Zmm {
 bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, void* out, int64_t M, int64_t N,
                     int64_t K, bool out_f32);
 
+// linear/quant_amx.cpp: the same product on AMX-INT8 tiles for x (bf16 or fp32) of M >= qlinear_gemm_rows()
+// rows, where this build and process have AMX; false (nothing done) otherwise.
+bool qlinear_amx_gemm(const void* x, bool x_f32, const int64_t* seg, const float* bias, void* out, int64_t M,
+                      int64_t N, int64_t K, bool out_f32);
+
 }  // namespace pyengine::cpu

@@ -79,6 +79,12 @@ void qembedding(uintptr_t ids, int64_t T, uintptr_t packed, int type, int64_t N,
 // linear_bf16 runs on AMX, else 0.
 void set_qlinear_strip_rows(int64_t rows);
 int64_t qlinear_strip_rows();
+// From this many rows of x (0: never), qlinear runs its AMX-INT8 GEMM (linear/quant_amx.cpp), where the
+// SIMD path is amx; it takes precedence over the strips. Default: 0.
+void set_qlinear_gemm_rows(int64_t rows);
+int64_t qlinear_gemm_rows();
+// The kernel qlinear runs for M rows of bf16 x: "amx_gemm", "strips", or the int8 kernels' SIMD path.
+std::string qlinear_path(int64_t M, int64_t K);
 void set_qlinear_isa(const std::string& name);  // "scalar", "avx2", "avx512_vnni" (where built)
 std::string qlinear_isa();
 std::string qlinear_isas();
