@@ -103,14 +103,6 @@ def logprob_shift(a: list[TokenLogprob], b: list[TokenLogprob]) -> float:
 
 
 @pytest.fixture(scope="module")
-def bf16_parts(real_parts):
-    from pyengine.model.loader import load_model, resolve_model_path
-
-    cfg, model = load_model(resolve_model_path(None), torch.bfloat16, torch.device("cpu"))
-    return cfg, model, real_parts[2], real_parts[3]
-
-
-@pytest.fixture(scope="module")
 def bf16_lps(bf16_parts, text) -> list[TokenLogprob]:
     return prompt_logprobs(real_engine(bf16_parts, N + 16, dtype="bfloat16"), text)
 
