@@ -23,6 +23,7 @@ from pyengine.request_log import RequestLog, RequestRecord, read_records
 
 from test_server_e2e import ROOT, ServerProcess
 
+pytestmark = pytest.mark.e2e  # a `python -m server` subprocess (pyproject's markers)
 KEY = "obs-key"
 # where the web page test leaves its screenshot (web_page.png): this folder if set, else the test's tmp_path
 ARTIFACTS = os.environ.get("PYENGINE_TEST_ARTIFACTS")

@@ -31,6 +31,7 @@ def prompts():
             for p in PROMPTS], set(tok.eos_token_ids)
 
 
+@pytest.mark.accuracy  # a greedy continuation of 5 prompts against transformers, step by step
 def test_default_model_greedy_parity(hf_model, ours, prompts):
     cfg, model = ours
     ids, stop = prompts

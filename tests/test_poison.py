@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from pyengine.sampling_params import LIMITS
 from tests.test_server_e2e import ServerProcess, http
 
+pytestmark = pytest.mark.e2e  # a `python -m server` subprocess (pyproject's markers)
 KEY = "poison-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 VOCAB = 49152  # SmolLM2's

@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from server.ray import APP_NAME, build_app  # noqa: E402
 
-pytestmark = pytest.mark.ray
+# the first test also starts Ray and two replicas; the kill test waits up to 2 minutes for a new replica
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPLICAS = ["engine-0", "engine-1"]
 
