@@ -39,6 +39,20 @@ def path(request):
         _C.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def shared() -> dict:
+    """Inputs and torch references that tests compute once for all paths (they do not depend on the path
+    under test; the kernels only read them): the module's paths share them instead of rebuilding them."""
+    return {}
+
+
+def once(shared: dict, key, build):
+    """build()'s result, computed on the first call with this key in the module."""
+    if key not in shared:
+        shared[key] = build()
+    return shared[key]
+
+
 @pytest.mark.parametrize("gqa,kv_heads,head_dim,block_size", [
     (3, 3, 64, 16),   # the default model's shape (GQA 3:1)
     (4, 2, 64, 8),    # GQA 4:1, blocks of 8
@@ -47,45 +61,61 @@ def path(request):
     (1, 2, 64, 24),   # no GQA; a block size that is no multiple of 16
     (3, 3, 64, 128),  # the largest blocks
 ])
-def test_prompts_match_reference(path, gqa, kv_heads, head_dim, block_size):
-    q, kc, vc, bt, sl, qsl, _ = make_batch(PROMPTS, gqa * kv_heads, kv_heads, head_dim, block_size, torch.bfloat16)
+def test_prompts_match_reference(path, gqa, kv_heads, head_dim, block_size, shared):
     scale = 1.0 / math.sqrt(head_dim)
+
+    def build():
+        q, kc, vc, bt, sl, qsl, _ = make_batch(PROMPTS, gqa * kv_heads, kv_heads, head_dim, block_size, torch.bfloat16)
+        return q, kc, vc, bt, sl, qsl, reference(q, kc, vc, bt, sl, qsl, scale)
+
+    q, kc, vc, bt, sl, qsl, ref = once(shared, ("prompts", gqa, kv_heads, head_dim, block_size), build)
     out = paged_attention(q, kc, vc, bt, sl, qsl, scale)
-    torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, scale), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 128), (64, 64)])
-def test_quantized_cache(path, cache_dtype, block_size, head_dim):
-    q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(PROMPTS, 9, 3, head_dim, block_size, torch.bfloat16,
-                                                  cache_dtype=cache_dtype, seed=2)
+def test_quantized_cache(path, cache_dtype, block_size, head_dim, shared):
+    def build():
+        q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(PROMPTS, 9, 3, head_dim, block_size, torch.bfloat16,
+                                                      cache_dtype=cache_dtype, seed=2)
+        return q, kc, vc, bt, sl, qsl, ks, vs, reference(q, kc, vc, bt, sl, qsl, 0.1, ks, vs)
+
+    q, kc, vc, bt, sl, qsl, ks, vs, ref = once(shared, ("quantized", cache_dtype, block_size, head_dim), build)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.1, k_scales=ks, v_scales=vs)
-    torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.1, ks, vs), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("window,softcap", [(1, 0.0), (40, 0.0), (64, 0.0), (100, 0.0), (0, 5.0), (33, 2.0)])
 @pytest.mark.parametrize("cache_dtype", [None, torch.int8])
-def test_window_and_softcap(path, window, softcap, cache_dtype):
+def test_window_and_softcap(path, window, softcap, cache_dtype, shared):
     """Sliding windows shorter than a chunk, equal to it and spanning several; Gemma 2's soft-cap."""
-    q, kc, vc, bt, sl, qsl, scales = make_batch(PROMPTS, 8, 2, 64, 16, torch.bfloat16, cache_dtype=cache_dtype,
-                                                seed=3)
-    ks, vs = scales or (None, None)
-    q = q * 3  # large scores, so the cap changes them
+    def build():
+        q, kc, vc, bt, sl, qsl, scales = make_batch(PROMPTS, 8, 2, 64, 16, torch.bfloat16, cache_dtype=cache_dtype,
+                                                    seed=3)
+        ks, vs = scales or (None, None)
+        q = q * 3  # large scores, so the cap changes them
+        return q, kc, vc, bt, sl, qsl, ks, vs, reference(q, kc, vc, bt, sl, qsl, 0.125, ks, vs, window=window,
+                                                         softcap=softcap)
+
+    q, kc, vc, bt, sl, qsl, ks, vs, ref = once(shared, ("window", window, softcap, cache_dtype), build)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125, k_scales=ks, v_scales=vs, window=window, softcap=softcap)
-    ref = reference(q, kc, vc, bt, sl, qsl, 0.125, ks, vs, window=window, softcap=softcap)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 128])
-def test_long_prompt_and_nan_in_unowned_slots(path, block_size):
+def test_long_prompt_and_nan_in_unowned_slots(path, block_size, shared):
     """A 2k-token prompt (several kv chunks per query block, items of unequal causal work) beside a
     shorter chunk; NaN in every slot no sequence owns must not leak (a bf16 cache is read in place:
     the block holding a sequence's last position also holds slots past its end)."""
-    specs = [(2048, 2048), (1100, 100), (70, 37)]
-    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, block_size, torch.bfloat16, seed=4)
-    kc, vc = poison_unowned_slots(kc, vc, bt, specs, block_size)
+    def build():
+        specs = [(2048, 2048), (1100, 100), (70, 37)]
+        q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, block_size, torch.bfloat16, seed=4)
+        kc, vc = poison_unowned_slots(kc, vc, bt, specs, block_size)
+        return q, kc, vc, bt, sl, qsl, reference(q, kc.nan_to_num(), vc.nan_to_num(), bt, sl, qsl, 0.125)
+
+    q, kc, vc, bt, sl, qsl, ref = once(shared, ("long", block_size), build)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
-    ref = reference(q, kc.nan_to_num(), vc.nan_to_num(), bt, sl, qsl, 0.125)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
