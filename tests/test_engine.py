@@ -199,10 +199,12 @@ def test_real_64_mixed_prompts_batch_equals_alone(real_parts):
     tok = real_parts[2]
     rng = random.Random(0)
     prompts = [text_ids(tok, rng.randint(3, 40), offset=rng.randint(0, 60)) for _ in range(64)]
+    # 3 tokens: the batched prompts' chunks, then two decode steps of all 64; the alone run, 64 requests one
+    # at a time, is most of the cost (it was 5 tokens)
     batched = real_llm(real_parts, max_num_seqs=64, max_num_batched_tokens=1024)
-    got = greedy_tokens(batched, prompts, 5)
+    got = greedy_tokens(batched, prompts, 3)
     alone = real_llm(real_parts, max_num_seqs=1)
-    want = greedy_tokens(alone, prompts, 5)
+    want = greedy_tokens(alone, prompts, 3)
     assert_same_or_tie(alone, prompts, got, want)
     assert sum(g == w for g, w in zip(got, want)) >= 62
     assert_all_free(batched.engine)
