@@ -4,6 +4,7 @@ the same weights. And the Hypothesis profile: no example database, so no test wr
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ from hypothesis import settings
 
 from tests.model_helpers import gguf_folder_and_name
 
-# Hypothesis keeps failing examples in .hypothesis/ under the working directory (the checkout) by
-# default: off, so no test writes there; a failure still prints its example and a @reproduce_failure blob.
+# Hypothesis keeps failing examples (and a cache of the source's constants) in .hypothesis/ under the
+# working directory, the checkout, by default: the database is off (a failure still prints its example
+# and a @reproduce_failure blob) and its other files go to a folder in the system's tmp directory.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "pyengine-hypothesis"))
 settings.register_profile("pyengine", database=None, print_blob=True)
 settings.load_profile("pyengine")
 
