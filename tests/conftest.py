@@ -1,13 +1,23 @@
-"""Fixtures shared by several test modules: the default model loaded once per session, both as our
-fp32 model and as the independent transformers reference on the same weights."""
+"""Fixtures shared by several test modules: the default model loaded once per session, as our fp32
+model, as our bf16 model on its quantized weights, and as the independent transformers reference on
+the same weights. And the Hypothesis profile: no example database, so no test writes into the checkout."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
+from hypothesis import settings
 
 from tests.model_helpers import gguf_folder_and_name
+
+# Hypothesis keeps failing examples (and a cache of the source's constants) in .hypothesis/ under the
+# working directory, the checkout, by default: the database is off (a failure still prints its example
+# and a @reproduce_failure blob) and its other files go to a folder in the system's tmp directory.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "pyengine-hypothesis"))
+settings.register_profile("pyengine", database=None, print_blob=True)
+settings.load_profile("pyengine")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -35,4 +45,17 @@ def real_parts():
 
     path = resolve_model_path(None)
     cfg, model = load_model(path, torch.float32, torch.device("cpu"), weights="dequantize")
+    return cfg, model, Tokenizer.from_model_path(path), "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def bf16_parts():
+    """(model config, our bf16 model on the GGUF's quantized weights, tokenizer, name): what the server
+    runs by default (steps in decoder_layers). Shared, like real_parts: tests build engines on it and
+    must not change the model."""
+    from pyengine.model.loader import load_model, resolve_model_path
+    from pyengine.tokenizer import Tokenizer
+
+    path = resolve_model_path(None)
+    cfg, model = load_model(path, torch.bfloat16, torch.device("cpu"))
     return cfg, model, Tokenizer.from_model_path(path), "smollm2-135m"

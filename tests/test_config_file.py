@@ -147,6 +147,7 @@ def test_several_model_flags(tmp_path):
         model_specs(build_parser().parse_args(["--model", str(gguf), "--model", f"tiny={gguf}"]), None)
 
 
+@pytest.mark.e2e
 def test_two_bundled_models_routed_by_prompt_length(tmp_path):
     """A real server: two configurations of the bundled model, each with its own small KV cache."""
     from test_server_e2e import ServerProcess

@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from pyengine.engine.async_engine import AsyncLLM
 from pyengine.interrupt import StepInterrupt, StepInterrupted
@@ -31,17 +30,6 @@ def test_the_flag_raises_only_once_set():
         interrupt.check()
     interrupt.clear()
     interrupt.check()
-
-
-@pytest.fixture(scope="module")
-def bf16_parts():
-    """The default GGUF in bf16 with its quantized weights: steps run in decoder_layers."""
-    from pyengine.model.loader import load_model, resolve_model_path
-    from pyengine.tokenizer import Tokenizer
-
-    path = resolve_model_path(None)
-    cfg, model = load_model(path, torch.bfloat16, torch.device("cpu"))
-    return cfg, model, Tokenizer.from_model_path(path), "smollm2-135m"
 
 
 @pytest.mark.parametrize("parts_name, native", [("real_parts", False), ("bf16_parts", True)])

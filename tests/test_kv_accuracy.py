@@ -57,6 +57,8 @@ from pyengine.llm import LLM
 from pyengine.sampling_params import SamplingParams
 from test_server_e2e import ServerProcess
 
+# teacher-forced runs over 2,048 tokens, several on the fp32 model: up to minutes each on a slow 2-core machine
+pytestmark = [pytest.mark.accuracy, pytest.mark.timeout(600)]
 N = 2048
 # bf16 vs fp32, fp8/int8 vs a bf16 cache. fp8 vs a bf16 cache measured 97.8% on an AVX512-BF16 CPU and
 # 97.3% on an AVX2 one (the bf16 model's portable kernels; within the +-0.4% that agreement moves with no
@@ -100,14 +102,6 @@ def logprob_shift(a: list[TokenLogprob], b: list[TokenLogprob]) -> float:
     shift = sum(abs(x.logprob - y.logprob) for x, y in zip(a, b)) / len(a)
     print(f"mean |logprob difference| {shift:.4f}")
     return shift
-
-
-@pytest.fixture(scope="module")
-def bf16_parts(real_parts):
-    from pyengine.model.loader import load_model, resolve_model_path
-
-    cfg, model = load_model(resolve_model_path(None), torch.bfloat16, torch.device("cpu"))
-    return cfg, model, real_parts[2], real_parts[3]
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +194,8 @@ def quantized_servers():
             s.stop()
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(900)  # with the two servers' start-up: a 2,048-token prefill on a slow machine
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
 def test_quantized_kv_through_the_server(kv, quantized_servers, real_parts, text, bf16_top1):
     """echo + logprobs=1: the server's top-1 token (as text) at each prompt position."""

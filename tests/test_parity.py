@@ -16,7 +16,9 @@ PROMPTS = [
     "What are the main differences between a cat and a dog as pets?",
     "Describe the water cycle to a ten year old.",
 ]
-NEW_TOKENS = 64
+# 32 greedy tokens a prompt (positions to ~70, past several 16-token blocks): 64 took two minutes of
+# a 2-core machine, most of it transformers' own decode steps, and checked the same code
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,7 @@ def prompts():
             for p in PROMPTS], set(tok.eos_token_ids)
 
 
+@pytest.mark.accuracy  # a greedy continuation of 5 prompts against transformers, step by step
 def test_default_model_greedy_parity(hf_model, ours, prompts):
     cfg, model = ours
     ids, stop = prompts
@@ -42,7 +45,7 @@ def test_default_model_greedy_parity(hf_model, ours, prompts):
         assert float((got_logits - want_logits).abs().max()) <= 1e-3 * span
         assert got == want
         lengths.append(len(got))
-    assert sum(n == NEW_TOKENS for n in lengths) >= 3  # most prompts ran the full 64 tokens
+    assert sum(n == NEW_TOKENS for n in lengths) >= 3  # most prompts ran the full NEW_TOKENS
 
 
 def test_chunked_prefill_matches_whole_prompt(ours, prompts):

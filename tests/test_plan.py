@@ -4,22 +4,18 @@ import logging
 import re
 
 import pytest
-import torch
 
 from pyengine import plan
 from pyengine.config import EngineConfig
 from pyengine.engine import engine as engine_mod
-from pyengine.model.loader import load_model, resolve_model_path
-from pyengine.tokenizer import Tokenizer
 
 MAX_LEN = 1024  # 24 MiB of bf16 KV (1088 tokens) holds one sequence of it
 
 
 @pytest.fixture(scope="module")
-def parts():
-    path = resolve_model_path(None)
-    cfg, model = load_model(path, torch.bfloat16, torch.device("cpu"))
-    return cfg, model, Tokenizer.from_model_path(path), "smollm2"
+def parts(bf16_parts):
+    """The default model in bf16 on its quantized weights (tests/conftest.py, loaded once a session)."""
+    return bf16_parts
 
 
 def engine_plan_line(parts, caplog, **config) -> str:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from pyengine.sampling_params import LIMITS
 from tests.test_server_e2e import ServerProcess, http
 
+pytestmark = pytest.mark.e2e  # a `python -m server` subprocess (pyproject's markers)
 KEY = "poison-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 VOCAB = 49152  # SmolLM2's
@@ -250,7 +251,9 @@ async def test_slow_and_idle_clients_are_cut_off_while_others_are_served(server)
 
 
 async def test_connections_past_the_cap_get_503(server):
-    async with stream_beside(server, max_tokens=2000):  # the block waits 1 s on silent sockets
+    # the block waits 1 s on silent sockets: 1,000 tokens outlast it 2-3x on a fast host (256 did not),
+    # where 2,000 cost ~40 s of a slow one finishing the stream
+    async with stream_beside(server, max_tokens=1000):
         opened = [await asyncio.open_connection(*_host_port(server)) for _ in range(MAX_CONNECTIONS + 4)]
 
         async def first_bytes(reader: asyncio.StreamReader) -> bytes:

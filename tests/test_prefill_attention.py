@@ -3,6 +3,7 @@ of its paths: prompts (>= 16 query tokens) of bf16 steps go to it, the rest of a
 kernel (native/cpu/attention/step.cpp splits the step)."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -38,6 +39,20 @@ def path(request):
         _C.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def shared() -> dict:
+    """Inputs and torch references that tests compute once for all paths (they do not depend on the path
+    under test; the kernels only read them): the module's paths share them instead of rebuilding them."""
+    return {}
+
+
+def once(shared: dict, key, build):
+    """build()'s result, computed on the first call with this key in the module."""
+    if key not in shared:
+        shared[key] = build()
+    return shared[key]
+
+
 @pytest.mark.parametrize("gqa,kv_heads,head_dim,block_size", [
     (3, 3, 64, 16),   # the default model's shape (GQA 3:1)
     (4, 2, 64, 8),    # GQA 4:1, blocks of 8
@@ -46,45 +61,61 @@ def path(request):
     (1, 2, 64, 24),   # no GQA; a block size that is no multiple of 16
     (3, 3, 64, 128),  # the largest blocks
 ])
-def test_prompts_match_reference(path, gqa, kv_heads, head_dim, block_size):
-    q, kc, vc, bt, sl, qsl, _ = make_batch(PROMPTS, gqa * kv_heads, kv_heads, head_dim, block_size, torch.bfloat16)
+def test_prompts_match_reference(path, gqa, kv_heads, head_dim, block_size, shared):
     scale = 1.0 / math.sqrt(head_dim)
+
+    def build():
+        q, kc, vc, bt, sl, qsl, _ = make_batch(PROMPTS, gqa * kv_heads, kv_heads, head_dim, block_size, torch.bfloat16)
+        return q, kc, vc, bt, sl, qsl, reference(q, kc, vc, bt, sl, qsl, scale)
+
+    q, kc, vc, bt, sl, qsl, ref = once(shared, ("prompts", gqa, kv_heads, head_dim, block_size), build)
     out = paged_attention(q, kc, vc, bt, sl, qsl, scale)
-    torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, scale), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 128), (64, 64)])
-def test_quantized_cache(path, cache_dtype, block_size, head_dim):
-    q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(PROMPTS, 9, 3, head_dim, block_size, torch.bfloat16,
-                                                  cache_dtype=cache_dtype, seed=2)
+def test_quantized_cache(path, cache_dtype, block_size, head_dim, shared):
+    def build():
+        q, kc, vc, bt, sl, qsl, (ks, vs) = make_batch(PROMPTS, 9, 3, head_dim, block_size, torch.bfloat16,
+                                                      cache_dtype=cache_dtype, seed=2)
+        return q, kc, vc, bt, sl, qsl, ks, vs, reference(q, kc, vc, bt, sl, qsl, 0.1, ks, vs)
+
+    q, kc, vc, bt, sl, qsl, ks, vs, ref = once(shared, ("quantized", cache_dtype, block_size, head_dim), build)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.1, k_scales=ks, v_scales=vs)
-    torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.1, ks, vs), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("window,softcap", [(1, 0.0), (40, 0.0), (64, 0.0), (100, 0.0), (0, 5.0), (33, 2.0)])
 @pytest.mark.parametrize("cache_dtype", [None, torch.int8])
-def test_window_and_softcap(path, window, softcap, cache_dtype):
+def test_window_and_softcap(path, window, softcap, cache_dtype, shared):
     """Sliding windows shorter than a chunk, equal to it and spanning several; Gemma 2's soft-cap."""
-    q, kc, vc, bt, sl, qsl, scales = make_batch(PROMPTS, 8, 2, 64, 16, torch.bfloat16, cache_dtype=cache_dtype,
-                                                seed=3)
-    ks, vs = scales or (None, None)
-    q = q * 3  # large scores, so the cap changes them
+    def build():
+        q, kc, vc, bt, sl, qsl, scales = make_batch(PROMPTS, 8, 2, 64, 16, torch.bfloat16, cache_dtype=cache_dtype,
+                                                    seed=3)
+        ks, vs = scales or (None, None)
+        q = q * 3  # large scores, so the cap changes them
+        return q, kc, vc, bt, sl, qsl, ks, vs, reference(q, kc, vc, bt, sl, qsl, 0.125, ks, vs, window=window,
+                                                         softcap=softcap)
+
+    q, kc, vc, bt, sl, qsl, ks, vs, ref = once(shared, ("window", window, softcap, cache_dtype), build)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125, k_scales=ks, v_scales=vs, window=window, softcap=softcap)
-    ref = reference(q, kc, vc, bt, sl, qsl, 0.125, ks, vs, window=window, softcap=softcap)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 128])
-def test_long_prompt_and_nan_in_unowned_slots(path, block_size):
+def test_long_prompt_and_nan_in_unowned_slots(path, block_size, shared):
     """A 2k-token prompt (several kv chunks per query block, items of unequal causal work) beside a
     shorter chunk; NaN in every slot no sequence owns must not leak (a bf16 cache is read in place:
     the block holding a sequence's last position also holds slots past its end)."""
-    specs = [(2048, 2048), (1100, 100), (70, 37)]
-    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, block_size, torch.bfloat16, seed=4)
-    kc, vc = poison_unowned_slots(kc, vc, bt, specs, block_size)
+    def build():
+        specs = [(2048, 2048), (1100, 100), (70, 37)]
+        q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, block_size, torch.bfloat16, seed=4)
+        kc, vc = poison_unowned_slots(kc, vc, bt, specs, block_size)
+        return q, kc, vc, bt, sl, qsl, reference(q, kc.nan_to_num(), vc.nan_to_num(), bt, sl, qsl, 0.125)
+
+    q, kc, vc, bt, sl, qsl, ref = once(shared, ("long", block_size), build)
     out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
-    ref = reference(q, kc.nan_to_num(), vc.nan_to_num(), bt, sl, qsl, 0.125)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
@@ -216,28 +247,53 @@ def test_unknown_path_name():
         _C.set_prefill_attention_path("sse")
 
 
-@pytest.mark.parametrize("path_name", PATHS)
-def test_a_fresh_threads_first_item_stays_inside_its_scratch(path_name):
-    """A thread sizes its scratch by the first item it runs. 21 queries x 3 heads = 63 rows, which the
-    6-row vdpbf16ps kernel pads to 66: the scratch was sized for 64 (whole AMX tiles) whatever the path,
-    the padding rows were written past its end, and the next, larger prompt's resize found the heap
-    corrupt (a glibc abort that took the server down). In a fresh process, whose threads' scratch is
-    still empty; in this one earlier tests have grown it."""
+@pytest.fixture(scope="module")
+def fresh_thread_runs() -> tuple[dict, str]:
+    """For each path, in one new process (fresh interpreter start-up is most of the cost, so one for all
+    paths): a new thread (empty thread_local scratch) runs a 21-token prompt, then a 600-token one,
+    against the reference. ({path: "ok", "skip" or the traceback}, the process's stderr)."""
     code = f"""
+import json, threading, traceback
 import pyengine, torch
 from pyengine import _C
 from pyengine.ops.attention import paged_attention
 from tests.test_attention import make_batch, reference
-_C.set_prefill_attention_path({path_name!r})
-_C.set_num_threads(1)
-if _C.prefill_attention_path() != {path_name!r}:
-    raise SystemExit(3)
-for specs in ([(21, 21)], [(600, 600)]):
-    q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, 16, torch.bfloat16)
-    out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
-    torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.125), atol=2e-2, rtol=2e-2)
+_C.set_num_threads(1)  # the kernel runs on the calling thread: the new one
+results = {{}}
+def run(name):
+    try:
+        _C.set_prefill_attention_path(name)
+        if _C.prefill_attention_path() != name:
+            results[name] = "skip"
+            return
+        for specs in ([(21, 21)], [(600, 600)]):
+            q, kc, vc, bt, sl, qsl, _ = make_batch(specs, 9, 3, 64, 16, torch.bfloat16)
+            out = paged_attention(q, kc, vc, bt, sl, qsl, 0.125)
+            torch.testing.assert_close(out.float(), reference(q, kc, vc, bt, sl, qsl, 0.125), atol=2e-2, rtol=2e-2)
+        results[name] = "ok"
+    except BaseException:
+        results[name] = traceback.format_exc()
+for name in {PATHS!r}:
+    t = threading.Thread(target=run, args=(name,))
+    t.start()
+    t.join()
+print("RESULTS " + json.dumps(results))
 """
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    if r.returncode == 3:
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULTS ")]
+    results = json.loads(lines[-1][len("RESULTS "):]) if r.returncode == 0 and lines else {}
+    return results, f"exit status {r.returncode}\n{r.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("path_name", PATHS)
+def test_a_fresh_threads_first_item_stays_inside_its_scratch(path_name, fresh_thread_runs):
+    """A thread sizes its scratch by the first item it runs. 21 queries x 3 heads = 63 rows, which the
+    6-row vdpbf16ps kernel pads to 66: the scratch was sized for 64 (whole AMX tiles) whatever the path,
+    the padding rows were written past its end, and the next, larger prompt's resize found the heap
+    corrupt (a glibc abort that took the server down). On a new thread of a fresh process, whose
+    scratch is still empty; in this process earlier tests have grown this thread's."""
+    results, stderr = fresh_thread_runs
+    assert path_name in results, stderr  # the process died (an abort) before or while running this path
+    if results[path_name] == "skip":
         pytest.skip(f"no {path_name} path here")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert results[path_name] == "ok", results[path_name]

@@ -352,6 +352,7 @@ async def test_chat_completions_report_cached_tokens(served):
 
 
 # ---------------------------------------------------------------- the store file
+@pytest.mark.e2e
 def test_corrupt_file_fails_at_start_up_naming_it(tmp_path):
     bad = tmp_path / "bad.sqlite3"
     bad.write_bytes(b"this is not a database" * 100)

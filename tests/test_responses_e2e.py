@@ -7,6 +7,7 @@ import pytest
 
 from test_server_e2e import ServerProcess
 
+pytestmark = pytest.mark.e2e  # a `python -m server` subprocess (pyproject's markers)
 CONTEXT = 320
 ARGS = ("--api-key", "k2", "--max-model-len", str(CONTEXT), "--kv-cache-memory", "64MiB", "--max-num-seqs", "8")
 

@@ -579,6 +579,7 @@ asyncio.run(serve(app, "127.0.0.1", 0, {grace}))
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("grace, completes", [(10.0, True), (0.3, False)])
 async def test_sigterm_drains_then_exits_0(grace, completes):
     tests = os.path.dirname(os.path.abspath(__file__))

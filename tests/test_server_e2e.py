@@ -24,6 +24,7 @@ import pytest
 from pyengine.model.loader import resolve_model_path
 from pyengine.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.e2e  # a `python -m server` subprocess (pyproject's markers)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key"
 

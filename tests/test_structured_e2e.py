@@ -18,6 +18,7 @@ from pyengine.sampling_params import StructuredOutputsParams
 from pyengine.tokenizer import Tokenizer
 from test_server_e2e import ServerProcess
 
+pytestmark = pytest.mark.e2e  # a `python -m server` subprocess (pyproject's markers)
 KEY = "structured-key"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
