@@ -109,6 +109,11 @@ class EngineConfig:
     # FlashAttention-2 on tensor cores (bf16/fp16, unquantized KV cache). Both off until measured on a device.
     cuda_graphs: bool = False
     tensor_core_prefill: bool = False
+    # A disk tier under the prefix cache (pyengine/engine/kv_tiers.py): full KV blocks are written through to files in
+    # this directory and read back on a pool miss, also after a restart. None (the default): off.
+    kv_disk_path: str | None = None
+    # The most bytes the disk tier keeps (its files, headers included); the least recently used go first. Default 8 GiB.
+    kv_disk_bytes: int = 8 * 2**30
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -131,5 +136,9 @@ class EngineConfig:
         for name in ("cuda_graphs", "tensor_core_prefill"):
             if getattr(self, name) and self.device != "cuda":
                 raise ValueError(f"{name} needs device='cuda', got device={self.device!r}")
+        if self.kv_disk_path is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_disk_path needs enable_prefix_caching (the disk tier lies under the prefix cache)")
+        if not isinstance(self.kv_disk_bytes, int) or self.kv_disk_bytes < 1:
+            raise ValueError(f"kv_disk_bytes must be a number of bytes >= 1, got {self.kv_disk_bytes!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -1,0 +1,321 @@
+"""A KV tier under the prefix cache: blocks written through to a store, read back on a pool miss.
+
+Write-through: when a step registers full blocks in the prefix cache, the engine hands the requests to
+offer(); their new blocks are copied out of the cache (on the step thread, a memcpy per tensor, before
+anything can reuse the blocks) and queued for the writer thread. A full queue drops the block (counted).
+Writing at registration rather than at eviction means the store already holds a block when the pool
+evicts it, and a crash or restart loses at most the queue.
+
+Read-back: when a request arrives (admit()), the pool's prefix-cache hit is extended with the blocks
+that follow it on disk: the reader thread loads them while the request stays out of the scheduler, so
+steps of other requests go on. At the start of each step, ready() installs what finished loading (or,
+after read_timeout seconds, what loaded so far) into free pool blocks registered in the prefix cache, and
+returns the requests for the scheduler, whose prefix-cache lookup then finds the blocks. A failed,
+slow or missing read only means recomputing.
+
+The store is anything with DiskKVStore's get/put/__contains__; a host-memory store in front of the disk
+(the GPU's middle tier) slots in there, and BlockCopier is the one place that touches the cache tensors.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pyengine.engine.block_pool import BlockPool
+from pyengine.engine.kv_disk import DiskKVStore, chain_keys
+from pyengine.engine.request import Request
+from pyengine.model.metadata import KVCache
+
+log = logging.getLogger("pyengine.kv_tiers")
+
+# How long ready() waits for a load when no request can run meanwhile (the step loop would spin).
+IDLE_WAIT_SECONDS = 0.01
+
+
+class BlockCopier:
+    """Whole KV blocks (every layer's K, V and fp8/int8 scales) to and from flat host bytes, one row per block.
+
+    The block is the leading dimension of every cache layout. On a GPU the copies here are synchronous;
+    pinned staging buffers and a copy stream of their own would go in this class."""
+
+    def __init__(self, kv_caches: list[KVCache]) -> None:
+        self.tensors = [t.view(torch.uint8) for c in kv_caches for t in (c.k, c.v, c.k_scales, c.v_scales)
+                        if t is not None]
+        self.sizes = [t[0].numel() for t in self.tensors]
+        self.block_bytes = sum(self.sizes)
+
+    def gather(self, blocks: list[int]) -> torch.Tensor:
+        """[len(blocks), block_bytes] uint8 on the host: a copy of the blocks' contents."""
+        idx = torch.tensor(blocks, dtype=torch.int64, device=self.tensors[0].device)
+        out = torch.empty((len(blocks), self.block_bytes), dtype=torch.uint8)
+        off = 0
+        for t, size in zip(self.tensors, self.sizes):
+            out[:, off:off + size] = t.index_select(0, idx).reshape(len(blocks), size).cpu()
+            off += size
+        return out
+
+    def scatter(self, blocks: list[int], rows: torch.Tensor) -> None:
+        """Write rows ([len(blocks), block_bytes] uint8, as gather returns them) into the blocks."""
+        device = self.tensors[0].device
+        idx = torch.tensor(blocks, dtype=torch.int64, device=device)
+        rows = rows.to(device)
+        off = 0
+        for t, size in zip(self.tensors, self.sizes):
+            t.index_copy_(0, idx, rows[:, off:off + size].reshape((len(blocks),) + t.shape[1:]))
+            off += size
+
+
+@dataclass
+class TierStats:
+    """Counters of the tier's traffic (the store keeps its own: files, bytes, hits, bad files)."""
+
+    hit_tokens: int = 0  # prompt tokens installed from the store instead of computed
+    loads: int = 0  # requests that waited for a read
+    read_timeouts: int = 0  # loads cut short by read_timeout (the rest recomputed)
+    read_errors: int = 0  # loads whose reader raised (recomputed)
+    dropped_writes: int = 0  # blocks not written because the write queue was full
+
+
+@dataclass
+class _Load:
+    """One request's read: blocks first..first+len(keys) of its prompt, filled in order by the reader."""
+
+    req: Request
+    first: int
+    keys: list[bytes]
+    tokens: list[list[int]]
+    started: float
+    payloads: list = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+    failed: bool = False
+    finished: float | None = None  # when the step thread first saw the read done
+
+
+class KVTier:
+    def __init__(self, store: DiskKVStore, pool: BlockPool, kv_caches: list[KVCache], *,
+                 write_queue_blocks: int = 256, read_timeout: float = 2.0) -> None:
+        self.store = store
+        self.pool = pool
+        self.copier = BlockCopier(kv_caches)
+        self.read_timeout = read_timeout
+        self.stats = TierStats()
+        self.loading: dict[str, _Load] = {}  # request id -> its read, in arrival order
+        self._pending: set[bytes] = set()  # keys queued for writing
+        self._pinned: list[int] = []  # blocks installed by ready(), referenced until unpin()
+        self._writes: queue.Queue = queue.Queue(maxsize=max(write_queue_blocks, 1))
+        self._reads: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="pyengine-kv-writer", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name="pyengine-kv-reader", daemon=True)
+        self._writer.start()
+        self._reader.start()
+        self._closed = False
+
+    def _keys(self, req: Request, num_blocks: int) -> list[bytes]:
+        return chain_keys(self.store.fingerprint, req.all_token_ids, self.pool.block_size, num_blocks, req.disk_keys)
+
+    # ---- writes ----------------------------------------------------------------------------
+    def offer(self, reqs: list[Request]) -> None:
+        """Queue the blocks that reqs registered in the prefix cache since their last offer (step thread,
+        right after the scheduler registered them, while their block ids are valid)."""
+        bs = self.pool.block_size
+        todo: list[tuple[bytes, list[int], int]] = []
+        for req in reqs:
+            n = req.num_hashed_blocks
+            if n <= req.num_disk_offered:
+                continue
+            keys = self._keys(req, n)
+            ids = req.all_token_ids
+            for i in range(req.num_disk_offered, n):
+                key = keys[i]
+                if key not in self._pending and key not in self.store:
+                    todo.append((key, ids[i * bs:(i + 1) * bs], req.block_ids[i]))
+                    self._pending.add(key)
+            req.num_disk_offered = n
+        if not todo:
+            return
+        rows = self.copier.gather([b for _, _, b in todo]).numpy()
+        for (key, tokens, _), row in zip(todo, rows):
+            try:
+                self._writes.put_nowait((key, tokens, row))
+            except queue.Full:
+                self._pending.discard(key)
+                self.stats.dropped_writes += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            key, tokens, row = item
+            try:
+                self.store.put(key, tokens, memoryview(row))
+            except Exception:  # a store must not kill the writer: the block is just not stored
+                log.exception("kv tier: storing a block failed")
+            finally:
+                self._pending.discard(key)
+
+    # ---- reads -----------------------------------------------------------------------------
+    def admit(self, req: Request) -> bool:
+        """Start reading the blocks that follow req's pool hit from the store. True: req is held here until
+        ready() returns it (the caller must not queue it); False: nothing to read, queue it now."""
+        if req.prompt_logprobs is not None or self._closed:
+            return False  # it computes every prompt token anyway
+        bs = self.pool.block_size
+        ids = req.all_token_ids
+        max_blocks = (len(ids) - 1) // bs  # a lookup leaves the last token to compute
+        first = len(self.pool.lookup(ids, req.block_hashes))
+        if first >= max_blocks:
+            return False
+        keys = self._keys(req, max_blocks)
+        if keys[first] not in self.store:
+            return False
+        load = _Load(req, first, keys[first:], [ids[i * bs:(i + 1) * bs] for i in range(first, max_blocks)],
+                     time.perf_counter())
+        self.loading[req.request_id] = load
+        self.stats.loads += 1
+        self._reads.put(load)
+        return True
+
+    def _read_loop(self) -> None:
+        while True:
+            load = self._reads.get()
+            if load is None:
+                return
+            try:
+                for key, tokens in zip(load.keys, load.tokens):
+                    if load.cancelled:
+                        break
+                    payload = self.store.get(key, tokens)
+                    if payload is None:
+                        break
+                    load.payloads.append(payload)
+            except Exception:
+                log.exception("kv tier: reading blocks failed; recomputing them")
+                load.failed = True
+            finally:
+                load.done.set()
+
+    def cancel(self, req: Request) -> bool:
+        """Forget a held request (aborted while loading). True if it was held here."""
+        load = self.loading.pop(req.request_id, None)
+        if load is None:
+            return False
+        load.cancelled = True
+        return True
+
+    def ready(self, scheduler) -> list[Request]:
+        """Held requests to queue now, in arrival order, their loaded blocks installed in the pool and pinned
+        until unpin() (call it after the step's schedule(), which admits them if it can).
+
+        A request is released when its read finished (or timed out) and the scheduler has a sequence slot for
+        it that nobody queued ahead of it takes: loaded blocks of a request that would wait in the queue could
+        be evicted before it runs. A read that finished more than read_timeout ago is released regardless."""
+        if not self.loading:
+            return []
+        if not scheduler.has_unfinished():  # nothing else runs: wait a little for the oldest read, not spin
+            next(iter(self.loading.values())).done.wait(IDLE_WAIT_SECONDS)
+        slots = scheduler.max_num_seqs - scheduler.num_running - scheduler.num_waiting
+        now = time.perf_counter()
+        out = []
+        for rid, load in list(self.loading.items()):
+            if not load.done.is_set():
+                if now - load.started < self.read_timeout:
+                    continue
+                load.cancelled = True
+                self.stats.read_timeouts += 1
+                load.done.set()
+                load.finished = now
+            elif load.finished is None:
+                load.finished = now
+            if slots <= 0 and now - load.finished < self.read_timeout:
+                continue
+            del self.loading[rid]
+            slots -= 1
+            if load.failed:
+                self.stats.read_errors += 1
+            else:
+                self._install(load, list(load.payloads), scheduler.num_running)
+            out.append(load.req)
+        return out
+
+    def unpin(self) -> None:
+        """Drop the references ready() held on installed blocks: admitted requests hold their own now."""
+        if self._pinned:
+            self.pool.free_blocks(self._pinned)
+            self._pinned = []
+
+    def _install(self, load: _Load, payloads: list, reserve: int) -> None:
+        """Copy loaded blocks into free pool blocks and register them in the prefix cache, where the
+        scheduler's lookup finds them. Blocks the pool holds by now are skipped; a gap (the pool evicted
+        blocks before `first` meanwhile) makes the loaded ones useless, so they are dropped. `reserve` free blocks
+        are left for the running requests (a decode's next block), which must not be preempted for a newcomer."""
+        pool, req, bs = self.pool, load.req, self.pool.block_size
+        ids = req.all_token_ids
+        hit = pool.lookup(ids, req.block_hashes)
+        if len(hit) < load.first:
+            return
+        payloads = payloads[len(hit) - load.first:]
+        size = self.copier.block_bytes
+        payloads = payloads[:next((i for i, p in enumerate(payloads) if len(p) != size), len(payloads))]
+        pool.touch(hit)  # pinned: allocating cannot evict the prefix the new blocks extend, nor can others before
+        # the scheduler admits the request
+        n = max(min(len(payloads), pool.num_free - reserve), 0)
+        blocks = pool.allocate(n) if n else []
+        if n:
+            rows = torch.empty((n, self.copier.block_bytes), dtype=torch.uint8)
+            for row, payload in zip(rows.numpy(), payloads):
+                row[:] = np.frombuffer(payload, dtype=np.uint8)
+            self.copier.scatter(blocks, rows)
+            pool.cache_full_blocks(ids, req.block_hashes, hit + blocks, len(hit), (len(hit) + n) * bs)
+            req.num_disk_cached_tokens = n * bs
+            req.num_disk_offered = len(hit) + n  # on the disk already
+            self.stats.hit_tokens += n * bs
+        self._pinned += hit + blocks
+
+    # ---- lifetime --------------------------------------------------------------------------
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued (up to timeout seconds), then stop both threads."""
+        if self._closed:
+            return
+        self._closed = True
+        for load in self.loading.values():
+            load.cancelled = True
+        self._reads.put(None)
+        try:
+            self._writes.put(None, timeout=timeout)
+        except queue.Full:
+            log.warning("kv tier: the write queue did not drain in %.0f s; %d blocks not stored", timeout,
+                        self._writes.qsize())
+            return
+        self._writer.join(timeout)
+
+
+def open_disk_tier(config, model_config, weights: str | list, dtype: torch.dtype, cache_dtype: torch.dtype,
+                   pool: BlockPool, kv_caches: list[KVCache]) -> KVTier:
+    """The engine's disk tier (config.kv_disk_path, config.kv_disk_bytes). weights: the weights file or folder
+    (its path, size and mtime go into the fingerprint), or a name standing for the model (engines on parts)."""
+    from dataclasses import asdict
+
+    from pyengine.engine.kv_disk import model_fingerprint, weights_identity
+
+    identity = {
+        "weights": weights_identity(weights) if isinstance(weights, str) and os.path.exists(weights) else weights,
+        "weights_mode": config.weights,
+        "model": asdict(model_config),  # shapes, RoPE settings, norms
+        "dtype": str(dtype), "kv_dtype": str(cache_dtype), "block_size": pool.block_size,
+        "layout": [(tuple(t.shape[1:]), str(t.dtype)) for c in kv_caches[:1]
+                   for t in (c.k, c.v, c.k_scales, c.v_scales) if t is not None],
+        "device": kv_caches[0].k.device.type,
+    }
+    store = DiskKVStore(config.kv_disk_path, model_fingerprint(identity), config.kv_disk_bytes)
+    log.info("kv disk tier: %s, %d blocks (%.1f MiB of %.1f MiB) found", store.dir, len(store),
+             store.stats.bytes_used / 2**20, store.budget_bytes / 2**20)
+    return KVTier(store, pool, kv_caches)
