@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "--long-prefill-tokens on cuda)")
     m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of identical prompt prefixes")
+    m.add_argument("--kv-disk-path", default=None, metavar="DIR",
+                   help="a disk tier under the prefix cache: full KV blocks are written to DIR and read back "
+                        "instead of recomputed, also after a restart (one subfolder per model fingerprint); off when unset")
+    m.add_argument("--kv-disk-bytes", type=memory_size, default=8 * 2**30,
+                   help="most bytes the disk tier keeps in DIR (per model), e.g. 20GiB; least recently used go first")
     m.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="order of waiting requests (priority: the request field 'priority')")
     m.add_argument("--num-threads", type=int, default=None, help="CPU threads for the model")
@@ -137,7 +142,8 @@ def engine_config(args: argparse.Namespace, model: str | None = None, **override
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  long_prefill_tokens=args.long_prefill_tokens, solo_prefill_tokens=args.solo_prefill_tokens,
                  scheduling_policy=args.scheduling_policy, num_threads=args.num_threads, seed=args.seed,
-                 cuda_graphs=args.cuda_graphs, tensor_core_prefill=args.tensor_core_prefill)
+                 cuda_graphs=args.cuda_graphs, tensor_core_prefill=args.tensor_core_prefill,
+                 kv_disk_path=args.kv_disk_path, kv_disk_bytes=args.kv_disk_bytes)
     return EngineConfig(model=model, **(flags | overrides))
 
 

@@ -44,7 +44,7 @@ ENGINE_KEYS = {"dtype": str, "weights": str, "device": str, "max_model_len": int
                "kv_cache_memory": (str, int, float), "kv_cache_dtype": str, "enable_prefix_caching": bool,
                "max_num_seqs": int, "max_num_batched_tokens": int, "long_prefill_tokens": int,
                "solo_prefill_tokens": int, "scheduling_policy": str, "seed": int, "cuda_graphs": bool,
-               "tensor_core_prefill": bool}
+               "tensor_core_prefill": bool, "kv_disk_path": str, "kv_disk_bytes": (str, int)}
 _MODEL_KEYS = {"name": str, "path": str, "aliases": list, "tier": str}
 _RULE_KEYS = {"name": str, "model": str, "min_prompt_tokens": int, "max_prompt_tokens": int,
               "tier": (str, list), "metadata": dict}
@@ -139,11 +139,12 @@ def _model(t: dict, i: int, base: str) -> ModelSpec:
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(str(e), (*where, "path")) from None
     engine = {k: t[k] for k in ENGINE_KEYS if k in t}
-    if isinstance(engine.get("kv_cache_memory"), str):
-        try:
-            engine["kv_cache_memory"] = memory_size(engine["kv_cache_memory"])
-        except argparse.ArgumentTypeError as e:
-            raise ConfigError(str(e), (*where, "kv_cache_memory")) from None
+    for key in ("kv_cache_memory", "kv_disk_bytes"):  # sizes such as "2GiB"
+        if isinstance(engine.get(key), str):
+            try:
+                engine[key] = memory_size(engine[key])
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(str(e), (*where, key)) from None
     try:  # the values' ranges, checked now rather than after the models before it have loaded
         EngineConfig(**engine)
     except ValueError as e:  # EngineConfig's messages start with the field's name

@@ -147,6 +147,7 @@ def test_a_restarted_engine_reads_the_prefix_back_and_computes_only_the_rest(tmp
     out = LLM.from_engine(b).generate([nxt], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference(nxt, 5)
     assert b.kv_tier.stats.hit_tokens == 192 == out.metrics.num_cached_tokens  # 200 + 4 decoded: 12 full blocks
+    assert out.metrics.num_disk_cached_tokens == 192
     assert b.num_computed_tokens == len(nxt) - 192 + 4
     assert b.kv_tier.store.stats.hits == 12
     b.close()
@@ -235,10 +236,14 @@ def test_a_full_disk_or_a_full_queue_costs_recompute_only(tmp_path, monkeypatch)
     assert e.kv_tier.store.stats.write_errors > 0 and len(e.kv_tier.store) == 0
 
     q = fake_engine(kv_disk_path=str(tmp_path / "queue"))
-    q.kv_tier.close()  # no writer: the queue fills
+    gate = threading.Event()
+    put = q.kv_tier.store.put
+    monkeypatch.setattr(q.kv_tier.store, "put", lambda *args: gate.wait(5) and put(*args))  # a stuck disk
     q.kv_tier._writes.maxsize = 2
     assert generate(q, prompts) == [reference(p, 5) for p in prompts]
-    assert q.kv_tier.stats.dropped_writes > 0
+    gate.set()
+    q.close()
+    assert q.kv_tier.stats.dropped_writes > 0 and 0 < len(q.kv_tier.store) <= 3  # the queue + the one in hand
 
 
 def test_metrics_count_the_disk_tier(tmp_path):
@@ -289,3 +294,41 @@ def test_a_turn_after_a_restart_hits_the_disk_and_equals_a_cold_run(request, tmp
     cold = generate(real_engine(parts, 1024, **config), [turn2], params)
     assert warm == cold
     b.close()
+
+
+# ---- Part 4: a stored conversation's next turn after a server restart --------------------------
+
+async def test_a_restarted_server_serves_the_next_turn_of_a_stored_conversation_from_disk(tmp_path):
+    import openai
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from pyengine.engine.async_engine import AsyncLLM
+    from server.app import ServerConfig, create_app
+    from server.store import SQLiteStore
+    from test_responses import TOK, answer
+
+    async def serve_once(turn):
+        engine = fake_engine(max_num_batched_tokens=256, kv_disk_path=str(tmp_path / "kv"))
+        engine.tokenizer = TOK
+        app = create_app(AsyncLLM(engine=engine), ServerConfig(store=SQLiteStore(str(tmp_path / "store.db"))))
+        http = TestClient(TestServer(app))
+        await http.start_server()
+        client = openai.AsyncOpenAI(base_url=str(http.make_url("/v1")), api_key="-", max_retries=0)
+        try:
+            return await turn(client), engine
+        finally:
+            await client.close()
+            await http.close()  # stops the engine: its write queue is flushed
+
+    def create(client, **kw):
+        return client.responses.create(model="paged-echo", max_output_tokens=6, temperature=0, **kw)
+
+    system = "You are a careful assistant that answers in one short line. " * 2
+    r1, _ = await serve_once(lambda c: create(c, input="Where is the printing press from?", instructions=system))
+    r2, engine = await serve_once(lambda c: create(c, input="And when?", previous_response_id=r1.id,
+                                                   instructions=system))
+    history = [{"role": "system", "content": system}, {"role": "user", "content": "Where is the printing press from?"},
+               {"role": "assistant", "content": r1.output_text}, {"role": "user", "content": "And when?"}]
+    assert r2.output_text == answer(history, 6)
+    cached = r2.usage.input_tokens_details.cached_tokens
+    assert cached == engine.kv_tier.stats.hit_tokens >= 7 * 16  # a fresh pool: every cached token came from disk

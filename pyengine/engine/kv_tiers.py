@@ -23,6 +23,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,8 @@ log = logging.getLogger("pyengine.kv_tiers")
 
 # How long ready() waits for a load when no request can run meanwhile (the step loop would spin).
 IDLE_WAIT_SECONDS = 0.01
+# How long closing waits for the write queue to drain.
+CLOSE_TIMEOUT_SECONDS = 30.0
 
 
 class BlockCopier:
@@ -70,6 +73,52 @@ class BlockCopier:
         for t, size in zip(self.tensors, self.sizes):
             t.index_copy_(0, idx, rows[:, off:off + size].reshape((len(blocks),) + t.shape[1:]))
             off += size
+
+
+def _write_loop(writes: queue.Queue, store: DiskKVStore, pending: set) -> None:
+    while True:
+        item = writes.get()
+        if item is None:
+            return
+        key, tokens, row = item
+        try:
+            store.put(key, tokens, memoryview(row))
+        except Exception:  # a store must not kill the writer: the block is just not stored
+            log.exception("kv tier: storing a block failed")
+        finally:
+            pending.discard(key)
+
+
+def _read_loop(reads: queue.Queue, store: DiskKVStore) -> None:
+    """Loads in order; each fills its payloads up to its first miss (or until cancelled)."""
+    while True:
+        load = reads.get()
+        if load is None:
+            return
+        try:
+            for key, tokens in zip(load.keys, load.tokens):
+                if load.cancelled:
+                    break
+                payload = store.get(key, tokens)
+                if payload is None:
+                    break
+                load.payloads.append(payload)
+        except Exception:
+            log.exception("kv tier: reading blocks failed; recomputing them")
+            load.failed = True
+        finally:
+            load.done.set()
+
+
+def _stop(writes: queue.Queue, reads: queue.Queue, writer: threading.Thread) -> None:
+    reads.put(None)
+    try:
+        writes.put(None, timeout=CLOSE_TIMEOUT_SECONDS)
+    except queue.Full:
+        log.warning("kv tier: the write queue did not drain in %.0f s; %d blocks not stored", CLOSE_TIMEOUT_SECONDS,
+                    writes.qsize())
+        return
+    writer.join(CLOSE_TIMEOUT_SECONDS)
 
 
 @dataclass
@@ -112,11 +161,15 @@ class KVTier:
         self._pinned: list[int] = []  # blocks installed by ready(), referenced until unpin()
         self._writes: queue.Queue = queue.Queue(maxsize=max(write_queue_blocks, 1))
         self._reads: queue.Queue = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="pyengine-kv-writer", daemon=True)
-        self._reader = threading.Thread(target=self._read_loop, name="pyengine-kv-reader", daemon=True)
-        self._writer.start()
-        self._reader.start()
+        # The threads hold the queues and the store, not the tier, so an engine dropped without close() is
+        # collected, and the finalizer stops them (and writes the queue at interpreter exit).
+        writer = threading.Thread(target=_write_loop, args=(self._writes, store, self._pending),
+                                  name="pyengine-kv-writer", daemon=True)
+        reader = threading.Thread(target=_read_loop, args=(self._reads, store), name="pyengine-kv-reader", daemon=True)
+        writer.start()
+        reader.start()
         self._closed = False
+        self._finalizer = weakref.finalize(self, _stop, self._writes, self._reads, writer)
 
     def _keys(self, req: Request, num_blocks: int) -> list[bytes]:
         return chain_keys(self.store.fingerprint, req.all_token_ids, self.pool.block_size, num_blocks, req.disk_keys)
@@ -125,6 +178,8 @@ class KVTier:
     def offer(self, reqs: list[Request]) -> None:
         """Queue the blocks that reqs registered in the prefix cache since their last offer (step thread,
         right after the scheduler registered them, while their block ids are valid)."""
+        if self._closed:
+            return
         bs = self.pool.block_size
         todo: list[tuple[bytes, list[int], int]] = []
         for req in reqs:
@@ -149,19 +204,6 @@ class KVTier:
                 self._pending.discard(key)
                 self.stats.dropped_writes += 1
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._writes.get()
-            if item is None:
-                return
-            key, tokens, row = item
-            try:
-                self.store.put(key, tokens, memoryview(row))
-            except Exception:  # a store must not kill the writer: the block is just not stored
-                log.exception("kv tier: storing a block failed")
-            finally:
-                self._pending.discard(key)
-
     # ---- reads -----------------------------------------------------------------------------
     def admit(self, req: Request) -> bool:
         """Start reading the blocks that follow req's pool hit from the store. True: req is held here until
@@ -183,25 +225,6 @@ class KVTier:
         self.stats.loads += 1
         self._reads.put(load)
         return True
-
-    def _read_loop(self) -> None:
-        while True:
-            load = self._reads.get()
-            if load is None:
-                return
-            try:
-                for key, tokens in zip(load.keys, load.tokens):
-                    if load.cancelled:
-                        break
-                    payload = self.store.get(key, tokens)
-                    if payload is None:
-                        break
-                    load.payloads.append(payload)
-            except Exception:
-                log.exception("kv tier: reading blocks failed; recomputing them")
-                load.failed = True
-            finally:
-                load.done.set()
 
     def cancel(self, req: Request) -> bool:
         """Forget a held request (aborted while loading). True if it was held here."""
@@ -281,21 +304,13 @@ class KVTier:
         self._pinned += hit + blocks
 
     # ---- lifetime --------------------------------------------------------------------------
-    def close(self, timeout: float = 30.0) -> None:
-        """Write what is queued (up to timeout seconds), then stop both threads."""
-        if self._closed:
-            return
+    def close(self) -> None:
+        """Write what is queued (waiting up to CLOSE_TIMEOUT_SECONDS), then stop both threads. Also runs when
+        the tier is garbage collected or the interpreter exits."""
         self._closed = True
         for load in self.loading.values():
             load.cancelled = True
-        self._reads.put(None)
-        try:
-            self._writes.put(None, timeout=timeout)
-        except queue.Full:
-            log.warning("kv tier: the write queue did not drain in %.0f s; %d blocks not stored", timeout,
-                        self._writes.qsize())
-            return
-        self._writer.join(timeout)
+        self._finalizer()
 
 
 def open_disk_tier(config, model_config, weights: str | list, dtype: torch.dtype, cache_dtype: torch.dtype,
