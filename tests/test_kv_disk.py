@@ -113,6 +113,30 @@ def test_a_full_disk_fails_the_write_only(tmp_path, monkeypatch):
     assert bytes(store.get(kept[0], kept[1])) == kept[2] and store.put(*block(1))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_block_copier_moves_whole_blocks_of_every_layer(device, dtype):
+    from pyengine.config import ModelConfig
+    from pyengine.engine.kv_tiers import BlockCopier
+    from pyengine.model.metadata import allocate_kv_caches
+
+    cfg = ModelConfig("LlamaForCausalLM", 100, 64, 128, 2, 4, 2, 16)
+    caches = allocate_kv_caches(cfg, 8, 16, dtype, device)
+    tensors = [t for c in caches for t in (c.k, c.v, c.k_scales, c.v_scales) if t is not None]
+    assert len(tensors) == (8 if dtype == torch.float8_e4m3fn else 4)
+    for t in tensors:
+        u = t.view(torch.uint8)
+        u.copy_(torch.randint(0, 120, u.shape, dtype=torch.uint8))
+    want = [t.view(torch.uint8)[[1, 4]].clone() for t in tensors]
+    copier = BlockCopier(caches)
+    rows = copier.gather([1, 4])
+    assert rows.shape == (2, copier.block_bytes)
+    copier.scatter([6, 2], list(rows))
+    for t, w in zip(tensors, want):
+        assert torch.equal(t.view(torch.uint8)[[6, 2]], w)
+        assert torch.equal(t.view(torch.uint8)[[1, 4]], w)  # the sources are untouched
+
+
 # ---- Part 2: the engine, PagedEcho ------------------------------------------------------------
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0)

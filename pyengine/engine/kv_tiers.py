@@ -45,34 +45,52 @@ CLOSE_TIMEOUT_SECONDS = 30.0
 class BlockCopier:
     """Whole KV blocks (every layer's K, V and fp8/int8 scales) to and from flat host bytes, one row per block.
 
-    The block is the leading dimension of every cache layout. On a GPU the copies here are synchronous;
-    pinned staging buffers and a copy stream of their own would go in this class."""
+    The block is the leading dimension of every cache layout. On the CPU the copies are numpy fancy-index
+    copies of byte views (plain memcpys; torch's index_copy_ on byte views is several times slower). On a GPU
+    they are synchronous device copies; pinned staging buffers and a copy stream of their own would go here."""
 
     def __init__(self, kv_caches: list[KVCache]) -> None:
         self.tensors = [t.view(torch.uint8) for c in kv_caches for t in (c.k, c.v, c.k_scales, c.v_scales)
                         if t is not None]
         self.sizes = [t[0].numel() for t in self.tensors]
         self.block_bytes = sum(self.sizes)
+        self.on_cpu = self.tensors[0].device.type == "cpu"
+        # [num_blocks, bytes per block] views of the CPU caches
+        self.arrays = [t.numpy().reshape(t.shape[0], -1) for t in self.tensors] if self.on_cpu else []
 
-    def gather(self, blocks: list[int]) -> torch.Tensor:
+    def gather(self, blocks: list[int]) -> np.ndarray:
         """[len(blocks), block_bytes] uint8 on the host: a copy of the blocks' contents."""
-        idx = torch.tensor(blocks, dtype=torch.int64, device=self.tensors[0].device)
-        out = torch.empty((len(blocks), self.block_bytes), dtype=torch.uint8)
+        out = np.empty((len(blocks), self.block_bytes), dtype=np.uint8)
         off = 0
+        if self.on_cpu:
+            idx = np.asarray(blocks)
+            for a, size in zip(self.arrays, self.sizes):
+                out[:, off:off + size] = a[idx]
+                off += size
+            return out
+        idx = torch.tensor(blocks, dtype=torch.int64, device=self.tensors[0].device)
         for t, size in zip(self.tensors, self.sizes):
-            out[:, off:off + size] = t.index_select(0, idx).reshape(len(blocks), size).cpu()
+            out[:, off:off + size] = t.index_select(0, idx).reshape(len(blocks), size).cpu().numpy()
             off += size
         return out
 
-    def scatter(self, blocks: list[int], rows: torch.Tensor) -> None:
-        """Write rows ([len(blocks), block_bytes] uint8, as gather returns them) into the blocks."""
-        device = self.tensors[0].device
-        idx = torch.tensor(blocks, dtype=torch.int64, device=device)
-        rows = rows.to(device)
-        off = 0
-        for t, size in zip(self.tensors, self.sizes):
-            t.index_copy_(0, idx, rows[:, off:off + size].reshape((len(blocks),) + t.shape[1:]))
-            off += size
+    def scatter(self, blocks: list[int], rows: list) -> None:
+        """Write rows (one buffer of block_bytes per block, as gather's rows or the store's payloads) into the
+        blocks. Row by row: no staging copy of them all."""
+        if not self.on_cpu:
+            data = torch.from_numpy(np.stack([np.frombuffer(r, dtype=np.uint8) for r in rows]))
+            idx = torch.tensor(blocks, dtype=torch.int64, device=self.tensors[0].device)
+            data, off = data.to(idx.device), 0
+            for t, size in zip(self.tensors, self.sizes):
+                t.index_copy_(0, idx, data[:, off:off + size].reshape((len(blocks),) + t.shape[1:]))
+                off += size
+            return
+        for b, row in zip(blocks, rows):
+            row = np.frombuffer(row, dtype=np.uint8)
+            off = 0
+            for a, size in zip(self.arrays, self.sizes):
+                a[b] = row[off:off + size]
+                off += size
 
 
 def _write_loop(writes: queue.Queue, store: DiskKVStore, pending: set) -> None:
@@ -196,7 +214,7 @@ class KVTier:
             req.num_disk_offered = n
         if not todo:
             return
-        rows = self.copier.gather([b for _, _, b in todo]).numpy()
+        rows = self.copier.gather([b for _, _, b in todo])
         for (key, tokens, _), row in zip(todo, rows):
             try:
                 self._writes.put_nowait((key, tokens, row))
@@ -235,37 +253,41 @@ class KVTier:
         return True
 
     def ready(self, scheduler) -> list[Request]:
-        """Held requests to queue now, in arrival order, their loaded blocks installed in the pool and pinned
-        until unpin() (call it after the step's schedule(), which admits them if it can).
+        """Held requests to queue now, their loaded blocks installed in the pool and pinned until unpin() (call
+        it after the step's schedule(), which admits them if it can).
 
-        A request is released when its read finished (or timed out) and the scheduler has a sequence slot for
-        it that nobody queued ahead of it takes: loaded blocks of a request that would wait in the queue could
-        be evicted before it runs. A read that finished more than read_timeout ago is released regardless."""
+        A request is released once its read finished, when the scheduler has a sequence slot that nobody queued
+        ahead of it takes and the pool has free blocks for what it loaded: blocks installed for a request that
+        then waits in the queue could be evicted before it runs. A read still running after read_timeout
+        seconds is cut short, and a finished one that waited read_timeout seconds for room is released
+        anyway: what fits is installed, the rest is recomputed."""
         if not self.loading:
             return []
         if not scheduler.has_unfinished():  # nothing else runs: wait a little for the oldest read, not spin
             next(iter(self.loading.values())).done.wait(IDLE_WAIT_SECONDS)
         slots = scheduler.max_num_seqs - scheduler.num_running - scheduler.num_waiting
+        reserve = scheduler.num_running
         now = time.perf_counter()
         out = []
         for rid, load in list(self.loading.items()):
-            if not load.done.is_set():
-                if now - load.started < self.read_timeout:
+            if load.finished is None:
+                if load.done.is_set():
+                    load.finished = now
+                elif now - load.started >= self.read_timeout:
+                    load.cancelled = True  # the reader stops at its next block
+                    self.stats.read_timeouts += 1
+                    load.finished = now - self.read_timeout  # release it now
+                else:
                     continue
-                load.cancelled = True
-                self.stats.read_timeouts += 1
-                load.done.set()
-                load.finished = now
-            elif load.finished is None:
-                load.finished = now
-            if slots <= 0 and now - load.finished < self.read_timeout:
+            room = slots > 0 and len(load.payloads) < self.pool.num_free - reserve
+            if not room and now - load.finished < self.read_timeout:
                 continue
             del self.loading[rid]
             slots -= 1
             if load.failed:
                 self.stats.read_errors += 1
             else:
-                self._install(load, list(load.payloads), scheduler.num_running)
+                self._install(load, list(load.payloads), reserve)
             out.append(load.req)
         return out
 
@@ -293,10 +315,7 @@ class KVTier:
         n = max(min(len(payloads), pool.num_free - reserve), 0)
         blocks = pool.allocate(n) if n else []
         if n:
-            rows = torch.empty((n, self.copier.block_bytes), dtype=torch.uint8)
-            for row, payload in zip(rows.numpy(), payloads):
-                row[:] = np.frombuffer(payload, dtype=np.uint8)
-            self.copier.scatter(blocks, rows)
+            self.copier.scatter(blocks, payloads[:n])
             pool.cache_full_blocks(ids, req.block_hashes, hit + blocks, len(hit), (len(hit) + n) * bs)
             req.num_disk_cached_tokens = n * bs
             req.num_disk_offered = len(hit) + n  # on the disk already
