@@ -178,12 +178,15 @@ def test_a_restarted_engine_reads_the_prefix_back_and_computes_only_the_rest(tmp
     assert_consistent(b)
 
 
-def test_blocks_evicted_from_a_small_pool_come_back_from_disk(tmp_path):
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_blocks_evicted_from_a_small_pool_come_back_from_disk(tmp_path, max_num_seqs):
+    """Six prompts of 7 blocks each through a pool of 16 blocks, all at once: each request's blocks are read
+    back and stay pinned until it is admitted, so none is evicted by the others' before it runs."""
     prompts = prompts_of([120] * 6, seed=2)
-    e = fake_engine(kv_tokens=256, kv_disk_path=str(tmp_path), max_num_seqs=1)
+    e = fake_engine(kv_tokens=256, kv_disk_path=str(tmp_path), max_num_seqs=max_num_seqs)
     assert generate(e, prompts) == [reference(p, 5) for p in prompts]
-    e.kv_tier.close()  # flush, then a new tier on the same engine state: the writes are on disk
-    e2 = fake_engine(kv_tokens=256, kv_disk_path=str(tmp_path), max_num_seqs=1)
+    e.close()
+    e2 = fake_engine(kv_tokens=256, kv_disk_path=str(tmp_path), max_num_seqs=max_num_seqs)
     before = e2.num_computed_tokens
     assert generate(e2, prompts) == [reference(p, 5) for p in prompts]
     assert e2.kv_tier.stats.hit_tokens == 6 * 112

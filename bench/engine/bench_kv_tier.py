@@ -88,6 +88,55 @@ def kv_bytes_per_token(args) -> int:
     return per_token(cfg, resolve_dtype(args.dtype, torch.device("cpu")))
 
 
+# A Llama-3.2-1B-like shape on the default model's vocabulary and tokenizer: 16 layers of 2048, GQA 32:8, head_dim
+# 64, FFN 8192 (about 1.07B parameters, tied embeddings), Q8_0.
+SHAPE_1B = {"block_count": 16, "embedding_length": 2048, "feed_forward_length": 8192, "attention.head_count": 32,
+            "attention.head_count_kv": 8, "rope.dimension_count": 64}
+
+
+def write_random_gguf(dst: str, shape: dict) -> str:
+    """A random-weight Q8_0 GGUF of `shape` (llama.* metadata keys) with the default model's tokenizer and
+    chat template: its outputs are noise, its costs are those of a real model of that shape."""
+    import gguf
+    import numpy as np
+
+    from pyengine.model.loader import default_model_path
+
+    reader = gguf.GGUFReader(default_model_path())
+    writer = gguf.GGUFWriter(dst, arch=None)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.alignment":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        key = field.name.removeprefix("llama.")
+        value = shape.get(key, field.contents()) if field.name.startswith("llama.") else field.contents()
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
+    d, f = shape["embedding_length"], shape["feed_forward_length"]
+    kv = d // shape["attention.head_count"] * shape["attention.head_count_kv"]
+    vocab = int(reader.fields["llama.vocab_size"].contents())
+    rng = np.random.default_rng(0)
+
+    def add(name: str, rows: int, cols: int) -> None:  # torch shape [rows, cols]
+        w = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02)
+        q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, q, raw_shape=list(q.shape), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    add("token_embd.weight", vocab, d)
+    ones = np.ones(d, dtype=np.float32)
+    writer.add_tensor("output_norm.weight", ones)
+    for i in range(shape["block_count"]):
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", ones)
+        for name, rows, cols in (("attn_q", d, d), ("attn_k", kv, d), ("attn_v", kv, d), ("attn_output", d, d),
+                                 ("ffn_gate", f, d), ("ffn_up", f, d), ("ffn_down", d, f)):
+            add(f"blk.{i}.{name}.weight", rows, cols)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
 # ---- restart: each role in a process of its own --------------------------------------------------
 
 def run_role(args) -> dict:
@@ -233,9 +282,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pool-fraction", type=float, default=0.1)
     p.add_argument("--only", choices=["restart", "working-set"], default=None)
+    p.add_argument("--random-1b", action="store_true",
+                   help="--model: a 1B-shaped random-weight Q8_0 GGUF, written to --dir (SHAPE_1B)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--role", default=None, choices=["write", "resume", "cold"], help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.random_1b:
+        args.model = os.path.join(os.path.dirname(args.dir.rstrip("/")) or ".", "pyengine-random-1b.gguf")
+        if not os.path.exists(args.model):
+            write_random_gguf(args.model, SHAPE_1B)
     args.kv_bytes_per_token = kv_bytes_per_token(args)
     if args.role:
         print(json.dumps(run_role(args)))

@@ -31,7 +31,7 @@ import torch
 
 from pyengine.engine.block_pool import BlockPool
 from pyengine.engine.kv_disk import DiskKVStore, chain_keys
-from pyengine.engine.request import Request
+from pyengine.engine.request import Request, RequestStatus
 from pyengine.model.metadata import KVCache
 
 log = logging.getLogger("pyengine.kv_tiers")
@@ -176,7 +176,10 @@ class KVTier:
         self.stats = TierStats()
         self.loading: dict[str, _Load] = {}  # request id -> its read, in arrival order
         self._pending: set[bytes] = set()  # keys queued for writing
-        self._pinned: list[int] = []  # blocks installed by ready(), referenced until unpin()
+        # request id -> (request, blocks, when): blocks installed for a queued request, referenced until it is
+        # admitted, or for read_timeout seconds (a pin must not keep a request ahead of it from the blocks it needs)
+        self._pins: dict[str, tuple[Request, list[int], float]] = {}
+        self._num_pinned = 0
         self._writes: queue.Queue = queue.Queue(maxsize=max(write_queue_blocks, 1))
         self._reads: queue.Queue = queue.Queue()
         # The threads hold the queues and the store, not the tier, so an engine dropped without close() is
@@ -253,19 +256,18 @@ class KVTier:
         return True
 
     def ready(self, scheduler) -> list[Request]:
-        """Held requests to queue now, their loaded blocks installed in the pool and pinned until unpin() (call
-        it after the step's schedule(), which admits them if it can).
+        """Held requests to queue now, their loaded blocks installed in the pool and pinned (referenced) until
+        the scheduler admits them, so that nothing evicts them while they wait in its queue.
 
-        A request is released once its read finished, when the scheduler has a sequence slot that nobody queued
-        ahead of it takes and the pool has free blocks for what it loaded: blocks installed for a request that
-        then waits in the queue could be evicted before it runs. A read still running after read_timeout
-        seconds is cut short, and a finished one that waited read_timeout seconds for room is released
-        anyway: what fits is installed, the rest is recomputed."""
+        A request is released once its read finished and the pool has room for its blocks: fewer than the free
+        blocks less one per running sequence (their next block), and all pins together at most half the pool
+        (the rest stays for the running ones). A read still running after read_timeout seconds is cut short,
+        and a finished one that waited read_timeout seconds for room is released anyway: what fits is
+        installed, the rest is recomputed."""
         if not self.loading:
             return []
         if not scheduler.has_unfinished():  # nothing else runs: wait a little for the oldest read, not spin
             next(iter(self.loading.values())).done.wait(IDLE_WAIT_SECONDS)
-        slots = scheduler.max_num_seqs - scheduler.num_running - scheduler.num_waiting
         reserve = scheduler.num_running
         now = time.perf_counter()
         out = []
@@ -279,11 +281,11 @@ class KVTier:
                     load.finished = now - self.read_timeout  # release it now
                 else:
                     continue
-            room = slots > 0 and len(load.payloads) < self.pool.num_free - reserve
+            n = len(load.payloads)
+            room = n < self.pool.num_free - reserve and self._num_pinned + n <= self.pool.num_blocks // 2
             if not room and now - load.finished < self.read_timeout:
                 continue
             del self.loading[rid]
-            slots -= 1
             if load.failed:
                 self.stats.read_errors += 1
             else:
@@ -292,10 +294,14 @@ class KVTier:
         return out
 
     def unpin(self) -> None:
-        """Drop the references ready() held on installed blocks: admitted requests hold their own now."""
-        if self._pinned:
-            self.pool.free_blocks(self._pinned)
-            self._pinned = []
+        """Drop the pins of requests the scheduler admitted (they hold their own references now), that
+        finished (aborted) meanwhile, or that waited read_timeout seconds. Call after each schedule()."""
+        now = time.perf_counter()
+        for rid, (req, blocks, since) in list(self._pins.items()):
+            if req.status is not RequestStatus.WAITING or now - since >= self.read_timeout:
+                del self._pins[rid]
+                self._num_pinned -= len(blocks)
+                self.pool.free_blocks(blocks)
 
     def _install(self, load: _Load, payloads: list, reserve: int) -> None:
         """Copy loaded blocks into free pool blocks and register them in the prefix cache, where the
@@ -310,8 +316,7 @@ class KVTier:
         payloads = payloads[len(hit) - load.first:]
         size = self.copier.block_bytes
         payloads = payloads[:next((i for i, p in enumerate(payloads) if len(p) != size), len(payloads))]
-        pool.touch(hit)  # pinned: allocating cannot evict the prefix the new blocks extend, nor can others before
-        # the scheduler admits the request
+        pool.touch(hit)  # pinned: neither allocating here nor other requests can evict what the request will use
         n = max(min(len(payloads), pool.num_free - reserve), 0)
         blocks = pool.allocate(n) if n else []
         if n:
@@ -320,7 +325,9 @@ class KVTier:
             req.num_disk_cached_tokens = n * bs
             req.num_disk_offered = len(hit) + n  # on the disk already
             self.stats.hit_tokens += n * bs
-        self._pinned += hit + blocks
+        if hit or blocks:
+            self._pins[req.request_id] = (req, hit + blocks, time.perf_counter())
+            self._num_pinned += len(hit) + len(blocks)
 
     # ---- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
