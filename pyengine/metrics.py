@@ -78,9 +78,10 @@ class EngineMetrics:
         self.kv_disk_read_bytes = metric(Counter, "kv_disk_read_bytes", "Bytes read from the disk tier")
         self.kv_disk_written_bytes = metric(Counter, "kv_disk_written_bytes", "Bytes written to the disk tier")
         self.kv_disk_usage = metric(Gauge, "kv_disk_usage_bytes", "Bytes the disk tier holds")
-        self.kv_disk_failures = metric(Counter, "kv_disk_failures", "Disk tier blocks lost to a fault, by kind "
-                                       "(dropped_write: write queue full; write_error; bad_file; read_timeout)",
-                                       ["kind"])
+        self.kv_disk_failures = metric(
+            Counter, "kv_disk_failures", "Disk tier faults that cost a recompute, by kind: blocks not stored "
+            "(dropped_write: write queue full; write_error) or found damaged (bad_file); requests whose read was "
+            "too slow or failed (read_timeout) or whose loaded blocks found no room in time (no_turn)", ["kind"])
         self._kv_last: dict[str, int] = {}
         self._last_queries = 0
         self._last_hits = 0
@@ -110,7 +111,8 @@ class EngineMetrics:
         self.kv_disk_usage.set(disk.bytes_used)
         totals = {"hit_tokens": tier.hit_tokens, "read": disk.bytes_read, "written": disk.bytes_written,
                   "dropped_write": tier.dropped_writes, "write_error": disk.write_errors,
-                  "bad_file": disk.bad_files, "read_timeout": tier.read_timeouts + tier.read_errors}
+                  "bad_file": disk.bad_files, "read_timeout": tier.read_timeouts + tier.read_errors,
+                  "no_turn": tier.gave_up}
         counters = {"hit_tokens": self.kv_disk_hit_tokens, "read": self.kv_disk_read_bytes,
                     "written": self.kv_disk_written_bytes}
         for name, total in totals.items():

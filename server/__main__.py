@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse KV blocks of identical prompt prefixes")
     m.add_argument("--kv-disk-path", default=None, metavar="DIR",
                    help="a disk tier under the prefix cache: full KV blocks are written to DIR and read back "
-                        "instead of recomputed, also after a restart (one subfolder per model fingerprint); off when unset")
+                        "instead of recomputed, also after a restart (one subfolder per model fingerprint); "
+                        "off when unset")
     m.add_argument("--kv-disk-bytes", type=memory_size, default=8 * 2**30,
                    help="most bytes the disk tier keeps in DIR (per model), e.g. 20GiB; least recently used go first")
     m.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],

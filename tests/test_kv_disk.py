@@ -302,8 +302,8 @@ def bf16_parts(real_parts):
     return cfg, model, real_parts[2], real_parts[3]
 
 
-@pytest.mark.parametrize("parts_name, dtype, kv", [("real_parts", "float32", "auto"), ("bf16_parts", "bfloat16", "auto"),
-                                                   ("bf16_parts", "bfloat16", "int8")])
+@pytest.mark.parametrize("parts_name, dtype, kv", [("real_parts", "float32", "auto"),
+                                                   ("bf16_parts", "bfloat16", "auto"), ("bf16_parts", "bfloat16", "int8")])
 def test_a_turn_after_a_restart_hits_the_disk_and_equals_a_cold_run(request, tmp_path, parts_name, dtype, kv):
     parts = request.getfixturevalue(parts_name)
     tok = parts[2]

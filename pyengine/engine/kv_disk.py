@@ -198,7 +198,7 @@ class DiskKVStore:
             self._evict_to(self.budget_bytes)
         return True
 
-    def get(self, key: bytes, tokens: list[int]) -> bytes | None:
+    def get(self, key: bytes, tokens: list[int]) -> memoryview | None:
         """The block's K/V bytes, or None: absent, or any check failed (the file is then removed)."""
         with self._lock:
             if key not in self._lru:
@@ -240,7 +240,7 @@ class DiskKVStore:
         except OSError:
             pass
 
-    def _check(self, data: bytes | None, key: bytes, tokens: list[int]) -> bytes | None:
+    def _check(self, data: bytes | None, key: bytes, tokens: list[int]) -> memoryview | None:
         if data is None or len(data) < _HEADER.size:
             return None
         magic, version, fp, k, ntok, nbytes, crc = _HEADER.unpack_from(data)

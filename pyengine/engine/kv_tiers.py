@@ -31,13 +31,16 @@ import torch
 
 from pyengine.engine.block_pool import BlockPool
 from pyengine.engine.kv_disk import DiskKVStore, chain_keys
-from pyengine.engine.request import Request, RequestStatus
+from pyengine.engine.request import Request
 from pyengine.model.metadata import KVCache
 
 log = logging.getLogger("pyengine.kv_tiers")
 
 # How long ready() waits for a load when no request can run meanwhile (the step loop would spin).
 IDLE_WAIT_SECONDS = 0.01
+# A read is cut short read_timeout seconds after the reader took it up, or this many times that after the request
+# arrived (queued behind other reads, or behind a read that hangs).
+QUEUE_TIMEOUT_FACTOR = 5
 # How long closing waits for the write queue to drain.
 CLOSE_TIMEOUT_SECONDS = 30.0
 
@@ -113,6 +116,7 @@ def _read_loop(reads: queue.Queue, store: DiskKVStore) -> None:
         load = reads.get()
         if load is None:
             return
+        load.read_started = time.perf_counter()
         try:
             for key, tokens in zip(load.keys, load.tokens):
                 if load.cancelled:
@@ -146,6 +150,7 @@ class TierStats:
     hit_tokens: int = 0  # prompt tokens installed from the store instead of computed
     loads: int = 0  # requests that waited for a read
     read_timeouts: int = 0  # loads cut short by read_timeout (the rest recomputed)
+    gave_up: int = 0  # loaded requests that found no turn within read_timeout (recomputed)
     read_errors: int = 0  # loads whose reader raised (recomputed)
     dropped_writes: int = 0  # blocks not written because the write queue was full
 
@@ -163,7 +168,8 @@ class _Load:
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     failed: bool = False
-    finished: float | None = None  # when the step thread first saw the read done
+    read_started: float | None = None  # when the reader took it up
+    held_since: float | None = None  # since when, loaded, it has been the oldest request waiting for its turn
 
 
 class KVTier:
@@ -173,13 +179,12 @@ class KVTier:
         self.pool = pool
         self.copier = BlockCopier(kv_caches)
         self.read_timeout = read_timeout
+        # A read waiting behind others (or a reader stuck on a hung disk) gives up after this long.
+        self.queue_timeout = QUEUE_TIMEOUT_FACTOR * read_timeout
         self.stats = TierStats()
         self.loading: dict[str, _Load] = {}  # request id -> its read, in arrival order
         self._pending: set[bytes] = set()  # keys queued for writing
-        # request id -> (request, blocks, when): blocks installed for a queued request, referenced until it is
-        # admitted, or for read_timeout seconds (a pin must not keep a request ahead of it from the blocks it needs)
-        self._pins: dict[str, tuple[Request, list[int], float]] = {}
-        self._num_pinned = 0
+        self._pinned: list[int] = []  # blocks ready() installed, referenced until unpin()
         self._writes: queue.Queue = queue.Queue(maxsize=max(write_queue_blocks, 1))
         self._reads: queue.Queue = queue.Queue()
         # The threads hold the queues and the store, not the tier, so an engine dropped without close() is
@@ -256,52 +261,57 @@ class KVTier:
         return True
 
     def ready(self, scheduler) -> list[Request]:
-        """Held requests to queue now, their loaded blocks installed in the pool and pinned (referenced) until
-        the scheduler admits them, so that nothing evicts them while they wait in its queue.
+        """Held requests to queue now, their loaded blocks installed in the pool and pinned (referenced) through
+        this step's schedule() (call unpin() after it), in which they are next in line for admission.
 
-        A request is released once its read finished and the pool has room for its blocks: fewer than the free
-        blocks less one per running sequence (their next block), and all pins together at most half the pool
-        (the rest stays for the running ones). A read still running after read_timeout seconds is cut short,
-        and a finished one that waited read_timeout seconds for room is released anyway: what fits is
-        installed, the rest is recomputed."""
+        A loaded request is released when nothing waits in the scheduler's queue (so it is admitted in this step
+        if any request can be: blocks installed for a request that then waits could be evicted before it runs),
+        while it has a sequence slot and the pool room for its blocks (beside one free block per running
+        sequence, for its next token). A read still running read_timeout seconds after it began (or
+        queue_timeout after the request came) is cut short. The oldest loaded request waits at most read_timeout
+        seconds for its turn; then it is queued without its blocks and recomputes them."""
         if not self.loading:
             return []
         if not scheduler.has_unfinished():  # nothing else runs: wait a little for the oldest read, not spin
             next(iter(self.loading.values())).done.wait(IDLE_WAIT_SECONDS)
         reserve = scheduler.num_running
+        slots = scheduler.max_num_seqs - scheduler.num_running
+        queue_empty = scheduler.num_waiting == 0
         now = time.perf_counter()
         out = []
+        oldest = True  # the first loaded request that is still held
         for rid, load in list(self.loading.items()):
-            if load.finished is None:
-                if load.done.is_set():
-                    load.finished = now
-                elif now - load.started >= self.read_timeout:
+            if not load.done.is_set():
+                begun = load.read_started
+                if (begun is None or now - begun < self.read_timeout) and now - load.started < self.queue_timeout:
+                    continue
+                if not load.cancelled:
                     load.cancelled = True  # the reader stops at its next block
                     self.stats.read_timeouts += 1
-                    load.finished = now - self.read_timeout  # release it now
+            payloads = list(load.payloads)
+            if queue_empty and len(out) < slots and len(payloads) < self.pool.num_free - reserve:
+                del self.loading[rid]
+                if load.failed:
+                    self.stats.read_errors += 1
                 else:
-                    continue
-            n = len(load.payloads)
-            room = n < self.pool.num_free - reserve and self._num_pinned + n <= self.pool.num_blocks // 2
-            if not room and now - load.finished < self.read_timeout:
+                    self._install(load, payloads, reserve)
+                out.append(load.req)
                 continue
-            del self.loading[rid]
-            if load.failed:
-                self.stats.read_errors += 1
-            else:
-                self._install(load, list(load.payloads), reserve)
-            out.append(load.req)
+            if oldest:
+                oldest = False
+                load.held_since = load.held_since or now
+                if now - load.held_since >= self.read_timeout:  # no turn in time: recompute instead
+                    del self.loading[rid]
+                    self.stats.gave_up += 1
+                    out.append(load.req)
         return out
 
     def unpin(self) -> None:
-        """Drop the pins of requests the scheduler admitted (they hold their own references now), that
-        finished (aborted) meanwhile, or that waited read_timeout seconds. Call after each schedule()."""
-        now = time.perf_counter()
-        for rid, (req, blocks, since) in list(self._pins.items()):
-            if req.status is not RequestStatus.WAITING or now - since >= self.read_timeout:
-                del self._pins[rid]
-                self._num_pinned -= len(blocks)
-                self.pool.free_blocks(blocks)
+        """Drop the references ready() took on installed blocks: the requests admitted hold their own now.
+        Call after each schedule()."""
+        if self._pinned:
+            self.pool.free_blocks(self._pinned)
+            self._pinned = []
 
     def _install(self, load: _Load, payloads: list, reserve: int) -> None:
         """Copy loaded blocks into free pool blocks and register them in the prefix cache, where the
@@ -325,9 +335,7 @@ class KVTier:
             req.num_disk_cached_tokens = n * bs
             req.num_disk_offered = len(hit) + n  # on the disk already
             self.stats.hit_tokens += n * bs
-        if hit or blocks:
-            self._pins[req.request_id] = (req, hit + blocks, time.perf_counter())
-            self._num_pinned += len(hit) + len(blocks)
+        self._pinned += hit + blocks
 
     # ---- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
