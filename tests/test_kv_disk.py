@@ -195,6 +195,32 @@ def test_blocks_evicted_from_a_small_pool_come_back_from_disk(tmp_path, max_num_
     assert_consistent(e2)
 
 
+def test_many_users_through_a_pool_a_tenth_of_their_prompts_read_their_prefixes_back(tmp_path):
+    """16 users' 512-token system prompts, a pool of 832 tokens (52 blocks), all users at once, one sequence at
+    a time: each loaded request joins the queue only when it is next, so its blocks are not evicted (or held
+    pinned while others need the pool) before it runs."""
+    rng = random.Random(8)
+    systems = prompts_of([512] * 16, seed=8)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def turn(engine):
+        prompts = [s + [rng.randrange(3, 500) for _ in range(32)] for s in systems]
+        outs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [reference(p, 8) for p in prompts]
+        engine.close()
+        return outs
+
+    def engine():
+        return fake_engine(kv_tokens=832, max_model_len=832, max_num_seqs=1, kv_disk_path=str(tmp_path))
+
+    turn(engine())
+    second = engine()
+    outs = turn(second)
+    assert [o.metrics.num_disk_cached_tokens for o in outs] == [512] * 16
+    assert second.kv_tier.stats.gave_up == 0 and second.scheduler.num_preemptions == 0
+    assert_consistent(second)
+
+
 def test_preemption_and_aborts_leave_both_tiers_consistent(tmp_path):
     prompts = prompts_of([30 + 7 * i for i in range(8)], seed=3)
     params = SamplingParams(max_tokens=40, temperature=0.0)

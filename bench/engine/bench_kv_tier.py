@@ -290,6 +290,7 @@ def main() -> None:
     if args.random_1b:
         args.model = os.path.join(os.path.dirname(args.dir.rstrip("/")) or ".", "pyengine-random-1b.gguf")
         if not os.path.exists(args.model):
+            os.makedirs(os.path.dirname(args.model) or ".", exist_ok=True)
             write_random_gguf(args.model, SHAPE_1B)
     args.kv_bytes_per_token = kv_bytes_per_token(args)
     if args.role:
