@@ -8,10 +8,11 @@ evicts it, and a crash or restart loses at most the queue.
 
 Read-back: when a request arrives (admit()), the pool's prefix-cache hit is extended with the blocks
 that follow it on disk: the reader thread loads them while the request stays out of the scheduler, so
-steps of other requests go on. At the start of each step, ready() installs what finished loading (or,
-after read_timeout seconds, what loaded so far) into free pool blocks registered in the prefix cache, and
-returns the requests for the scheduler, whose prefix-cache lookup then finds the blocks. A failed,
-slow or missing read only means recomputing.
+steps of other requests go on. At the start of a step in which nothing waits in the scheduler's queue,
+ready() installs what finished loading into free pool blocks, registers them in the prefix cache, pins
+them through that step's schedule() and returns the requests to queue: next in line, they are admitted
+in that step, and the scheduler's own prefix-cache lookup finds the blocks. A failed, slow or missing read,
+or a pool without room in time, only means recomputing.
 
 The store is anything with DiskKVStore's get/put/__contains__; a host-memory store in front of the disk
 (the GPU's middle tier) slots in there, and BlockCopier is the one place that touches the cache tensors.
@@ -220,6 +221,11 @@ class KVTier:
                     todo.append((key, ids[i * bs:(i + 1) * bs], req.block_ids[i]))
                     self._pending.add(key)
             req.num_disk_offered = n
+        room = self._writes.maxsize - self._writes.qsize()  # copy no block that the full queue would drop
+        for key, _, _ in todo[max(room, 0):]:
+            self._pending.discard(key)
+            self.stats.dropped_writes += 1
+        todo = todo[:max(room, 0)]
         if not todo:
             return
         rows = self.copier.gather([b for _, _, b in todo])
