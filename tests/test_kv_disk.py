@@ -388,3 +388,29 @@ async def test_a_restarted_server_serves_the_next_turn_of_a_stored_conversation_
     assert r2.output_text == answer(history, 6)
     cached = r2.usage.input_tokens_details.cached_tokens
     assert cached == engine.kv_tier.stats.hit_tokens >= 7 * 16  # a fresh pool: every cached token came from disk
+
+
+# ---- Part 5: settings ---------------------------------------------------------------------------
+
+def test_the_flags_the_toml_keys_and_their_checks(tmp_path):
+    from pyengine.config import EngineConfig
+    from server import config_file
+    from server.__main__ import build_parser, engine_config
+    from server.models import ConfigError
+
+    args = build_parser().parse_args(["--kv-disk-path", str(tmp_path), "--kv-disk-bytes", "3GiB"])
+    config = engine_config(args)
+    assert config.kv_disk_path == str(tmp_path) and config.kv_disk_bytes == 3 * 2**30
+    assert engine_config(build_parser().parse_args([])).kv_disk_path is None  # off by default
+
+    toml = tmp_path / "serve.toml"
+    toml.write_text(f'[[models]]\nname = "m"\nkv_disk_path = "{tmp_path}"\nkv_disk_bytes = "512MiB"\n')
+    assert config_file.load(str(toml)).models[0].engine == {"kv_disk_path": str(tmp_path), "kv_disk_bytes": 2**29}
+    toml.write_text('[[models]]\nname = "m"\nkv_disk_bytes = "lots"\n')
+    with pytest.raises(ConfigError, match="kv_disk_bytes"):
+        config_file.load(str(toml))
+
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(kv_disk_path=str(tmp_path), enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_disk_bytes"):
+        EngineConfig(kv_disk_path=str(tmp_path), kv_disk_bytes=0.5)

@@ -11,6 +11,9 @@ load excluded) and their ratio (goal <= 0.25). Also the block files' read bandwi
 thread, as the tier's reader does, page cache dropped) against `dd` reading one file of the same size in the
 same directory.
 
+write cost: fresh --tokens prompts prefilled with the disk tier (every block written through) and without,
+alternating --repeats times: what copying blocks out costs the step thread.
+
 working set: --users users, each with a --system-tokens system prompt of their own, send --rounds rounds of
 short questions to a pool that holds --pool-fraction of their system prompts. The same requests run on an
 engine with the disk tier and one without (pool only), in one process: prompt tokens served from cache
@@ -268,6 +271,37 @@ def bench_working_set(args) -> dict:
     return results
 
 
+# ---- the cost of writing through ---------------------------------------------------------------
+
+def bench_write_cost(args) -> dict:
+    """Prefill throughput of fresh --tokens prompts with the disk tier (every block written through) and
+    without it, alternating --repeats times on one model: what the step thread pays for copying blocks out."""
+    import torch
+
+    from pyengine.engine.engine import resolve_dtype
+    from pyengine.model.loader import load_model, resolve_model_path
+    from pyengine.tokenizer import Tokenizer
+
+    path = resolve_model_path(args.model)
+    cfg, model = load_model(path, resolve_dtype(args.dtype, torch.device("cpu")), torch.device("cpu"))
+    tok = Tokenizer.from_model_path(path)
+    parts = (cfg, model, tok, "bench")
+    disk_dir = os.path.join(args.dir, "write-cost")
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    engines = {"no_disk": engine_of(args, args.tokens + 64, None, parts),
+               "write_through": engine_of(args, args.tokens + 64, disk_dir, parts)}
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for r in range(args.repeats):
+        for name, engine in engines.items():
+            times[name].append(ttft(engine, text_ids(tok, args.tokens, seed=1000 + 2 * r + len(times[name]))))
+    out = {name: {"best_s": min(t), "tok_per_s": args.tokens / min(t), "runs": t} for name, t in times.items()}
+    out["ratio"] = out["write_through"]["best_s"] / out["no_disk"]["best_s"]
+    out["blocks_written"] = engines["write_through"].kv_tier.store.stats.blocks_written
+    for engine in engines.values():
+        engine.close()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF or HF folder (default: the bundled model)")
@@ -281,7 +315,7 @@ def main() -> None:
     p.add_argument("--system-tokens", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pool-fraction", type=float, default=0.1)
-    p.add_argument("--only", choices=["restart", "working-set"], default=None)
+    p.add_argument("--only", choices=["restart", "working-set", "write-cost"], default=None)
     p.add_argument("--random-1b", action="store_true",
                    help="--model: a 1B-shaped random-weight Q8_0 GGUF, written to --dir (SHAPE_1B)")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -310,6 +344,11 @@ def main() -> None:
             print(f"working set {w['working_set_tokens']} tokens, pool {w['pool_tokens']}: {name}: cached "
                   f"{100 * x['cached_fraction']:.1f}% of {x['prompt_tokens']} prompt tokens (disk {x['disk_tokens']}), "
                   f"{x['wall_s']:.1f} s, {x['prompt_tok_per_s']:.0f} prompt tok/s", flush=True)
+    if args.only in (None, "write-cost"):
+        out["write_cost"] = c = bench_write_cost(args)
+        print(f"write-through cost, {args.tokens}-token prefills: {c['no_disk']['tok_per_s']:.0f} tok/s without the "
+              f"disk tier, {c['write_through']['tok_per_s']:.0f} with it (time ratio {c['ratio']:.3f}, "
+              f"{c['blocks_written']} blocks written)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
