@@ -127,6 +127,15 @@ class EngineConfig:
     kv_cache_dtype: str = setting("auto", "KV-cache element type (auto: the model's dtype); fp8/int8 halve or "
                                           "quarter its size", group="KV cache", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of identical prompt prefixes", group="KV cache")
+    # A disk tier under the prefix cache (pyengine/engine/kv_tiers.py): full KV blocks are written through to
+    # files in this directory and read back on a pool miss, also after a restart.
+    kv_disk_path: str | None = setting(None, "a disk tier under the prefix cache: full KV blocks are written to DIR "
+                                             "and read back instead of recomputed, also after a restart (one "
+                                             "subfolder per model fingerprint)", group="KV cache",
+                                       default_text="off")
+    kv_disk_bytes: int = setting(8 * 2**30, "most bytes the disk tier keeps in --kv-disk-path (per model), e.g. "
+                                            "20GiB; the least recently used blocks go first", group="KV cache",
+                                 parse=memory_size, minimum=1)
     max_num_seqs: int = setting(256, "most sequences decoded together in one step", group="scheduling", minimum=1)
     max_num_batched_tokens: int = setting(2048, "token budget of one engine step (decodes + prompt chunks)",
                                           group="scheduling", minimum=1)
@@ -189,6 +198,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= {s.minimum}, got {value}")
             if s.cuda_only and value and self.device != "cuda":
                 raise ValueError(f"{name} needs device='cuda', got device={self.device!r}")
+        if self.kv_disk_path is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_disk_path needs enable_prefix_caching (the disk tier lies under the prefix cache)")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
 

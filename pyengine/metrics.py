@@ -84,6 +84,18 @@ class EngineMetrics:
         self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens of each request", _TOKEN_BUCKETS)
         self.max_num_generation_tokens = hist("request_max_num_generation_tokens",
                                               "Tokens of the longest sequence of each request", _TOKEN_BUCKETS)
+        # The disk tier under the prefix cache (engine/kv_tiers.py); prefix_cache_hits counts its tokens too, once
+        # they are back in the pool.
+        self.kv_disk_hit_tokens = metric(Counter, "kv_disk_hit_tokens",
+                                         "Prompt tokens read back from the disk tier instead of computed")
+        self.kv_disk_read_bytes = metric(Counter, "kv_disk_read_bytes", "Bytes read from the disk tier")
+        self.kv_disk_written_bytes = metric(Counter, "kv_disk_written_bytes", "Bytes written to the disk tier")
+        self.kv_disk_usage = metric(Gauge, "kv_disk_usage_bytes", "Bytes the disk tier holds")
+        self.kv_disk_failures = metric(
+            Counter, "kv_disk_failures", "Disk tier faults that cost a recompute, by kind: blocks not stored "
+            "(dropped_write: write queue full; write_error) or found damaged (bad_file); requests whose read was "
+            "too slow or failed (read_timeout) or whose loaded blocks found no room in time (no_turn)", ["kind"])
+        self._kv_last: dict[str, int] = {}
         self._last_queries = 0
         self._last_hits = 0
         self._last_preemptions = 0
@@ -107,6 +119,22 @@ class EngineMetrics:
         if num_preemptions != self._last_preemptions:
             self.preemptions.inc(num_preemptions - self._last_preemptions)
             self._last_preemptions = num_preemptions
+
+    def on_kv_tier(self, tier, disk) -> None:
+        """Once per step with a disk tier: its TierStats and the store's DiskStats (totals, added as deltas)."""
+        self.kv_disk_usage.set(disk.bytes_used)
+        totals = {"hit_tokens": tier.hit_tokens, "read": disk.bytes_read, "written": disk.bytes_written,
+                  "dropped_write": tier.dropped_writes, "write_error": disk.write_errors,
+                  "bad_file": disk.bad_files, "read_timeout": tier.read_timeouts + tier.read_errors,
+                  "no_turn": tier.gave_up}
+        counters = {"hit_tokens": self.kv_disk_hit_tokens, "read": self.kv_disk_read_bytes,
+                    "written": self.kv_disk_written_bytes}
+        for name, total in totals.items():
+            delta = total - self._kv_last.get(name, 0)
+            if delta:
+                counter = counters.get(name) or self.kv_disk_failures.labels(self.model_name, name)
+                counter.inc(delta)
+                self._kv_last[name] = total
 
     def on_added(self, num_prompt_tokens: int, params=None) -> None:
         """Once per user request, whatever its n; params: its SamplingParams."""

@@ -31,12 +31,13 @@ class RequestMetrics:
     num_cached_tokens: int
     num_output_tokens: int
     num_preemptions: int
+    num_disk_cached_tokens: int = 0  # of num_cached_tokens, those read back from the KV disk tier
 
     @classmethod
     def of(cls, r: Request) -> "RequestMetrics":
         return cls(r.arrival_time, r.queued_time, r.first_scheduled_time, r.first_token_time,
                    r.last_token_time, r.finished_time, r.num_prompt_tokens, r.num_cached_tokens,
-                   r.num_output_tokens, r.num_preemptions)
+                   r.num_output_tokens, r.num_preemptions, min(r.num_disk_cached_tokens, r.num_cached_tokens))
 
     @property
     def ttft(self) -> float | None:

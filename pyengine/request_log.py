@@ -46,6 +46,7 @@ class RequestRecord:
     prefill_s: float | None
     decode_s: float | None
     stream_s: float | None
+    disk_cached_tokens: int = 0  # of cached_tokens, those read back from the KV disk tier
 
 
 COLUMNS = [f.name for f in fields(RequestRecord)]
@@ -137,4 +138,5 @@ def _parse(column: str, value: str):
         return None
     if column in _TEXT_COLUMNS:
         return value
-    return int(value) if column in ("input_tokens", "output_tokens", "cached_tokens", "status") else float(value)
+    ints = ("input_tokens", "output_tokens", "cached_tokens", "disk_cached_tokens", "status")
+    return int(value) if column in ints else float(value)

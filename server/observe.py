@@ -77,8 +77,9 @@ class Observer:
             extra = ""
             if rec is not None:
                 ttft = "-" if rec.first_token_ts is None else f"{1e3 * (rec.first_token_ts - rec.start_ts):.0f}ms"
+                disk = f" disk={rec.disk_cached_tokens}" if rec.disk_cached_tokens else ""  # of cached, from disk
                 extra = (f" model={rec.model} in={rec.input_tokens} out={rec.output_tokens} "
-                         f"cached={rec.cached_tokens} ttft={ttft}")
+                         f"cached={rec.cached_tokens}{disk} ttft={ttft}")
             access_log.log(level, '%s "%s %s" %d%s e2e=%.0fms', request.remote, request.method, request.path,
                            status, extra, 1e3 * (end - start))
 
@@ -99,14 +100,15 @@ class Observer:
             finish_reason=",".join(reasons) or None, client_request_id=request.headers.get("X-Request-Id"),
             endpoint=request.path, tokenize_s=_diff(start, queued), queue_s=_diff(queued, scheduled),
             prefill_s=_diff(scheduled, first), decode_s=_diff(first, last),
-            stream_s=_diff(last, end) if status == 200 else None)
+            stream_s=_diff(last, end) if status == 200 else None,
+            disk_cached_tokens=usage["prompt_tokens_details"].get("disk_cached_tokens", 0))
 
     # ---- rolling stats ------------------------------------------------------------------------
     _SAMPLED = {"pyengine:prompt_tokens_total": "prompt_tokens",
                 "pyengine:generation_tokens_total": "generation_tokens",
                 "pyengine:num_requests_running": "running", "pyengine:num_requests_waiting": "waiting",
                 "pyengine:kv_cache_usage_perc": "kv_usage", "pyengine:prefix_cache_queries_total": "prefix_queries",
-                "pyengine:prefix_cache_hits_total": "prefix_hits"}
+                "pyengine:prefix_cache_hits_total": "prefix_hits", "pyengine:kv_disk_hit_tokens_total": "disk_hits"}
 
     def sample(self) -> dict:
         """Cumulative counters and gauges now (one pass over the engine's registry); rates are
@@ -128,7 +130,8 @@ class Observer:
         return {"t": b["t"], "prompt_tps": (b["prompt_tokens"] - a["prompt_tokens"]) / dt,
                 "generation_tps": (b["generation_tokens"] - a["generation_tokens"]) / dt,
                 "running": b["running"], "waiting": b["waiting"], "kv_usage": b["kv_usage"],
-                "prefix_hit_rate": (b["prefix_hits"] - a["prefix_hits"]) / q if q else None}
+                "prefix_hit_rate": (b["prefix_hits"] - a["prefix_hits"]) / q if q else None,
+                "disk_hit_rate": (b["disk_hits"] - a["disk_hits"]) / q if q else None}  # a part of prefix_hit_rate
 
     async def run(self, period: float = 1.0) -> None:
         """Sample every `period` seconds; log a stats line every stats_interval when anything moved."""

@@ -75,8 +75,11 @@ class _Job:
         p = sum(len(x) for x in self.prompt_ids)
         c = sum(ch.num_tokens for ch in self.choices.values())
         cached = sum(m.num_cached_tokens for m in self.metrics.values())
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        details = {"cached_tokens": cached}
+        disk = sum(m.num_disk_cached_tokens for m in self.metrics.values())
+        if disk:  # of cached_tokens, those the KV disk tier served (the rest came from the pool)
+            details["disk_cached_tokens"] = disk
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": details}
 
 
 class ChatWire:

@@ -26,8 +26,8 @@ def example_value(name: str):
         return next(c for c in s.choices if c != default)
     if value_types(name) == (bool,):
         return not default
-    if s.parse is not None:  # a size: a fraction of the memory left
-        return 0.5
+    if s.parse is not None:  # a size such as "64MiB"
+        return s.parse("64MiB")
     kind = value_types(name)[0]
     if kind is str:
         return "example"

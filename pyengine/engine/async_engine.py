@@ -64,6 +64,7 @@ class AsyncLLM:
         self.engine.close_structured()  # never wait on a grammar compile
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        await asyncio.to_thread(self.engine.close)  # writes what the KV disk tier has queued
         err = EngineDeadError("the engine was shut down")
         for q in self._streams.values():
             q.put_nowait(err)

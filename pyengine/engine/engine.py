@@ -99,11 +99,13 @@ class Engine:
             from pyengine.tokenizer import Tokenizer
 
             path = resolve_model_path(config.model)
+            weights_id: str | list = path
             self.model_name = config.model or os.path.splitext(os.path.basename(path))[0]
             self.model_config, self.model = load_model(path, self.dtype, self.device, config.weights)
             self.tokenizer = Tokenizer.from_model_path(path)
         else:
             self.model_config, self.model, self.tokenizer, self.model_name = parts
+            weights_id = ["parts", self.model_name]
         cfg = self.model_config
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
@@ -132,6 +134,12 @@ class Engine:
                                   eos_ids=sorted(self.eos_ids), device=self.device,
                                   cuda_graphs=config.cuda_graphs, tensor_cores=config.tensor_core_prefill)
         self.metrics = EngineMetrics(self.model_name)
+        self.kv_tier = None  # the disk tier under the prefix cache (config.kv_disk_path)
+        if config.kv_disk_path is not None:
+            from pyengine.engine.kv_tiers import open_disk_tier
+
+            self.kv_tier = open_disk_tier(config, cfg, weights_id, self.dtype,
+                                          cache_dtype_of(config, self.dtype), self.pool, kv_caches)
         self._structured = None  # pyengine.structured.StructuredOutputs, built on first use
         self._structured_lock = threading.Lock()
         self.groups: dict[str, _Group] = {}
@@ -234,7 +242,8 @@ class Engine:
             group.children.append(req)
         self.groups[request_id] = group
         first, *rest = group.children
-        self.scheduler.add_request(first)
+        if self.kv_tier is None or not self.kv_tier.admit(first):  # else queued once its blocks are read
+            self.scheduler.add_request(first)
         for req in rest:
             req.fork_source = first
         group.deferred = rest
@@ -253,7 +262,7 @@ class Engine:
         for req in group.children:
             if req.finished:
                 continue
-            if req in group.deferred:  # never queued: nothing to free
+            if req in group.deferred or (self.kv_tier is not None and self.kv_tier.cancel(req)):  # never queued
                 req.status = RequestStatus.FINISHED_ABORTED
                 req.finished_time = time.perf_counter()
             else:
@@ -275,8 +284,13 @@ class Engine:
             o = self.abort_request(self._pending_aborts.popleft())
             if o is not None:
                 outputs.append(o)
+        if self.kv_tier is not None:  # requests whose blocks came back from disk (or gave up) join the queue
+            for req in self.kv_tier.ready(self.scheduler):
+                self.scheduler.add_request(req)
         step_start = time.perf_counter()
         sched = self.scheduler.schedule()
+        if self.kv_tier is not None:
+            self.kv_tier.unpin()
         if sched.copies:
             copy_blocks(self.runner.kv_caches, sched.copies)
         num_got = 0
@@ -299,6 +313,8 @@ class Engine:
                 for req, entries in (result.prompt_logprobs or ()) if result else ():
                     req.prompt_logprobs.extend(entries)
                 got = self.scheduler.update_from_output(part, result.token_ids if result else [])
+                if self.kv_tier is not None:  # write newly cached blocks through, before finishes free them
+                    self.kv_tier.offer(part.reqs)
                 num_got += len(got)
                 outputs += self._process(got, result)
             for req, exc in blamed:
@@ -308,6 +324,8 @@ class Engine:
         s = self.scheduler
         self.metrics.on_step(*count_requests(self.groups.values()), self.pool.usage, num_got,
                              s.prefix_query_tokens, s.prefix_hit_tokens, s.num_preemptions)
+        if self.kv_tier is not None:
+            self.metrics.on_kv_tier(self.kv_tier.stats, self.kv_tier.store.stats)
         if self._failed_steps >= MAX_FAILED_STEPS:
             raise EngineBrokenError(f"{self._failed_steps} model steps in a row failed for every request in them")
         return outputs
@@ -419,6 +437,11 @@ class Engine:
             prompt_lps, group.sent_prompt_logprobs = first.prompt_logprobs, True
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished, metrics,
                              prompt_lps)
+
+    def close(self) -> None:
+        """Write what the disk tier has queued and stop its threads (the engine serves nothing after this)."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
 
     def stats(self) -> EngineStats:
         s, p = self.scheduler, self.pool

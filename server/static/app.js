@@ -144,6 +144,7 @@ async function refreshStats() {
       $("s-waiting").textContent = last.waiting;
       $("s-kv").textContent = fmt(100 * last.kv_usage) + "%";
       $("s-hit").textContent = last.prefix_hit_rate === null ? "–" : fmt(100 * last.prefix_hit_rate) + "%";
+      $("s-disk").textContent = last.disk_hit_rate === null ? "–" : fmt(100 * last.disk_hit_rate) + "%";
     }
     $("s-ttft").textContent = ms(live.latency.ttft.p50) + " / " + ms(live.latency.ttft.p95) + " ms";
     $("s-tpot").textContent = ms(live.latency.tpot.p50) + " / " + ms(live.latency.tpot.p95) + " ms";
