@@ -22,7 +22,7 @@ from pyengine.ops.sampling import apply_penalties, sample
 
 @dataclass
 class StepResult:
-    token_ids: list[int]  # one per sampling sequence, in scheduler order
+    token_ids: list[int]  # one per logits row (1 + k for a sequence verifying k drafts), in scheduler order
     logprobs: list[float] | None = None  # sampled token's logprob per row
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
@@ -44,15 +44,16 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         T, S = max_num_batched_tokens, max_num_seqs
+        R = max(T, S)  # sampled rows: one per sequence, 1 + k for a sequence verifying k drafts
         max_blocks = -(-max_model_len // block_size)
         self.np = {
             "input_ids": np.zeros(T, np.int64), "positions": np.zeros(T, np.int64),
             "slot_mapping": np.zeros(T, np.int64), "seq_lens": np.zeros(S, np.int32),
             "query_start_loc": np.zeros(S + 1, np.int32), "block_tables": np.zeros(S * max_blocks, np.int32),
-            "logits_indices": np.zeros(S, np.int64),
-            "temperature": np.zeros(S, np.float32), "top_k": np.zeros(S, np.int32),
-            "top_p": np.zeros(S, np.float32), "min_p": np.zeros(S, np.float32),
-            "seeds": np.zeros(S, np.int64), "steps": np.zeros(S, np.int64),
+            "logits_indices": np.zeros(R, np.int64),
+            "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int32),
+            "top_p": np.zeros(R, np.float32), "min_p": np.zeros(R, np.float32),
+            "seeds": np.zeros(R, np.int64), "steps": np.zeros(R, np.int64),
         }
         self.t = {k: torch.from_numpy(v) for k, v in self.np.items()}
         self.structured = None  # pyengine.structured.StructuredOutputs, set by the engine when first needed
@@ -85,7 +86,8 @@ class ModelRunner:
                                      b["block_tables"][: S * max_blocks].reshape(S, max_blocks))
         if logits is None:
             logits = self._forward(T, S, max_blocks, max_seq_len, nl, plan, interrupt)
-        reqs = [r for r, s in zip(out.reqs, out.sampling) if s]
+        # one per logits row: a sequence verifying k drafts has 1 + k rows (sampled alike: greedy, no penalties)
+        reqs = [r for r, s in zip(out.reqs, out.sampling) if s for _ in range(1 + len(r.spec_token_ids))]
         # On CUDA the forward pass is still running: the grammar masks are filled meanwhile.
         bitmask = self._fill_bitmask(reqs) if self.structured is not None else None
         prompt = self._prompt_logprobs(logits[nl:], plan) if plan else None
