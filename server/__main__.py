@@ -10,7 +10,7 @@ import sys
 
 from aiohttp import web
 
-from pyengine.config import BLOCK_SIZES, memory_size
+from pyengine.config import BLOCK_SIZES, SpeculativeConfig, memory_size
 from pyengine.request_log import RequestLog
 from server import config_file, store
 from server.app import MODELS, ServerConfig, create_app, listen
@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cuda: replay decode steps as CUDA graphs (one per batch-size bucket, captured at start)")
     m.add_argument("--tensor-core-prefill", action="store_true",
                    help="cuda: prompt chunks' attention on tensor cores (FlashAttention-2; bf16/fp16, unquantized KV)")
+    m.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help="speculative decoding of greedy requests, vLLM's keys: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                        "(and \"disable_by_batch_size\": no speculation above that many running sequences)")
 
     s = p.add_argument_group("HTTP and gateway")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -137,8 +141,17 @@ def engine_config(args: argparse.Namespace, model: str | None = None, **override
                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  long_prefill_tokens=args.long_prefill_tokens, solo_prefill_tokens=args.solo_prefill_tokens,
                  scheduling_policy=args.scheduling_policy, num_threads=args.num_threads, seed=args.seed,
-                 cuda_graphs=args.cuda_graphs, tensor_core_prefill=args.tensor_core_prefill)
+                 cuda_graphs=args.cuda_graphs, tensor_core_prefill=args.tensor_core_prefill,
+                 speculative=args.speculative_config)
     return EngineConfig(model=model, **(flags | overrides))
+
+
+def speculative_config(text: str):
+    """--speculative-config's JSON, checked while the arguments are parsed (an argparse type)."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 

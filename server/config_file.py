@@ -6,6 +6,7 @@
     aliases = ["mini"]
     tier = "pro"               # only keys of this tier may use it; omitted: every key
     kv_cache_memory = "64MiB"  # and any of the engine settings in ENGINE_KEYS (default: the command line's)
+    speculative = {method = "ngram", num_speculative_tokens = 5}  # as --speculative-config's JSON
 
     [api_keys]                 # key = tier; these keys are accepted as well as --api-key ones
     "sk-team-1" = "pro"
@@ -44,7 +45,7 @@ ENGINE_KEYS = {"dtype": str, "weights": str, "device": str, "max_model_len": int
                "kv_cache_memory": (str, int, float), "kv_cache_dtype": str, "enable_prefix_caching": bool,
                "max_num_seqs": int, "max_num_batched_tokens": int, "long_prefill_tokens": int,
                "solo_prefill_tokens": int, "scheduling_policy": str, "seed": int, "cuda_graphs": bool,
-               "tensor_core_prefill": bool}
+               "tensor_core_prefill": bool, "speculative": (dict, str)}
 _MODEL_KEYS = {"name": str, "path": str, "aliases": list, "tier": str}
 _RULE_KEYS = {"name": str, "model": str, "min_prompt_tokens": int, "max_prompt_tokens": int,
               "tier": (str, list), "metadata": dict}
