@@ -64,7 +64,7 @@ class ModelConfig:
 
 # Running sequences above which no request speculates (SpeculativeConfig.disable_by_batch_size's default):
 # past it a step is no longer bound by reading the weights, so rejected drafts cost real compute.
-SPEC_DISABLE_BATCH_SIZE = 8
+SPEC_DISABLE_BATCH_SIZE = 4
 
 
 @dataclass
@@ -168,7 +168,7 @@ class EngineConfig:
     # FlashAttention-2 on tensor cores (bf16/fp16, unquantized KV cache). Both off until measured on a device.
     cuda_graphs: bool = False
     tensor_core_prefill: bool = False
-    # Speculative decoding (greedy requests only for now): a SpeculativeConfig, or its JSON text / dict as
+    # Speculative decoding (requests without a grammar): a SpeculativeConfig, or its JSON text / dict as
     # --speculative-config takes it. None: off.
     speculative: SpeculativeConfig | str | dict | None = None
 

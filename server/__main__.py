@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tensor-core-prefill", action="store_true",
                    help="cuda: prompt chunks' attention on tensor cores (FlashAttention-2; bf16/fp16, unquantized KV)")
     m.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
-                   help="speculative decoding of greedy requests, vLLM's keys: '{\"method\": \"ngram\", "
+                   help="speculative decoding (requests without a grammar), vLLM's keys: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
                         "(and \"disable_by_batch_size\": no speculation above that many running sequences)")
 

@@ -377,8 +377,9 @@ class Engine:
 
     def _process(self, got: list[Request], result, new: dict | None = None) -> list[RequestOutput]:
         """Stop checks, logprobs and text of the tokens each request in `got` just got. new: per request
-        (its sampled token's logits row, tokens appended this step) where drafts were verified; else each
-        got one token, from row i of got[i]. Of several tokens, those after a stop are dropped."""
+        (its sampled token's logits row, tokens appended this step) where drafts were verified (the accepted
+        drafts' rows come just before); else each got one token, from row i of got[i]. Of several tokens,
+        those after a stop are dropped."""
         now = time.perf_counter()
         by_group: dict[str, tuple[_Group, list[CompletionOutput]]] = {}
         eos = self.eos_ids
@@ -387,10 +388,10 @@ class Engine:
             appended = req.all_token_ids[-count:]
             del req.all_token_ids[-count:]
             emitted, lps, stop = [], [], None
-            for tok in appended:  # one at a time, so every check sees the output up to this token
+            for j, tok in enumerate(appended):  # one at a time, so every check sees the output up to this token
                 req.all_token_ids.append(tok)
                 emitted.append(tok)
-                stop, lp = self._check_token(req, tok, eos, result, row, now)
+                stop, lp = self._check_token(req, tok, eos, result, row - count + 1 + j, now)
                 if lp is not None:
                     lps.append(lp)
                 if stop is not None:

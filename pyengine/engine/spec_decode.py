@@ -4,17 +4,26 @@ After a step, each eligible running request gets up to k draft tokens (Request.s
 tokens that followed the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down
 to prompt_lookup_min) in its prompt and output. The next step computes the request's last token and
 its drafts as one sequence of 1 + k query tokens, beside the other requests' decodes and prompt chunks
-under the one token budget, and samples a token at each of the 1 + k rows. Verification (greedy) keeps
-the drafts up to the first that differs from the model's own choice, then the model's token at that
-row: the output is the non-speculative engine's, token for token, and each step emits 1 to k + 1 tokens.
-The scheduler rolls the rejected drafts' KV slots back (Scheduler.update_from_output).
+under the one token budget, and samples a token at each of the 1 + k rows, row i as the request's step
+after its first i drafts (ModelRunner.sample: that output position's seeded draw, penalties, min_tokens).
+Verification keeps the drafts up to the first that differs from the token sampled at the row before it,
+then the token sampled at that row; each step emits 1 to k + 1 tokens. The scheduler rolls the rejected
+drafts' KV slots back (Scheduler.update_from_output).
 
-Only greedy requests without penalties, logprobs, a grammar or a pending min_tokens speculate: their
-rows can all be sampled alike in one step. Others decode one token a step as before.
+Exactness: row i's token is the one the non-speculative engine draws at that position (the sampler's
+draw depends only on the row's logits, parameters, seed and position), so the output is the
+non-speculative engine's, token for token, greedy or seeded, whatever the batch. For a draft that is a
+point mass q, rejection sampling (accept with min(1, p/q) = p(draft), else resample from p without the
+draft) is exactly this: the draw from p equals the draft with probability p(draft), and otherwise is a
+draw from p conditioned on not being it.
 
-k adapts per request (SpecState): it doubles back to num_speculative_tokens while every draft is
-accepted, falls to the number accepted otherwise, and at 0 the request stops proposing for
-PAUSE_TOKENS output tokens before it tries one draft again.
+Requests with a grammar do not speculate (their matcher would have to advance through the drafts to mask
+each row); they decode one token a step as before.
+
+k adapts per request (SpecState): from the request's recent acceptance rate it picks the k (0 to
+num_speculative_tokens) with the most expected tokens per unit of step time, a step of 1 + k tokens
+costing 1 + VERIFY_TOKEN_COST * k one-token steps. At 0 the request stops proposing for PAUSE_TOKENS
+output tokens, then starts over.
 """
 from __future__ import annotations
 
@@ -28,6 +37,11 @@ from pyengine.engine.request import Request, RequestStatus
 
 # Output tokens a request whose drafts keep failing (k fell to 0) decodes without proposing.
 PAUSE_TOKENS = 16
+# What each draft adds to a batch-1 step, in one-token steps: 1 + k tokens cost ~1 + 0.12 k on the CPU (the
+# default model in bf16, 2 threads: a small model's step is not all weight reads).
+VERIFY_TOKEN_COST = 0.12
+# Weight of past verifications in the acceptance estimate (each one's counts decay by this per verification).
+DECAY = 0.8
 
 
 def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -47,11 +61,25 @@ def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
     return []
 
 
+def best_k(alpha: float, max_k: int, token_cost: float = VERIFY_TOKEN_COST) -> int:
+    """The number of drafts (0..max_k) with the most expected tokens per step time, when each draft is
+    accepted with probability alpha (given those before it were): (1 + alpha + ... + alpha^k) / (1 + cost k)."""
+    best, best_rate, expected = 0, 1.0, 1.0
+    for k in range(1, max_k + 1):
+        expected += alpha**k
+        rate = expected / (1 + token_cost * k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
 @dataclass
 class SpecState:
-    """One request's speculation: its current k, and what it proposed and got accepted."""
+    """One request's speculation: its current k, its acceptance estimate, what it proposed and got accepted."""
 
     k: int
+    accepts: float = 1.0  # decayed counts of accepted drafts and of rejections (a prior of one each:
+    rejects: float = 1.0  # acceptance 0.5); a draft's acceptance rate is accepts / (accepts + rejects)
     pause_until: int = 0  # no proposals before this many output tokens (k fell to 0)
     num_drafts: int = 0  # verification steps with at least one draft
     num_draft_tokens: int = 0
@@ -66,12 +94,12 @@ class SpecState:
             self.accepted_per_pos += [0] * (max_k - len(self.accepted_per_pos))
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
-        if accepted == proposed:
-            self.k = min(max_k, 2 * self.k)
-        else:
-            self.k = accepted
-            if self.k == 0:
-                self.pause_until = num_output_tokens + PAUSE_TOKENS
+        self.accepts = DECAY * self.accepts + accepted
+        self.rejects = DECAY * self.rejects + (accepted < proposed)
+        self.k = best_k(self.accepts / (self.accepts + self.rejects), max_k)
+        if self.k == 0:  # pause, then start over from the prior
+            self.pause_until = num_output_tokens + PAUSE_TOKENS
+            self.accepts = self.rejects = 1.0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -82,17 +110,14 @@ class SpecState:
 class Verified:
     """A step's sampled rows turned into per-request tokens (in order of the sampling requests)."""
 
-    sampled: list[int]  # the token each request samples (the model's own, after its accepted drafts)
+    sampled: list[int]  # the token each request samples at the row after its accepted drafts
     accepted: list[list[int]]  # each request's accepted drafts (a prefix of its spec_token_ids)
     rows: list[int]  # the logits row each request's sampled token came from
 
 
 def can_speculate(req: Request) -> bool:
-    """Greedy rows that every draft position samples alike: no penalties (they depend on the output so far),
-    no logprobs, no grammar, min_tokens reached."""
-    p = req.params
-    return (p.temperature == 0.0 and not p.has_penalties and p.logprobs is None and req.grammar is None
-            and req.num_output_tokens >= p.min_tokens)
+    """Every request but those under a grammar (see the module docstring)."""
+    return req.grammar is None
 
 
 class NgramSpeculator:
@@ -114,14 +139,14 @@ class NgramSpeculator:
             if req.spec is None:
                 if not can_speculate(req):
                     continue
-                req.spec = SpecState(cfg.num_speculative_tokens)
+                req.spec = SpecState(best_k(0.5, cfg.num_speculative_tokens))
             elif not can_speculate(req):
                 continue
             state = req.spec
             if state.k == 0:
                 if req.num_output_tokens < state.pause_until:
                     continue
-                state.k = 1
+                state.k = best_k(0.5, cfg.num_speculative_tokens)
             # at most what max_tokens and the context leave: every draft accepted still leaves room for
             # the token sampled after them
             k = min(state.k, req.max_total_tokens - req.num_tokens - 1)
@@ -129,7 +154,7 @@ class NgramSpeculator:
 
     def verify(self, reqs: list[Request], sampling: list[bool], token_ids: list[int]) -> Verified:
         """token_ids: one per logits row, 1 + len(spec_token_ids) rows per sampling request. A draft is
-        accepted while it equals the token sampled at the row before it (greedy: the model's argmax)."""
+        accepted while it equals the token sampled at the row before it."""
         sampled, accepted, rows = [], [], []
         row = 0
         max_k = self.config.num_speculative_tokens

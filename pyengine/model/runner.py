@@ -86,14 +86,16 @@ class ModelRunner:
                                      b["block_tables"][: S * max_blocks].reshape(S, max_blocks))
         if logits is None:
             logits = self._forward(T, S, max_blocks, max_seq_len, nl, plan, interrupt)
-        # one per logits row: a sequence verifying k drafts has 1 + k rows (sampled alike: greedy, no penalties)
+        # one per logits row: a sequence verifying k drafts has 1 + k rows; row i samples the token after its
+        # first i drafts (offsets[row] = i)
         reqs = [r for r, s in zip(out.reqs, out.sampling) if s for _ in range(1 + len(r.spec_token_ids))]
+        offsets = [i for r, s in zip(out.reqs, out.sampling) if s for i in range(1 + len(r.spec_token_ids))]
         # On CUDA the forward pass is still running: the grammar masks are filled meanwhile.
         bitmask = self._fill_bitmask(reqs) if self.structured is not None else None
         prompt = self._prompt_logprobs(logits[nl:], plan) if plan else None
         if nl == 0:
             return StepResult([], prompt_logprobs=prompt) if prompt else None
-        result = self.sample(logits[:nl], reqs, bitmask)
+        result = self.sample(logits[:nl], reqs, bitmask, offsets if any(offsets) else None)
         result.prompt_logprobs = prompt
         return result
 
@@ -172,17 +174,23 @@ class ModelRunner:
             return mask
         return mask.to(self.device, non_blocking=True)
 
-    def sample(self, logits: torch.Tensor, reqs: list, bitmask: torch.Tensor | None = None) -> StepResult:
+    def sample(self, logits: torch.Tensor, reqs: list, bitmask: torch.Tensor | None = None,
+               offsets: list[int] | None = None) -> StepResult:
         """Penalties, logit_bias and min_tokens in place on logits, then the native sampler (under the
-        grammar bitmask, when given)."""
+        grammar bitmask, when given). offsets (speculative decoding): per row, how many of its request's
+        drafts come before the token it samples; that row is sampled as the request's step that many
+        tokens later (its seed's draw, penalties and min_tokens of that output), so a verified draft is kept
+        exactly when it is the token the non-speculative engine would have drawn there."""
         b = self.np
         n = len(reqs)
         all_greedy, any_pen, max_lp = prepare_sampling(
             reqs, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["steps"])
+        if offsets is not None:
+            b["steps"][:n] += np.asarray(offsets, np.int64)
         if any_pen:
-            self._apply_penalties(logits, reqs)
+            self._apply_penalties(logits, reqs, offsets)
         self._apply_logit_bias(logits, reqs)
-        self._mask_min_tokens(logits, reqs)
+        self._mask_min_tokens(logits, reqs, offsets)
         if all_greedy and max_lp < 0 and bitmask is None:
             # numpy's argmax (the first maximum, as torch's) takes ~5 us on a CPU row of 49k logits, torch's ~90:
             # 2% of a batch-1 decode step (the models' logits are fp32)
@@ -199,13 +207,14 @@ class ModelRunner:
                 result.top_logprobs = res.top_logprobs.tolist()
         return result
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list, offsets: list[int] | None = None) -> None:
         prompt_parts, output_parts, pres, freq, rep = [], [], [], [], []
-        for r in reqs:
+        for i, r in enumerate(reqs):
             p = r.params
             on = p.has_penalties
             prompt_parts.append(r.prompt_token_ids if on and p.repetition_penalty != 1.0 else ())
-            output_parts.append(r.output_token_ids if on else ())
+            drafts = r.spec_token_ids[: offsets[i]] if offsets else []  # the output this row samples after
+            output_parts.append(r.output_token_ids + drafts if on else ())
             pres.append(p.presence_penalty)
             freq.append(p.frequency_penalty)
             rep.append(p.repetition_penalty)
@@ -233,11 +242,11 @@ class ModelRunner:
         dev = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         logits.index_put_((dev(rows), dev(cols)), dev(vals), accumulate=True)
 
-    def _mask_min_tokens(self, logits: torch.Tensor, reqs: list) -> None:
+    def _mask_min_tokens(self, logits: torch.Tensor, reqs: list, offsets: list[int] | None = None) -> None:
         """Below min_tokens, EOS and stop tokens cannot be sampled (vLLM semantics)."""
         for i, r in enumerate(reqs):
             p = r.params
-            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+            if p.min_tokens and r.num_output_tokens + (offsets[i] if offsets else 0) < p.min_tokens:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
                 if ids:
                     logits[i, ids] = float("-inf")
