@@ -99,7 +99,8 @@ class Observer:
             finish_reason=",".join(reasons) or None, client_request_id=request.headers.get("X-Request-Id"),
             endpoint=request.path, tokenize_s=_diff(start, queued), queue_s=_diff(queued, scheduled),
             prefill_s=_diff(scheduled, first), decode_s=_diff(first, last),
-            stream_s=_diff(last, end) if status == 200 else None)
+            stream_s=_diff(last, end) if status == 200 else None,
+            draft_tokens=sum(m.num_draft_tokens for m in ms), accepted_tokens=sum(m.num_accepted_tokens for m in ms))
 
     # ---- rolling stats ------------------------------------------------------------------------
     _SAMPLED = {"pyengine:prompt_tokens_total": "prompt_tokens",
