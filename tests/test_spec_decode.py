@@ -105,7 +105,9 @@ def test_fake_speculation_output_equals_reference_and_frees_blocks(block_size):
                                             use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == reference(p, 40)
-    assert engine.metrics.spec_draft_tokens._value.get() > 0  # drafts were verified (and rolled back)
+    drafted = engine.metrics.spec_draft_tokens._value.get()
+    assert drafted > 0  # drafts were verified (and rolled back)
+    assert sum(o.metrics.num_draft_tokens for o in outs) == drafted  # per request, as the request log shows
     assert_all_free(engine)
 
 
