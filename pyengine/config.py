@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
@@ -61,6 +62,63 @@ class ModelConfig:
         return self.sliding_window
 
 
+# Running sequences above which no request speculates (SpeculativeConfig.disable_by_batch_size's default):
+# past it a step is no longer bound by reading the weights, so rejected drafts cost real compute.
+SPEC_DISABLE_BATCH_SIZE = 4
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's --speculative-config keys. Only method "ngram" (prompt lookup) is
+    implemented: the last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are looked up in the
+    prompt and output so far, and the tokens that followed the latest match are proposed as drafts."""
+
+    method: str = "ngram"  # only "ngram"; a draft model ("model": PATH) is refused at start
+    num_speculative_tokens: int = 5  # most drafts verified per step and request (k)
+    prompt_lookup_max: int = 4  # longest suffix matched
+    prompt_lookup_min: int = 2  # shortest suffix matched (1 would propose after any repeated token)
+    # No request speculates while more sequences than this run (None: SPEC_DISABLE_BATCH_SIZE)
+    disable_by_batch_size: int | None = None
+
+    _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+             "disable_by_batch_size")
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method must be 'ngram' (the only one implemented), got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative {name} must be an integer >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.disable_by_batch_size is None:
+            self.disable_by_batch_size = SPEC_DISABLE_BATCH_SIZE
+        v = self.disable_by_batch_size
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"speculative disable_by_batch_size must be an integer >= 1, got {v!r}")
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig") -> "SpeculativeConfig":
+        """From the JSON text of --speculative-config or a dict (a TOML table); ValueError names what is wrong."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(cls._KEYS))
+        if unknown:
+            raise ValueError(f"speculative config has unknown keys {unknown}; known: {list(cls._KEYS)}")
+        if "model" in value:
+            raise ValueError("speculative decoding with a draft model is not implemented; use method 'ngram'")
+        return cls(**value)
+
+
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # tokens per KV-cache block the kernels and flags take
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_MODES = ("auto", "dequantize")
@@ -91,6 +149,8 @@ class Setting:
     default_text: str | None = None
     parse: Callable[[str], Any] | None = None  # a command-line or TOML string -> the value (else: the field's type)
     cuda_only: bool = False  # a true value needs device="cuda"
+    flag: str | None = None  # the command-line flag, where it is not the field's name (vLLM's name)
+    example: str | None = None  # a valid command-line value, where a parsed setting takes more than a size
 
 
 def setting(default: Any, help: str, **details: Any) -> Any:
@@ -188,8 +248,17 @@ class EngineConfig:
     grammar_compile_timeout: float = setting(10.0, "seconds a grammar (json_schema, regex, tool schema) may take to "
                                                    "compile; a slower one is stopped and its request gets 400",
                                              group="scheduling")
+    # Speculative decoding (requests without a grammar): a SpeculativeConfig, or its JSON text / dict as
+    # --speculative-config takes it.
+    speculative: SpeculativeConfig | str | dict | None = setting(
+        None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4}",
+        group="scheduling", parse=SpeculativeConfig.parse, flag="--speculative-config", default_text="off",
+        example='{"method": "ngram", "num_speculative_tokens": 3}')
 
     def __post_init__(self) -> None:
+        if self.speculative is not None:
+            self.speculative = SpeculativeConfig.parse(self.speculative)
         for name, s in engine_settings().items():
             value = getattr(self, name)
             if s.choices is not None and value not in s.choices:

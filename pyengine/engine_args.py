@@ -4,16 +4,17 @@ and help are written once, and the server, its TOML file and the memory planner 
 from __future__ import annotations
 
 import argparse
+import functools
 import types
 import typing
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from pyengine.config import EngineConfig, Setting, engine_settings
 
 
 def flag_name(name: str) -> str:
-    """max_num_seqs -> --max-num-seqs."""
-    return "--" + name.replace("_", "-")
+    """max_num_seqs -> --max-num-seqs (or the Setting's own flag: speculative -> --speculative-config)."""
+    return engine_settings()[name].flag or "--" + name.replace("_", "-")
 
 
 def value_types(name: str) -> tuple[type, ...]:
@@ -55,13 +56,29 @@ def add_engine_arguments(parser: argparse.ArgumentParser, names: Iterable[str],
         kinds = value_types(name)
         if kinds == (bool,):
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif s.parse is not None or len(kinds) == 1:
-            kwargs["type"] = s.parse or kinds[0]
+        elif s.parse is not None:
+            kwargs["type"] = _argument_type(s.parse)
+            kwargs["metavar"] = "JSON" if s.example and s.example.startswith("{") else None
+        elif len(kinds) == 1:
+            kwargs["type"] = kinds[0]
         else:
             raise TypeError(f"EngineConfig.{name}: a value of several types ({kinds}) needs a Setting.parse")
         if s.choices is not None:
             kwargs["choices"] = [*s.choices, *extra]
         groups[s.group].add_argument(flag_name(name), **kwargs)
+
+
+@functools.cache
+def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """parse as an argparse type: its ValueError's message shown, not argparse's "invalid value" (one
+    wrapper per parse function, so parsers built from the same settings take the same types)."""
+    def checked(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    checked.__name__ = getattr(parse, "__name__", "value")
+    return checked
 
 
 def engine_fields(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:

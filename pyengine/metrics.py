@@ -58,6 +58,13 @@ class EngineMetrics:
         self.interrupted_steps = metric(Counter, "num_interrupted_steps",
                                         "Lone prompt chunks stopped for a newcomer (computed again later)")
         self._finished = metric(Counter, "request_success", "Finished sequences", ["finished_reason"])
+        # speculative decoding (vLLM's spec_decode_* series)
+        self.spec_drafts = metric(Counter, "spec_decode_num_drafts", "Verifications of at least one draft token")
+        self.spec_draft_tokens = metric(Counter, "spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted_tokens = metric(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self._spec_accepted_per_pos = metric(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each draft position (0: the first)",
+                                             ["position"])
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first token")
         self.itl = hist("inter_token_latency_seconds", "Time between two tokens of a sequence (one per gap)",
                         _TPOT_BUCKETS)
@@ -135,6 +142,15 @@ class EngineMetrics:
                 counter = counters.get(name) or self.kv_disk_failures.labels(self.model_name, name)
                 counter.inc(delta)
                 self._kv_last[name] = total
+
+    def on_spec_verified(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """A request's drafts were verified: the first num_accepted of its num_draft_tokens were kept."""
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(num_draft_tokens)
+        if num_accepted:
+            self.spec_accepted_tokens.inc(num_accepted)
+            for pos in range(num_accepted):
+                self._spec_accepted_per_pos.labels(self.model_name, str(pos)).inc()
 
     def on_added(self, num_prompt_tokens: int, params=None) -> None:
         """Once per user request, whatever its n; params: its SamplingParams."""

@@ -32,12 +32,16 @@ class RequestMetrics:
     num_output_tokens: int
     num_preemptions: int
     num_disk_cached_tokens: int = 0  # of num_cached_tokens, those read back from the KV disk tier
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_accepted_tokens: int = 0  # of which accepted
 
     @classmethod
     def of(cls, r: Request) -> "RequestMetrics":
+        drafted, accepted = (r.spec.num_draft_tokens, r.spec.num_accepted_tokens) if r.spec is not None else (0, 0)
         return cls(r.arrival_time, r.queued_time, r.first_scheduled_time, r.first_token_time,
                    r.last_token_time, r.finished_time, r.num_prompt_tokens, r.num_cached_tokens,
-                   r.num_output_tokens, r.num_preemptions, min(r.num_disk_cached_tokens, r.num_cached_tokens))
+                   r.num_output_tokens, r.num_preemptions, min(r.num_disk_cached_tokens, r.num_cached_tokens),
+                   drafted, accepted)
 
     @property
     def ttft(self) -> float | None:

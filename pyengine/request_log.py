@@ -11,6 +11,9 @@ streaming client sees); the `*_s` columns are the stages of the request, in seco
     decode_s    first token -> last token
     stream_s    detokenize + stream: last token -> response complete
 
+and with speculative decoding, draft_tokens verified and accepted_tokens of them (their ratio: the
+request's acceptance rate).
+
 Rows are written by a background thread (the event loop only enqueues), the file is rotated by
 size (PATH -> PATH.1 -> PATH.2 ...), and close() flushes everything still queued.
 """
@@ -47,6 +50,8 @@ class RequestRecord:
     decode_s: float | None
     stream_s: float | None
     disk_cached_tokens: int = 0  # of cached_tokens, those read back from the KV disk tier
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified (0: none)
+    accepted_tokens: int = 0  # of which accepted
 
 
 COLUMNS = [f.name for f in fields(RequestRecord)]

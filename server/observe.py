@@ -101,7 +101,8 @@ class Observer:
             endpoint=request.path, tokenize_s=_diff(start, queued), queue_s=_diff(queued, scheduled),
             prefill_s=_diff(scheduled, first), decode_s=_diff(first, last),
             stream_s=_diff(last, end) if status == 200 else None,
-            disk_cached_tokens=usage["prompt_tokens_details"].get("disk_cached_tokens", 0))
+            disk_cached_tokens=usage["prompt_tokens_details"].get("disk_cached_tokens", 0),
+            draft_tokens=sum(m.num_draft_tokens for m in ms), accepted_tokens=sum(m.num_accepted_tokens for m in ms))
 
     # ---- rolling stats ------------------------------------------------------------------------
     _SAMPLED = {"pyengine:prompt_tokens_total": "prompt_tokens",

@@ -43,12 +43,12 @@ class PagedEchoModel(torch.nn.Module):
         bs = k.shape[2]
         qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
         assert len(seq_lens) == meta.block_tables.shape[0] and max(seq_lens) == meta.max_seq_len
-        last_row = {qsl[s + 1] - 1: s for s in range(len(seq_lens))}
+        seq_of = [s for s in range(len(seq_lens)) for _ in range(qsl[s + 1] - qsl[s])]
         rows = range(len(input_ids)) if logits_indices is None else logits_indices.tolist()  # None: every row
         logits = torch.full((len(rows), VOCAB), -30.0)
-        for i, idx in enumerate(rows):
-            s = last_row[idx]
-            n = seq_lens[s]
+        for i, idx in enumerate(rows):  # causal: a row sees its sequence's positions up to its own
+            s = seq_of[idx]
+            n = seq_lens[s] - (qsl[s + 1] - 1 - idx)
             blocks = meta.block_tables[s, : -(-n // bs)].long()
             ctx = k[blocks, 0].reshape(-1, 2)[:n]
             assert ctx[:, 1].long().tolist() == list(range(n)), "positions/slots mismatch"

@@ -352,6 +352,18 @@ def test_decode_matches_reference(cache, gqa, head_dim, block_size, threads, dec
     check_decode(DECODE, 2 * gqa, 2, head_dim, block_size, cache, threads, seed=4)
 
 
+# Speculative decoding's verification steps: sequences of 1 + k query tokens (k = 1..7 drafts; causal among
+# them) beside plain decodes and a 20-token prompt chunk (the prefill kernel's); the short ones take the decode
+# kernel (step.cpp: fewer than kPrefillMinQueries queries), over block edges and a long context.
+VERIFY = [(2, 2), (17, 3), (16, 4), (40, 6), (33, 8), (1000, 5), (130, 1), (300, 20), (64, 7)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cache", list(CACHE_DTYPES))
+def test_verification_steps_match_reference(cache, threads, decode_path):
+    check_decode(VERIFY, 9, 3, 64, 16, cache, threads, seed=5)
+
+
 # 2 threads, 4 kv heads: items of 1 head (a long sequence among short ones keeps its heads apart), 2
 # heads (3 sequences: 6 items) and 4 heads (5 sequences of similar lengths)
 @pytest.mark.parametrize("lens", [(250, 1000, 2100), (1000, 997, 601), (1001, 999, 1000, 700, 1001)])

@@ -26,8 +26,8 @@ def example_value(name: str):
         return next(c for c in s.choices if c != default)
     if value_types(name) == (bool,):
         return not default
-    if s.parse is not None:  # a size such as "64MiB"
-        return s.parse("64MiB")
+    if s.parse is not None:  # a size such as "64MiB", or the setting's own example
+        return s.parse(s.example or "64MiB")
     kind = value_types(name)[0]
     if kind is str:
         return "example"
@@ -39,7 +39,7 @@ def example_argv(name: str) -> list[str]:
     if isinstance(value, bool):
         argv = [flag_name(name) if value else "--no-" + flag_name(name)[2:]]
     else:
-        argv = [flag_name(name), str(value)]
+        argv = [flag_name(name), engine_settings()[name].example or str(value)]
     return argv + (["--device", "cuda"] if engine_settings()[name].cuda_only else [])
 
 
@@ -84,7 +84,8 @@ def test_no_flags_give_the_dataclass_defaults():
 def test_every_setting_can_be_set_from_the_toml_file(tmp_path):
     tables = []
     for name in SERVER_ENGINE_SETTINGS:
-        lines = ["[[models]]", f'name = "{name}"', f"{name} = {json.dumps(example_value(name))}"]
+        example = engine_settings()[name].example  # a parsed setting's text, else the value itself
+        lines = ["[[models]]", f'name = "{name}"', f"{name} = {json.dumps(example or example_value(name))}"]
         if engine_settings()[name].cuda_only:
             lines.append('device = "cuda"')
         tables.append("\n".join(lines))

@@ -21,6 +21,7 @@ from pyengine.engine.block_pool import BlockPool
 from pyengine.engine.output import CompletionOutput, IncrementalDetokenizer, RequestOutput, check_token_stop
 from pyengine.engine.request import Request, RequestStatus
 from pyengine.engine.scheduler import Scheduler, SchedulerOutput
+from pyengine.engine.spec_decode import NgramSpeculator
 from pyengine.interrupt import StepInterrupt, StepInterrupted
 from pyengine.metrics import EngineMetrics, count_requests
 from pyengine.model.metadata import allocate_kv_caches, copy_blocks
@@ -140,6 +141,7 @@ class Engine:
 
             self.kv_tier = open_disk_tier(config, cfg, weights_id, self.dtype,
                                           cache_dtype_of(config, self.dtype), self.pool, kv_caches)
+        self.speculator = None if config.speculative is None else NgramSpeculator(config.speculative, self.metrics)
         self._structured = None  # pyengine.structured.StructuredOutputs, built on first use
         self._structured_lock = threading.Lock()
         self.groups: dict[str, _Group] = {}
@@ -267,7 +269,7 @@ class Engine:
                 req.finished_time = time.perf_counter()
             else:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            outs.append(self._finish(group, req, [], None))
+            outs.append(self._finish(group, req, [], []))
         group.deferred = []
         return self._request_output(group, outs)
 
@@ -312,15 +314,25 @@ class Engine:
             for part, result in done:
                 for req, entries in (result.prompt_logprobs or ()) if result else ():
                     req.prompt_logprobs.extend(entries)
-                got = self.scheduler.update_from_output(part, result.token_ids if result else [])
+                token_ids = result.token_ids if result else []
+                if self.speculator is None:
+                    got = self.scheduler.update_from_output(part, token_ids)
+                    new = None
+                else:
+                    v = self.speculator.verify(part.reqs, part.sampling, token_ids)
+                    new = {req: (row, len(acc) + 1) for req, row, acc in
+                           zip((r for r, s in zip(part.reqs, part.sampling) if s), v.rows, v.accepted)}
+                    got = self.scheduler.update_from_output(part, v.sampled, v.accepted)
                 if self.kv_tier is not None:  # write newly cached blocks through, before finishes free them
                     self.kv_tier.offer(part.reqs)
-                num_got += len(got)
-                outputs += self._process(got, result)
+                num_got += sum(new[r][1] for r in got) if new else len(got)
+                outputs += self._process(got, result, new)
             for req, exc in blamed:
                 o = self._fail_group(req.parent_id, exc)
                 if o is not None:
                     outputs.append(o)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         s = self.scheduler
         self.metrics.on_step(*count_requests(self.groups.values()), self.pool.usage, num_got,
                              s.prefix_query_tokens, s.prefix_hit_tokens, s.num_preemptions)
@@ -377,32 +389,27 @@ class Engine:
             out.error = f"{type(exc).__name__}: {exc}"
         return out
 
-    def _process(self, got: list[Request], result) -> list[RequestOutput]:
+    def _process(self, got: list[Request], result, new: dict | None = None) -> list[RequestOutput]:
+        """Stop checks, logprobs and text of the tokens each request in `got` just got. new: per request
+        (its sampled token's logits row, tokens appended this step) where drafts were verified (the accepted
+        drafts' rows come just before); else each got one token, from row i of got[i]. Of several tokens,
+        those after a stop are dropped."""
         now = time.perf_counter()
         by_group: dict[str, tuple[_Group, list[CompletionOutput]]] = {}
         eos = self.eos_ids
-        for row, req in enumerate(got):
-            tok = req.all_token_ids[-1]
-            self.metrics.on_token(req, now)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            lp = None
-            if req.logprobs is not None and result.logprobs is not None:
-                k = req.params.logprobs
-                top = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k])) if k else []
-                lp = TokenLogprob(tok, result.logprobs[row], top)
-                req.logprobs.append(lp)
-                req.cumulative_logprob += lp.logprob
-            stop = check_token_stop(req, tok, eos)
-            if req.grammar is not None and not req.grammar.accept_token(tok) and stop is None:
-                # only when something overrode the mask (min_tokens banning every allowed token)
-                log.warning("request %s: token %d breaks its grammar; stopping it", req.request_id, tok)
-                stop = (RequestStatus.FINISHED_STOPPED, None)
-            if stop is None or stop[0] is RequestStatus.FINISHED_LENGTH:
-                hit = req.detok.add(tok)
-                if hit is not None:
-                    stop = (RequestStatus.FINISHED_STOPPED, hit)
+        for i, req in enumerate(got):
+            row, count = new[req] if new else (i, 1)
+            appended = req.all_token_ids[-count:]
+            del req.all_token_ids[-count:]
+            emitted, lps, stop = [], [], None
+            for j, tok in enumerate(appended):  # one at a time, so every check sees the output up to this token
+                req.all_token_ids.append(tok)
+                emitted.append(tok)
+                stop, lp = self._check_token(req, tok, eos, result, row - count + 1 + j, now)
+                if lp is not None:
+                    lps.append(lp)
+                if stop is not None:
+                    break
             group = self.groups[req.parent_id]
             if group.deferred:
                 for child in group.deferred:
@@ -411,21 +418,47 @@ class Engine:
             if stop is not None:
                 self.scheduler.finish(req, stop[0])
                 req.stop_reason = stop[1]
-                out = self._finish(group, req, [tok], lp)
+                out = self._finish(group, req, emitted, lps)
             else:
-                out = CompletionOutput(req.index, req.detok.pop_delta(False), [tok], None, None,
-                                       [lp] if lp is not None else None, _cumulative(req))
+                out = CompletionOutput(req.index, req.detok.pop_delta(False), emitted, None, None,
+                                       lps or None, _cumulative(req))
             by_group.setdefault(group.request_id, (group, []))[1].append(out)
         return [self._request_output(group, outs) for group, outs in by_group.values()]
 
-    def _finish(self, group: _Group, req: Request, new_ids: list[int], lp) -> CompletionOutput:
+    def _check_token(self, req: Request, tok: int, eos: frozenset[int], result, row: int,
+                     now: float) -> tuple[tuple | None, TokenLogprob | None]:
+        """Account one new token (the last of req.all_token_ids): timing, its logprob (from logits row
+        `row`), grammar and detokenizer. Returns (stop (status, reason) or None, its TokenLogprob or None)."""
+        self.metrics.on_token(req, now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        lp = None
+        if req.logprobs is not None and result.logprobs is not None:
+            k = req.params.logprobs
+            top = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k])) if k else []
+            lp = TokenLogprob(tok, result.logprobs[row], top)
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp.logprob
+        stop = check_token_stop(req, tok, eos)
+        if req.grammar is not None and not req.grammar.accept_token(tok) and stop is None:
+            # only when something overrode the mask (min_tokens banning every allowed token)
+            log.warning("request %s: token %d breaks its grammar; stopping it", req.request_id, tok)
+            stop = (RequestStatus.FINISHED_STOPPED, None)
+        if stop is None or stop[0] is RequestStatus.FINISHED_LENGTH:
+            hit = req.detok.add(tok)
+            if hit is not None:
+                stop = (RequestStatus.FINISHED_STOPPED, hit)
+        return stop, lp
+
+    def _finish(self, group: _Group, req: Request, new_ids: list[int], lps: list | None) -> CompletionOutput:
         group.num_finished += 1
         self.metrics.on_finished(req)
         if group.num_finished == len(group.children):
             del self.groups[group.request_id]
             self.metrics.on_request_finished(group.children)
         return CompletionOutput(req.index, req.detok.pop_delta(True), new_ids, req.finish_reason,
-                                req.stop_reason, [lp] if lp is not None else None, _cumulative(req))
+                                req.stop_reason, lps or None, _cumulative(req))
 
     def _request_output(self, group: _Group, outs: list[CompletionOutput]) -> RequestOutput:
         finished = group.num_finished == len(group.children)

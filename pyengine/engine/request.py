@@ -43,6 +43,7 @@ class Request:
         "finished_time", "max_total_tokens", "logprobs", "cumulative_logprob", "prompt_logprobs", "detok",
         "arrival_seq", "admit_seq", "disk_keys", "num_disk_offered", "num_disk_cached_tokens",
         "num_computed_prompt_tokens", "sampling_row", "grammar", "logit_bias", "fork_source",
+        "spec_token_ids", "spec",
     )
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -104,6 +105,10 @@ class Request:
             np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias)))
         # n > 1: child 0, for children 1..n-1, which fork from its computed prompt (see the scheduler)
         self.fork_source: Request | None = None
+        # Speculative decoding: draft tokens to verify in the next step after the last token (the scheduler
+        # trims them to what the step holds), and the per-request state (pyengine.engine.spec_decode.SpecState)
+        self.spec_token_ids: list[int] = []
+        self.spec = None
         self.arrival_seq = 0  # set by the scheduler: FCFS order
         self.admit_seq = 0  # set by the scheduler on each admission
 

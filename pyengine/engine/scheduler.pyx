@@ -247,6 +247,7 @@ cdef class Scheduler:
         cdef int cost, num_tokens = 0
         cdef int chunk_room = -1  # see _chunk_room; computed on the first running prompt chunk
         cdef bint yielded = False
+        cdef bint has_spec = False  # some sequence verifies drafts (never a solo step: nothing to interrupt for)
         cdef list running = self.running
         cdef BlockPool pool = self.pool
         now = None
@@ -262,7 +263,11 @@ cdef class Scheduler:
             ntok = len(req.all_token_ids)
             cost = self._token_cost(req)
             n = min(ntok - ncomp, self._cap(budget, cost))
-            if n > 1 and self.long_prefill_tokens > 0:  # a prompt chunk: a newcomer's first chunk goes first
+            if req.spec_token_ids:  # a decode verifying drafts: its last token and the drafts the budget holds
+                n = min(1 + len(req.spec_token_ids), self._cap(budget, cost))
+                del req.spec_token_ids[n - 1:]
+                has_spec = True
+            elif n > 1 and self.long_prefill_tokens > 0:  # a prompt chunk: a newcomer's first chunk goes first
                 if chunk_room < 0:
                     chunk_room = self._chunk_room()
                 if n > chunk_room // cost:
@@ -282,7 +287,7 @@ cdef class Scheduler:
                 break
             if need > 0:
                 req.block_ids.extend(pool.allocate(need))
-            self._add_to_step(req, n, ncomp + n == ntok, reqs, num_new, sampling)
+            self._add_to_step(req, n, ncomp + n >= ntok, reqs, num_new, sampling)
             budget -= n * cost
             num_tokens += n
             i += 1
@@ -321,7 +326,7 @@ cdef class Scheduler:
 
         self.chunks_yielded = yielded
         return SchedulerOutput(reqs, num_new, sampling, num_tokens, sampling.count(True), preempted, copies,
-                               alone and len(reqs) == 1 and num_tokens > 1)
+                               alone and len(reqs) == 1 and num_tokens > 1 and not has_spec)
 
     cdef void _preempt(self, req):
         self.running.remove(req)
@@ -329,20 +334,25 @@ cdef class Scheduler:
         req.block_ids = []
         req.num_computed_tokens = 0
         req.num_hashed_blocks = 0
+        req.spec_token_ids = []
         req.status = PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(req, True)
 
-    cpdef list update_from_output(self, object out, list sampled_token_ids):
+    cpdef list update_from_output(self, object out, list sampled_token_ids, list accepted=None):
         """Advance every scheduled request by its computed tokens and append the sampled tokens
-        (sampled_token_ids in order of the sampling requests). Registers newly full blocks in the
-        prefix cache. Returns the requests that got a token."""
+        (sampled_token_ids in order of the sampling requests). A request that verified drafts takes its
+        accepted drafts (accepted[j], a prefix of its spec_token_ids) before its sampled token; the rejected
+        drafts' KV slots are rolled back (it counts only the accepted as computed, and the blocks past them
+        are freed). Registers newly full blocks of computed (so accepted) tokens in the prefix cache.
+        Returns the requests that got tokens."""
         cdef list reqs = out.reqs
         cdef list num_new = out.num_new
         cdef list sampling = out.sampling
         cdef list got = []
-        cdef Py_ssize_t i, j = 0, n, start, P
+        cdef list drafts
+        cdef Py_ssize_t i, j = 0, n, start, P, end, keep
         cdef BlockPool pool = self.pool
         cdef Py_ssize_t bs = pool.block_size
         for i in range(len(reqs)):
@@ -356,10 +366,20 @@ cdef class Scheduler:
             P = req.num_prompt_tokens
             if start < P:
                 req.num_computed_prompt_tokens += (start + n if start + n < P else P) - start
-            req.num_computed_tokens = start + n
-            if pool.enable_caching and (start + n) // bs > <Py_ssize_t> req.num_hashed_blocks:
+            end = start + n
+            drafts = req.spec_token_ids
+            if drafts:
+                req.spec_token_ids = []
+                end -= len(drafts) - len(accepted[j])  # the rejected drafts' slots are not computed
+                req.all_token_ids.extend(accepted[j])
+                keep = cdiv(end, bs)
+                if len(req.block_ids) > keep:  # blocks that held only rejected drafts (never cached or shared)
+                    pool.free_blocks(req.block_ids[keep:])
+                    del req.block_ids[keep:]
+            req.num_computed_tokens = end
+            if pool.enable_caching and end // bs > <Py_ssize_t> req.num_hashed_blocks:
                 req.num_hashed_blocks = pool.cache_full_blocks(
-                    req.all_token_ids, req.block_hashes, req.block_ids, req.num_hashed_blocks, start + n)
+                    req.all_token_ids, req.block_hashes, req.block_ids, req.num_hashed_blocks, end)
             if sampling[i]:
                 req.all_token_ids.append(sampled_token_ids[j])
                 j += 1
@@ -395,14 +415,17 @@ def prepare_batch(object out, int block_size,
     """Fill the flat step arrays from a SchedulerOutput, in place (buffers sized by the caller).
 
     block_tables is a flat buffer used as a C-contiguous [S, max_blocks] array, max_blocks being the
-    longest block list of the step. Returns (num_tokens, max_blocks, max_seq_len, num_logits)."""
+    longest block list of the step. A sequence with drafts (spec_token_ids) computes them after its last
+    token and gets a logits row for each of its 1 + k query tokens (so logits_indices needs up to
+    max_num_batched_tokens entries).
+    Returns (num_tokens, max_blocks, max_seq_len, num_logits)."""
     cdef list reqs = out.reqs
     cdef list num_new = out.num_new
     cdef list sampling = out.sampling
     cdef Py_ssize_t S = len(reqs)
-    cdef Py_ssize_t s, j, k, t = 0, n, start, nb, max_blocks = 0, max_seq_len = 0, nl = 0
+    cdef Py_ssize_t s, j, k, t = 0, n, start, nb, max_blocks = 0, max_seq_len = 0, nl = 0, ntok
     cdef long long blk
-    cdef list toks, blocks
+    cdef list toks, blocks, drafts
     for s in range(S):
         nb = len(reqs[s].block_ids)
         if nb > max_blocks:
@@ -411,6 +434,8 @@ def prepare_batch(object out, int block_size,
     for s in range(S):
         req = reqs[s]
         toks = req.all_token_ids
+        drafts = req.spec_token_ids
+        ntok = len(toks)
         blocks = req.block_ids
         n = num_new[s]
         start = req.num_computed_tokens
@@ -421,7 +446,7 @@ def prepare_batch(object out, int block_size,
             block_tables[s * max_blocks + k] = 0
         blk = -1
         for j in range(start, start + n):
-            input_ids[t] = toks[j]
+            input_ids[t] = toks[j] if j < ntok else drafts[j - ntok]
             positions[t] = j
             if blk < 0 or j % block_size == 0:
                 blk = blocks[j // block_size]
@@ -431,9 +456,10 @@ def prepare_batch(object out, int block_size,
         if start + n > max_seq_len:
             max_seq_len = start + n
         query_start_loc[s + 1] = t
-        if sampling[s]:
-            logits_indices[nl] = t - 1
-            nl += 1
+        if sampling[s]:  # the last row, and before it one per draft (it verifies the draft after it)
+            for j in range(t - 1 - len(drafts), t):
+                logits_indices[nl] = j
+                nl += 1
     return t, max_blocks, max_seq_len, nl
 
 

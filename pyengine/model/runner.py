@@ -22,7 +22,7 @@ from pyengine.output_types import TokenLogprob
 
 @dataclass
 class StepResult:
-    token_ids: list[int]  # one per sampling sequence, in scheduler order
+    token_ids: list[int]  # one per logits row (1 + k for a sequence verifying k drafts), in scheduler order
     logprobs: list[float] | None = None  # sampled token's logprob per row
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
@@ -44,15 +44,16 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         T, S = max_num_batched_tokens, max_num_seqs
+        R = max(T, S)  # sampled rows: one per sequence, 1 + k for a sequence verifying k drafts
         max_blocks = -(-max_model_len // block_size)
         self.np = {
             "input_ids": np.zeros(T, np.int64), "positions": np.zeros(T, np.int64),
             "slot_mapping": np.zeros(T, np.int64), "seq_lens": np.zeros(S, np.int32),
             "query_start_loc": np.zeros(S + 1, np.int32), "block_tables": np.zeros(S * max_blocks, np.int32),
-            "logits_indices": np.zeros(S, np.int64),
-            "temperature": np.zeros(S, np.float32), "top_k": np.zeros(S, np.int32),
-            "top_p": np.zeros(S, np.float32), "min_p": np.zeros(S, np.float32),
-            "seeds": np.zeros(S, np.int64), "steps": np.zeros(S, np.int64),
+            "logits_indices": np.zeros(R, np.int64),
+            "temperature": np.zeros(R, np.float32), "top_k": np.zeros(R, np.int32),
+            "top_p": np.zeros(R, np.float32), "min_p": np.zeros(R, np.float32),
+            "seeds": np.zeros(R, np.int64), "steps": np.zeros(R, np.int64),
         }
         self.t = {k: torch.from_numpy(v) for k, v in self.np.items()}
         self.structured = None  # pyengine.structured.StructuredOutputs, set by the engine when first needed
@@ -85,13 +86,16 @@ class ModelRunner:
                                      b["block_tables"][: S * max_blocks].reshape(S, max_blocks))
         if logits is None:
             logits = self._forward(T, S, max_blocks, max_seq_len, nl, plan, interrupt)
-        reqs = [r for r, s in zip(out.reqs, out.sampling) if s]
+        # one per logits row: a sequence verifying k drafts has 1 + k rows; row i samples the token after its
+        # first i drafts (offsets[row] = i)
+        reqs = [r for r, s in zip(out.reqs, out.sampling) if s for _ in range(1 + len(r.spec_token_ids))]
+        offsets = [i for r, s in zip(out.reqs, out.sampling) if s for i in range(1 + len(r.spec_token_ids))]
         # On CUDA the forward pass is still running: the grammar masks are filled meanwhile.
         bitmask = self._fill_bitmask(reqs) if self.structured is not None else None
         prompt = self._prompt_logprobs(logits[nl:], plan) if plan else None
         if nl == 0:
             return StepResult([], prompt_logprobs=prompt) if prompt else None
-        result = self.sample(logits[:nl], reqs, bitmask)
+        result = self.sample(logits[:nl], reqs, bitmask, offsets if any(offsets) else None)
         result.prompt_logprobs = prompt
         return result
 
@@ -170,17 +174,23 @@ class ModelRunner:
             return mask
         return mask.to(self.device, non_blocking=True)
 
-    def sample(self, logits: torch.Tensor, reqs: list, bitmask: torch.Tensor | None = None) -> StepResult:
+    def sample(self, logits: torch.Tensor, reqs: list, bitmask: torch.Tensor | None = None,
+               offsets: list[int] | None = None) -> StepResult:
         """Penalties, logit_bias and min_tokens in place on logits, then the native sampler (under the
-        grammar bitmask, when given)."""
+        grammar bitmask, when given). offsets (speculative decoding): per row, how many of its request's
+        drafts come before the token it samples; that row is sampled as the request's step that many
+        tokens later (its seed's draw, penalties and min_tokens of that output), so a verified draft is kept
+        exactly when it is the token the non-speculative engine would have drawn there."""
         b = self.np
         n = len(reqs)
         all_greedy, any_pen, max_lp = prepare_sampling(
             reqs, b["temperature"], b["top_k"], b["top_p"], b["min_p"], b["seeds"], b["steps"])
+        if offsets is not None:
+            b["steps"][:n] += np.asarray(offsets, np.int64)
         if any_pen:
-            self._apply_penalties(logits, reqs)
+            self._apply_penalties(logits, reqs, offsets)
         self._apply_logit_bias(logits, reqs)
-        self._mask_min_tokens(logits, reqs)
+        self._mask_min_tokens(logits, reqs, offsets)
         if all_greedy and max_lp < 0 and bitmask is None:
             # numpy's argmax (the first maximum, as torch's) takes ~5 us on a CPU row of 49k logits, torch's ~90
             # (the models' logits are fp32)
@@ -197,13 +207,14 @@ class ModelRunner:
                 result.top_logprobs = res.top_logprobs.tolist()
         return result
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list, offsets: list[int] | None = None) -> None:
         prompt_parts, output_parts, pres, freq, rep = [], [], [], [], []
-        for r in reqs:
+        for i, r in enumerate(reqs):
             p = r.params
             on = p.has_penalties
             prompt_parts.append(r.prompt_token_ids if on and p.repetition_penalty != 1.0 else ())
-            output_parts.append(r.output_token_ids if on else ())
+            drafts = r.spec_token_ids[: offsets[i]] if offsets else []  # the output this row samples after
+            output_parts.append(r.output_token_ids + drafts if on else ())
             pres.append(p.presence_penalty)
             freq.append(p.frequency_penalty)
             rep.append(p.repetition_penalty)
@@ -231,11 +242,11 @@ class ModelRunner:
         dev = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         logits.index_put_((dev(rows), dev(cols)), dev(vals), accumulate=True)
 
-    def _mask_min_tokens(self, logits: torch.Tensor, reqs: list) -> None:
+    def _mask_min_tokens(self, logits: torch.Tensor, reqs: list, offsets: list[int] | None = None) -> None:
         """Below min_tokens, EOS and stop tokens cannot be sampled (vLLM semantics)."""
         for i, r in enumerate(reqs):
             p = r.params
-            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+            if p.min_tokens and r.num_output_tokens + (offsets[i] if offsets else 0) < p.min_tokens:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
                 if ids:
                     logits[i, ids] = float("-inf")
