@@ -13,7 +13,7 @@ import os
 import re
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 import openai
@@ -22,6 +22,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, Gauge
 
 from bench.serve import serve_load
+from pyengine.engine.output import CompletionOutput, RequestOutput
+from pyengine.output_types import TokenLogprob
 from server.app import ServerConfig, create_app
 from server.gateway import GatewayConfig
 
@@ -48,32 +50,6 @@ class FakeTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
