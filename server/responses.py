@@ -496,9 +496,7 @@ class ResponsesAPI:
         body = await read_json(request, self.read_timeout)
         raw = body.get("items")
         items = parse_items(raw, "items", MAX_ITEMS) if raw else []
-        metadata = body.get("metadata") or {}
-        if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
-            raise invalid("metadata", f"'metadata' must be an object of at most {MAX_METADATA} values")
+        metadata = _metadata(body.get("metadata"))
         conv = {"id": _new_id("conv"), "object": "conversation", "created_at": int(time.time()), "metadata": metadata}
         await _stored(self.store.create_conversation(_owner(request), conv, items))
         return web.json_response(conv)
@@ -509,10 +507,7 @@ class ResponsesAPI:
         body = await read_json(request, self.read_timeout)
         if "metadata" not in body:
             raise invalid("metadata", "'metadata' is required: the conversation's new metadata")
-        metadata = body["metadata"] or {}
-        if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise invalid("metadata", f"'metadata' must be an object of at most {MAX_METADATA} string values")
+        metadata = _metadata(body["metadata"])
         async with self._turn(cid):
             conv = await _stored(self.store.update_conversation(_owner(request), cid, metadata))
         if conv is None:
@@ -550,6 +545,16 @@ class ResponsesAPI:
             if not await _stored(self.store.add_items(_owner(request), cid, items)):
                 raise _not_found("Conversation", cid)
         return _list(items, len(items))
+
+
+def _metadata(value) -> dict[str, str]:
+    """A conversation's metadata as OpenAI takes it: an object of at most MAX_METADATA string values
+    (null: none); else a 400 naming 'metadata'."""
+    metadata = value or {}
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise invalid("metadata", f"'metadata' must be an object of at most {MAX_METADATA} string values")
+    return metadata
 
 
 def _owner(request: web.Request) -> str:

@@ -240,6 +240,9 @@ async def test_conversations_items_and_serialised_turns(served):
     client = served.client()
     conv = await client.conversations.create(items=[{"role": "system", "content": "sys"}], metadata={"a": "b"})
     assert conv.metadata == {"a": "b"} and (await client.conversations.retrieve(conv.id)).id == conv.id
+    with pytest.raises(openai.BadRequestError) as e:  # values are strings, at creation as at update
+        await client.conversations.create(metadata={"n": 1})
+    assert e.value.body["param"] == "metadata"
     updated = await client.conversations.update(conv.id, metadata={"topic": "sea"})  # POST /v1/conversations/{id}
     assert updated.metadata == {"topic": "sea"} and updated.created_at == conv.created_at
     assert (await client.conversations.retrieve(conv.id)).metadata == {"topic": "sea"}
