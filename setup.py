@@ -2,7 +2,8 @@
 
 Extensions:
   pyengine._C      C++17 CPU kernels (native/cpu, a folder per operation) bound with pybind11 (native/bindings/cpu_*.cpp).
-  pyengine.engine.*  Cython modules (pyengine/engine/*.pyx).
+  pyengine.*.*     Cython modules (every pyengine/**/*.pyx: the engine's block pool and scheduler, the
+                   model runner's batch preparation).
   pyengine._cuda   CUDA kernels (native/cuda/*.cu) + bindings (native/bindings/cuda_*.cpp),
                    built when nvcc is found; links the CUDA runtime, never torch.
 
@@ -51,7 +52,7 @@ ext_modules = [
     )
 ]
 
-pyx_files = rel("pyengine/engine/*.pyx")
+pyx_files = rel("pyengine/**/*.pyx")
 if pyx_files:
     from Cython.Build import cythonize
 

@@ -25,10 +25,11 @@ def test_thread_pool_resizes():
     assert _C.num_threads() == before
 
 
-@pytest.mark.parametrize("pyx", sorted(p.stem for p in (ROOT / "pyengine" / "engine").glob("*.pyx")))
-def test_cython_module_is_compiled(pyx):
-    mod = importlib.import_module(f"pyengine.engine.{pyx}")
-    assert mod.__file__.endswith(".so"), f"pyengine.engine.{pyx} imported from {mod.__file__}, not a compiled extension"
+@pytest.mark.parametrize("module", sorted(".".join(p.relative_to(ROOT).with_suffix("").parts)
+                                           for p in (ROOT / "pyengine").rglob("*.pyx")))
+def test_cython_module_is_compiled(module):
+    mod = importlib.import_module(module)
+    assert mod.__file__.endswith(".so"), f"{module} imported from {mod.__file__}, not a compiled extension"
 
 
 def test_native_code_prefetches_only_through_prefetch_h():

@@ -27,12 +27,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("API", ("pyengine", "pyengine.llm", "pyengine.engine.async_engine", "pyengine.report")),
 ]
 
-# Upward imports that are known and scheduled to go, each with the reason it still exists.
-KNOWN_UPWARD = {
-    ("pyengine.model.runner", "pyengine.engine.scheduler"):
-        "prepare_batch/prepare_sampling still live in scheduler.pyx; they move beside the runner",
-}
-
 _PYX_IMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+c?import\s+([\w, ]+)|c?import\s+([\w.]+))", re.M)
 
 
@@ -151,16 +145,9 @@ def test_no_import_cycles():
 
 
 def test_no_module_imports_from_a_layer_above():
-    upward = sorted((m, t) for m, targets in import_graph().items() for t in targets
-                    if layer_of(t) > layer_of(m) and (m, t) not in KNOWN_UPWARD)
+    upward = sorted((m, t) for m, targets in import_graph().items() for t in targets if layer_of(t) > layer_of(m))
     assert upward == [], [f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
                           for m, t in upward]
-
-
-def test_known_upward_imports_still_exist():
-    """An exception that no longer applies is removed, so it cannot hide a new import."""
-    graph = import_graph()
-    assert [edge for edge in KNOWN_UPWARD if edge[1] not in graph.get(edge[0], ())] == []
 
 
 def test_the_checker_sees_function_level_imports_and_skips_annotation_ones():

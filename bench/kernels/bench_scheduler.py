@@ -12,7 +12,8 @@ import numpy as np
 
 from pyengine.engine.block_pool import BlockPool
 from pyengine.engine.request import Request, RequestStatus
-from pyengine.engine.scheduler import Scheduler, prepare_batch, prepare_sampling
+from pyengine.engine.scheduler import Scheduler
+from pyengine.model.batch import prepare_batch, prepare_sampling
 from pyengine.sampling_params import SamplingParams
 
 NUM_SEQS, PROMPT, BS, MAX_LEN = 256, 128, 16, 4096

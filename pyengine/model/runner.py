@@ -1,7 +1,7 @@
 """ModelRunner: one flat batch per step -> forward -> penalties -> sample.
 
 The step arrays live in numpy buffers allocated once (sized for max_num_batched_tokens tokens and
-max_num_seqs sequences) and are filled by Cython loops (pyengine.engine.scheduler.prepare_batch /
+max_num_seqs sequences) and are filled by Cython loops (pyengine.model.batch.prepare_batch /
 prepare_sampling); torch tensors are zero-copy views of them on CPU, one copy each on CUDA.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pyengine.engine.scheduler import prepare_batch, prepare_sampling
 from pyengine.interrupt import StepInterrupt
+from pyengine.model.batch import prepare_batch, prepare_sampling
 from pyengine.model.cuda_graphs import DecodeGraphs
 from pyengine.model.metadata import AttentionMetadata, KVCache
 from pyengine.ops.sampling import apply_penalties, sample
