@@ -1,9 +1,10 @@
 """Speculative decoding (n-gram drafts, or a draft model with --draft-model) on against off: the default
-model, greedy, EOS ignored, rounds of the two engines alternating in one run. Workloads: a code edit (the prompt holds ~300 tokens of code; the
-answer rewrites it with one change), quoting a passage, open-ended chat (drafts rarely match), and 16
-concurrent code edits. Prints output tok/s of each, their ratio, and the drafts' acceptance rate.
---draft-model drafts with a model (PATH; the default model itself when none is named: every draft is
-accepted, so the figures show what the k draft passes a step cost against the target steps they save).
+model, greedy, EOS ignored, rounds of the two engines alternating in one run. Workloads: a code edit (the
+prompt holds ~300 tokens of code; the answer rewrites it with one change), quoting a passage, open-ended chat
+(drafts rarely match), and 16 concurrent code edits. Prints output tok/s of each, their ratio, and the
+drafts' acceptance rate. --draft-model drafts with a model (PATH; the default model itself when none is
+named: nearly every draft is accepted, so the figures show what the k draft passes a step cost against
+the target steps they save).
 
     python bench/engine/bench_spec.py [--threads 2] [--rounds 2] [--max-tokens 256] [--k 5]
         [--disable-by-batch-size N] [--only WORKLOAD ...] [--draft-model [PATH]]
