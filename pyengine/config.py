@@ -69,11 +69,13 @@ SPEC_DISABLE_BATCH_SIZE = 4
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding, vLLM's --speculative-config keys. Only method "ngram" (prompt lookup) is
-    implemented: the last n tokens (n from prompt_lookup_max down to prompt_lookup_min) are looked up in the
-    prompt and output so far, and the tokens that followed the latest match are proposed as drafts."""
+    """Speculative decoding, vLLM's --speculative-config keys. Method "ngram" (prompt lookup): the last n
+    tokens (n from prompt_lookup_max down to prompt_lookup_min) are looked up in the prompt and output so far,
+    and the tokens that followed the latest match are proposed as drafts. Method "draft_model" (the default
+    when "model" is given): a smaller model with the same vocabulary proposes its greedy continuation."""
 
-    method: str = "ngram"  # only "ngram"; a draft model ("model": PATH) is refused at start
+    method: str | None = None  # "ngram" or "draft_model"; None: "draft_model" if model is given, else "ngram"
+    model: str | None = None  # the draft model (a .gguf file or HF folder), method "draft_model" only
     num_speculative_tokens: int = 5  # most drafts verified per step and request (k)
     prompt_lookup_max: int = 4  # longest suffix matched
     prompt_lookup_min: int = 2  # shortest suffix matched (1 would propose after any repeated token)
@@ -84,8 +86,13 @@ class SpeculativeConfig:
              "disable_by_batch_size")
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative method must be 'ngram' (the only one implemented), got {self.method!r}")
+        if self.method is None:
+            self.method = "ngram" if self.model is None else "draft_model"
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative method must be 'ngram' or 'draft_model', got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative method 'draft_model' needs a 'model' (a .gguf file or HF folder) and "
+                             "'ngram' takes none")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -114,8 +121,6 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(cls._KEYS))
         if unknown:
             raise ValueError(f"speculative config has unknown keys {unknown}; known: {list(cls._KEYS)}")
-        if "model" in value:
-            raise ValueError("speculative decoding with a draft model is not implemented; use method 'ngram'")
         return cls(**value)
 
 

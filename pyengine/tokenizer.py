@@ -86,6 +86,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def get_vocab(self) -> dict[str, int]:
+        """Every token (added ones included) and its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render `messages` with the model's template (transformers semantics); extra kwargs reach the template."""
         if self.chat_template is None:

@@ -58,7 +58,7 @@ def test_speculative_config_from_json_and_clear_errors():
     for bad, match in [("{not json", "not valid JSON"), ("[1]", "JSON object"),
                        ('{"method": "eagle"}', "must be 'ngram'"), ('{"num_speculative_tokens": 0}', ">= 1"),
                        ('{"prompt_lookup_min": 5, "prompt_lookup_max": 3}', "prompt_lookup_min"),
-                       ('{"model": "draft.gguf", "num_speculative_tokens": 4}', "draft model"),
+                       ('{"method": "ngram", "model": "draft.gguf"}', "'ngram' takes none"),
                        ('{"num_spec_tokens": 4}', "unknown keys"), ('{"disable_by_batch_size": 0}', ">= 1")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(speculative=bad)

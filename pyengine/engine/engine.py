@@ -141,7 +141,14 @@ class Engine:
 
             self.kv_tier = open_disk_tier(config, cfg, weights_id, self.dtype,
                                           cache_dtype_of(config, self.dtype), self.pool, kv_caches)
-        self.speculator = None if config.speculative is None else NgramSpeculator(config.speculative, self.metrics)
+        self.speculator = None
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            from pyengine.engine.draft_model import DraftModelSpeculator
+
+            self.speculator = DraftModelSpeculator(config, cfg, self.tokenizer, self.dtype, self.device, num_blocks,
+                                                   self.max_model_len, self.metrics)
+        elif config.speculative is not None:
+            self.speculator = NgramSpeculator(config.speculative, self.metrics)
         self._structured = None  # pyengine.structured.StructuredOutputs, built on first use
         self._structured_lock = threading.Lock()
         self.groups: dict[str, _Group] = {}

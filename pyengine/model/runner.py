@@ -99,6 +99,16 @@ class ModelRunner:
         result.prompt_logprobs = prompt
         return result
 
+    @torch.inference_mode()
+    def logits(self, out) -> torch.Tensor:
+        """The model's logits at the sampling rows of a SchedulerOutput-like batch (reqs, num_new, sampling),
+        nothing sampled: a draft model's step (pyengine/engine/draft_model.py)."""
+        b = self.np
+        T, max_blocks, max_seq_len, nl = prepare_batch(
+            out, self.block_size, b["input_ids"], b["positions"], b["slot_mapping"], b["seq_lens"],
+            b["query_start_loc"], b["block_tables"], b["logits_indices"])
+        return self._forward(T, len(out.reqs), max_blocks, max_seq_len, nl, None)
+
     def _forward(self, T: int, S: int, max_blocks: int, max_seq_len: int, nl: int, plan,
                  interrupt: StepInterrupt | None = None) -> torch.Tensor:
         """The model, eagerly, over the step in the host buffers: logits of the nl sampling rows, then of
