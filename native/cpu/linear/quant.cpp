@@ -360,18 +360,6 @@ void tile_group_vnni(const QArgs& a, int64_t t0, int nt) {
 // group) bounds it: faster than the vnni path on the 4-bit types, level on Q8_0 (docs/performance.md,
 // "quantized linear").
 
-template <int T>
-void set_amx_config() {
-  constexpr int k = kBlock / layout(T).halves;
-  TileConfig cfg;
-  for (int set = 0; set < 2; ++set) {
-    cfg.rows[3 * set] = kAmxRows, cfg.colsb[3 * set] = k;
-    cfg.rows[3 * set + 1] = k / 4, cfg.colsb[3 * set + 1] = 64;
-    cfg.rows[3 * set + 2] = kAmxRows, cfg.colsb[3 * set + 2] = 64;
-  }
-  load_tile_config(cfg);
-}
-
 // C[16][16] = A . B on tile set S (the tile numbers must be literals).
 template <int S>
 inline void amx_dot(const int8_t* x, int64_t x_stride, const uint8_t* w, int32_t* c) {
@@ -440,7 +428,7 @@ void tile_range_amx(const QArgs& a, int64_t begin, int64_t end) {
   static thread_local std::vector<Row> unpacked;  // a tile's B rows, 8 a group
   if (L.lines != 8) unpacked.resize(static_cast<size_t>(8 * a.KB));
   uint8_t* u = reinterpret_cast<uint8_t*>(unpacked.data());
-  set_amx_config<T>();
+  configure_int8_tile_sets<T>();
   for (int64_t tile = begin; tile < end; ++tile) {
     if constexpr (L.lines != 8) {
       const uint8_t* w = a.w + tile * tile_stride(L, a.KB);

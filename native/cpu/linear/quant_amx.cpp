@@ -99,19 +99,6 @@ void quantize_rows(const void* x, bool f32, int64_t r0, int64_t r1, int8_t* xq, 
   }
 }
 
-// Tile sets 0 (tmm0 A, tmm1 B, tmm2 C) and 1 (tmm3, tmm4, tmm5) for k-byte A rows.
-template <int T>
-void configure_gemm_tiles() {
-  constexpr int k = kBlock / layout(T).halves;
-  TileConfig cfg;
-  for (int set = 0; set < 2; ++set) {
-    cfg.rows[3 * set] = kRows, cfg.colsb[3 * set] = k;
-    cfg.rows[3 * set + 1] = k / 4, cfg.colsb[3 * set + 1] = 64;
-    cfg.rows[3 * set + 2] = kRows, cfg.colsb[3 * set + 2] = 64;
-  }
-  load_tile_config(cfg);
-}
-
 // C = A . B on tile set S (the tile numbers must be literals), left in the tile: its store (tile_store)
 // comes after other work, as a store right after its product waits for it and holds up what follows.
 template <int T, int S>
@@ -238,7 +225,7 @@ void tile_range(const Activations& x, const uint8_t* w, int64_t begin, int64_t e
   static thread_local std::vector<Group> unpacked;
   unpacked.resize(static_cast<size_t>(x.KB));
   uint8_t* u = unpacked.front().bytes;
-  configure_gemm_tiles<T>();
+  configure_int8_tile_sets<T>();
   for (int64_t tile = begin; tile < end; ++tile) {
     const uint8_t* rec = w + tile * stride;
     unpack_tile<T>(rec, x.KB, u);

@@ -205,6 +205,23 @@ struct Zmm {
 
 #endif
 
+#if defined(PYENGINE_QLINEAR_AMX)
+// The two AMX-INT8 tile sets of linear/quant.cpp's and linear/quant_amx.cpp's kernels: set s is tmm(3s) A
+// (16 rows of k bytes: k = a block of type T's int8 values, or half of one), tmm(3s+1) B (k/4 rows of 64
+// bytes: 16 columns of 4 bytes) and tmm(3s+2) C (16 rows of 16 int32).
+template <int T>
+inline void configure_int8_tile_sets() {
+  constexpr int k = ggml::kBlock / ggml::layout(T).halves;
+  TileConfig cfg;
+  for (int set = 0; set < 2; ++set) {
+    cfg.rows[3 * set] = 16, cfg.colsb[3 * set] = k;
+    cfg.rows[3 * set + 1] = k / 4, cfg.colsb[3 * set + 1] = 64;
+    cfg.rows[3 * set + 2] = 16, cfg.colsb[3 * set + 2] = 64;
+  }
+  load_tile_config(cfg);
+}
+#endif
+
 // linear/quant_strips.cpp: out = x @ W^T (+ bias) for bf16 x of M rows and qlinear's segment table, where
 // M >= qlinear_strip_rows() and linear/bf16.cpp has a SIMD kernel; false (nothing done) otherwise.
 bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, void* out, int64_t M, int64_t N,
