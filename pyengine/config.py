@@ -257,7 +257,8 @@ class EngineConfig:
     # --speculative-config takes it.
     speculative: SpeculativeConfig | str | dict | None = setting(
         None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
-              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4}",
+              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4}, or a draft "
+              "model with the same tokenizer: {\"model\": PATH, \"num_speculative_tokens\": 4}",
         group="scheduling", parse=SpeculativeConfig.parse, flag="--speculative-config", default_text="off",
         example='{"method": "ngram", "num_speculative_tokens": 3}')
 
