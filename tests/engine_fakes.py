@@ -84,3 +84,24 @@ def fake_engine(kv_tokens: int = 4096, **config) -> Engine:
     config.setdefault("max_model_len", min(kv_tokens, cfg.max_position_embeddings))
     config.setdefault("dtype", "float32")
     return Engine(EngineConfig(**config), parts=(cfg, PagedEchoModel(), FakeTokenizer(), "paged-echo"))
+
+
+def abort_while_speculating(engine) -> tuple[str, list[str]]:
+    """Aborts a running request whose drafts wait for their step (queued, as a client that left), and makes
+    the next forward pass abort another speculating one while that step runs. Returns the first's id and
+    the list the second's id lands in."""
+    queued = next(r.parent_id for r in engine.scheduler.running if r.spec_token_ids)
+    engine.queue_abort(queued)
+    model = engine.runner.model
+    aborted: list[str] = []
+
+    def forward_then_abort(*args, **kwargs):
+        out = model(*args, **kwargs)
+        for r in list(engine.scheduler.running):
+            if r.spec_token_ids and not aborted:
+                aborted.append(r.parent_id)
+                engine.abort_request(r.parent_id)
+        return out
+
+    engine.runner.model = forward_then_abort
+    return queued, aborted

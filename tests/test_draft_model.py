@@ -10,7 +10,7 @@ from pyengine.llm import LLM
 from pyengine.model.loader import default_model_path, load_model
 from pyengine.sampling_params import SamplingParams
 
-from engine_fakes import FakeTokenizer
+from engine_fakes import FakeTokenizer, abort_while_speculating
 from model_helpers import hf_greedy, real_engine, write_tiny_checkpoint
 
 
@@ -128,20 +128,7 @@ def test_aborts_mid_speculation_free_both_caches(tiny):
         engine.add_request(f"r{i}", PROMPTS[i % 4], params)
     while not any(r.spec_token_ids for r in engine.scheduler.running):
         engine.step()
-    queued = next(r.parent_id for r in engine.scheduler.running if r.spec_token_ids)
-    engine.queue_abort(queued)
-    model = engine.runner.model
-    aborted = []
-
-    def forward_then_abort(*args, **kwargs):
-        out = model(*args, **kwargs)
-        for r in list(engine.scheduler.running):
-            if r.spec_token_ids and not aborted:
-                aborted.append(r.parent_id)
-                engine.abort_request(r.parent_id)
-        return out
-
-    engine.runner.model = forward_then_abort
+    queued, aborted = abort_while_speculating(engine)
     for _ in range(3):
         engine.step()
     assert aborted and aborted[0] != queued

@@ -13,7 +13,7 @@ from pyengine.engine.spec_decode import SpecState, best_k, ngram_propose
 from pyengine.llm import LLM
 from pyengine.sampling_params import SamplingParams
 
-from engine_fakes import fake_engine, reference
+from engine_fakes import abort_while_speculating, fake_engine, reference
 from model_helpers import real_engine
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -121,20 +121,7 @@ def test_fake_aborts_mid_speculation_free_every_block():
         if any(r.spec_token_ids for r in engine.scheduler.running):
             break
         engine.step()
-    queued = next(r.parent_id for r in engine.scheduler.running if r.spec_token_ids)
-    engine.queue_abort(queued)
-    model = engine.runner.model
-    aborted = []
-
-    def forward_then_abort(*args, **kwargs):
-        out = model(*args, **kwargs)
-        for r in list(engine.scheduler.running):
-            if r.spec_token_ids and not aborted:
-                aborted.append(r.parent_id)
-                engine.abort_request(r.parent_id)
-        return out
-
-    engine.runner.model = forward_then_abort
+    queued, aborted = abort_while_speculating(engine)
     while engine.has_unfinished():
         engine.step()
     assert aborted and aborted[0] != queued
