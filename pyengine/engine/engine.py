@@ -141,7 +141,10 @@ class Engine:
 
             self.kv_tier = open_disk_tier(config, cfg, weights_id, self.dtype,
                                           cache_dtype_of(config, self.dtype), self.pool, kv_caches)
-        self.speculator = None if config.speculative is None else NgramSpeculator(config.speculative, self.metrics)
+        self.speculator = None  # drafts: n-gram (config.speculative) and grammar-forced (config.jump_forward)
+        if config.speculative is not None or config.jump_forward:
+            jump = (lambda matcher: self.structured.jump_forward_tokens(matcher)) if config.jump_forward else None
+            self.speculator = NgramSpeculator(config.speculative, self.metrics, jump)
         self._structured = None  # pyengine.structured.StructuredOutputs, built on first use
         self._structured_lock = threading.Lock()
         self.groups: dict[str, _Group] = {}
