@@ -155,3 +155,10 @@ def test_jump_forward_takes_fewer_forward_passes(parts, which):
     got, on = run(parts, [PROMPTS[which]], params)
     assert got[0].token_ids == want[0].token_ids
     assert off.num_steps >= 1.3 * on.num_steps, (off.num_steps, on.num_steps)
+
+
+def test_setting_flag():
+    from server.cli import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args([])).jump_forward is True
+    assert engine_config(build_parser().parse_args(["--no-jump-forward"])).jump_forward is False
