@@ -253,7 +253,13 @@ class EngineConfig:
     grammar_compile_timeout: float = setting(10.0, "seconds a grammar (json_schema, regex, tool schema) may take to "
                                                    "compile; a slower one is stopped and its request gets 400",
                                              group="scheduling")
-    # Speculative decoding (requests without a grammar): a SpeculativeConfig, or its JSON text / dict as
+    # Jump-forward (pyengine/engine/spec_decode.py): where a request's grammar forces the next text, its tokens
+    # are the request's drafts for the next step, verified there like n-gram drafts (so the output is what it
+    # is without it); with or without --speculative-config.
+    jump_forward: bool = setting(True, "structured output: text the grammar forces (a fixed key, a closing "
+                                       "bracket) becomes drafts the next step verifies: fewer steps, same output",
+                                 group="scheduling")
+    # Speculative decoding: a SpeculativeConfig, or its JSON text / dict as
     # --speculative-config takes it.
     speculative: SpeculativeConfig | str | dict | None = setting(
         None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 5, "

@@ -9,6 +9,12 @@ holds its own GrammarMatcher
 [rows, ceil(vocab/32)] int32 bitmask, rows without a grammar all ones) and the native sampler
 applies it; after the step the engine feeds each sampled token to the request's matcher.
 
+Speculative decoding (pyengine/engine/spec_decode.py): a request verifying drafts has one sampling row
+per draft plus one; fill_bitmask() steps its matcher through the drafts (and back) so that each row gets
+the mask of the grammar state after the drafts before it, as the non-speculative engine would at that
+output position. spec_decode.accepted_prefix() cuts drafts at the first token the grammar refuses,
+and jump_forward_tokens() gives the tokens of the text the grammar forces next (drafts that need no model).
+
 A preempted request keeps its output tokens (they are recomputed, not resampled), so its matcher
 stays valid as it is: nothing to roll back. EOS is allowed only where the grammar may end: the
 matcher's stop tokens are the model's EOS ids, and they are masked out until the grammar accepts.
@@ -50,6 +56,7 @@ class StructuredOutputs:
         self.pool = GrammarPool(self.info.serialize_json(), workers=compile_workers, time_limit=compile_timeout,
                                 on_result=self._store, load=self._load)
         self.num_words = -(-vocab_size // 32)
+        self._tokenizer = tokenizer
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar for params (blocking); ValueError naming the problem if xgrammar rejects
@@ -97,17 +104,56 @@ class StructuredOutputs:
         return torch.empty(rows, self.num_words, dtype=torch.int32)
 
     def fill_bitmask(self, reqs: list, bitmask: torch.Tensor) -> torch.Tensor | None:
-        """Row i of bitmask = request i's allowed next tokens (all ones without a grammar); None when
-        no request has one. bitmask: a CPU int32 buffer with >= len(reqs) rows."""
-        # a terminated grammar (it took EOS, and ignore_eos kept the request going) constrains nothing
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
-        if not rows:
+        """One row of bitmask per sampling row: a request verifying drafts (req.spec_token_ids) has
+        1 + len(drafts) rows in a row, the j-th its allowed tokens after its first j drafts; every other
+        request one row, its allowed next tokens. Rows without a grammar are all ones. None when no request
+        has one. bitmask: a CPU int32 buffer with >= len(reqs) rows."""
+        batch, through = [], []  # first rows of requests without drafts / with drafts, under a live grammar
+        i = 0
+        while i < len(reqs):
+            req = reqs[i]
+            # a terminated grammar (it took EOS, and ignore_eos kept the request going) constrains nothing
+            if req.grammar is not None and not req.grammar.is_terminated():
+                (through if req.spec_token_ids else batch).append(i)
+            i += 1 + len(req.spec_token_ids)
+        if not batch and not through:
             return None
         out = bitmask[: len(reqs)]
-        if len(rows) < len(reqs):
+        if len(batch) < len(reqs):
             out.fill_(-1)
-        self.batch.batch_fill_next_token_bitmask([reqs[i].grammar for i in rows], out, rows)
+        if batch:
+            self.batch.batch_fill_next_token_bitmask([reqs[i].grammar for i in batch], out, batch)
+        for i in through:
+            _fill_through_drafts(reqs[i].grammar, reqs[i].spec_token_ids, out, i)
         return out
+
+    def jump_forward_tokens(self, matcher: xgr.GrammarMatcher) -> list[int]:
+        """The tokens of the text the grammar forces from matcher's state (e.g. '{"name": "' where a schema
+        opens with a required key), as the tokenizer encodes that text; [] when nothing is forced or the
+        encoding does not give the text back. The tokenizer's encoding is how the model saw such text in
+        training, so it is the likeliest to be what the model produces; where it is not (the model would
+        split the text otherwise, or extend its last token into the free text after it), verification
+        rejects the draft from there on, so the output stays the model's own either way."""
+        text = matcher.find_jump_forward_string()
+        if not text:
+            return []
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        return ids if self._tokenizer.decode(ids) == text else []
+
+def _fill_through_drafts(matcher: xgr.GrammarMatcher, drafts: list[int], out: torch.Tensor, row: int) -> None:
+    """Rows row .. row + len(drafts) of out: the matcher's mask after each prefix of drafts; matcher is left
+    as it was. Rows after a draft the grammar refuses, or after it terminated, stay as they are (all ones):
+    the row of the refused draft masks it out, so verification rejects it and never samples them."""
+    n = 0
+    for j in range(len(drafts) + 1):
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(out, row + j)
+        if j == len(drafts) or not matcher.accept_token(drafts[j]):
+            break
+        n += 1
+    if n:
+        matcher.rollback(n)
 
 
 def _digest(key: tuple[str, str]) -> str:

@@ -31,7 +31,7 @@ from pyengine.config import EngineConfig, ModelConfig
 from pyengine.dtypes import cache_dtype_of
 from pyengine.engine.block_pool import BlockPool
 from pyengine.engine.request import Request, RequestStatus
-from pyengine.engine.spec_decode import NgramSpeculator, SpecState, can_speculate
+from pyengine.engine.spec_decode import NgramSpeculator, SpecState, accepted_prefix
 from pyengine.model.metadata import allocate_kv_caches
 
 log = logging.getLogger("pyengine.engine")
@@ -123,8 +123,7 @@ class DraftModelSpeculator(NgramSpeculator):
         drafting: list[tuple[Request, _DraftSeq, int]] = []
         for req in running:
             req.spec_token_ids = []
-            if off or req.status is not RequestStatus.RUNNING or req.num_computed_tokens != req.num_tokens - 1 \
-                    or not can_speculate(req):
+            if off or req.status is not RequestStatus.RUNNING or req.num_computed_tokens != req.num_tokens - 1:
                 continue
             # every draft accepted still leaves room for the token sampled after them
             k = min(cfg.num_speculative_tokens, req.max_total_tokens - req.num_tokens - 1)
@@ -143,7 +142,9 @@ class DraftModelSpeculator(NgramSpeculator):
             batch = [seq for _, seq, k in drafting if k > i]
             self._run(batch, [1] * len(batch))
         for req, seq, k in drafting:
-            req.spec_token_ids = seq.all_token_ids[req.num_tokens : req.num_tokens + k]
+            drafts = seq.all_token_ids[req.num_tokens : req.num_tokens + k]
+            # under a grammar, cut at the first draft it refuses (verification masks each row as well)
+            req.spec_token_ids = drafts if req.grammar is None else accepted_prefix(req.grammar, drafts)
 
     def _sync(self, req: Request, k: int) -> _DraftSeq | None:
         """The request's draft state rolled back to what its tokens share with the request's, the request's

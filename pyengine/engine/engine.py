@@ -141,14 +141,17 @@ class Engine:
 
             self.kv_tier = open_disk_tier(config, cfg, weights_id, self.dtype,
                                           cache_dtype_of(config, self.dtype), self.pool, kv_caches)
+        # drafts: a draft model's (config.speculative with a model), or n-gram ones (config.speculative) and
+        # grammar-forced ones (config.jump_forward)
         self.speculator = None
         if config.speculative is not None and config.speculative.method == "draft_model":
             from pyengine.engine.draft_model import DraftModelSpeculator
 
             self.speculator = DraftModelSpeculator(config, cfg, self.tokenizer, self.dtype, self.device, num_blocks,
                                                    self.max_model_len, self.metrics)
-        elif config.speculative is not None:
-            self.speculator = NgramSpeculator(config.speculative, self.metrics)
+        elif config.speculative is not None or config.jump_forward:
+            jump = (lambda matcher: self.structured.jump_forward_tokens(matcher)) if config.jump_forward else None
+            self.speculator = NgramSpeculator(config.speculative, self.metrics, jump)
         self._structured = None  # pyengine.structured.StructuredOutputs, built on first use
         self._structured_lock = threading.Lock()
         self.groups: dict[str, _Group] = {}

@@ -17,8 +17,15 @@ point mass q, rejection sampling (accept with min(1, p/q) = p(draft), else resam
 draft) is exactly this: the draw from p equals the draft with probability p(draft), and otherwise is a
 draw from p conditioned on not being it.
 
-Requests with a grammar do not speculate (their matcher would have to advance through the drafts to mask
-each row); they decode one token a step as before.
+Structured output: a request's drafts are cut at the first token its grammar refuses
+(accepted_prefix), and each of its rows is sampled under the mask of the grammar state after
+the drafts before it (StructuredOutputs.fill_bitmask), so verification samples exactly as without
+speculation. Jump-forward (as SGLang does): where the grammar forces the next text (a fixed key, a
+closing bracket), its tokens (StructuredOutputs.jump_forward_tokens) are the request's drafts instead of
+the n-gram ones, with or without n-gram speculation, whatever the batch size; they are verified like any
+draft, so a forced text the model would tokenize otherwise costs rows, never exactness. They do not count
+in the request's acceptance (SpecState) or the spec_decode metrics: the speculator counts them apart
+(num_forced_tokens, num_forced_accepted).
 
 k adapts per request (SpecState): from the request's recent acceptance rate it picks the k (0 to
 num_speculative_tokens) with the most expected tokens per unit of step time, a step of 1 + k tokens
@@ -28,6 +35,7 @@ output tokens, then starts over.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -115,49 +123,75 @@ class Verified:
     rows: list[int]  # the logits row each request's sampled token came from
 
 
-def can_speculate(req: Request) -> bool:
-    """Every request but those under a grammar (see the module docstring)."""
-    return req.grammar is None
+def accepted_prefix(matcher, tokens: list[int]) -> list[int]:
+    """The longest prefix of tokens that the grammar accepts from matcher's state (an xgrammar GrammarMatcher), ending at a token that
+    terminates it (a stop token); matcher is left as it was. A terminated grammar constrains nothing."""
+    if matcher.is_terminated():
+        return tokens
+    n = 0
+    for tok in tokens:
+        if not matcher.accept_token(tok):
+            break
+        n += 1
+        if matcher.is_terminated():
+            break
+    if n:
+        matcher.rollback(n)
+    return tokens[:n]
 
 
 class NgramSpeculator:
     """Proposes drafts for running requests and verifies them against the step's sampled rows."""
 
-    def __init__(self, config: SpeculativeConfig, metrics=None) -> None:
+    def __init__(self, config: SpeculativeConfig | None, metrics=None,
+                 jump_forward: Callable[[object], list[int]] | None = None) -> None:
+        """config: n-gram speculation (None: jump-forward only). jump_forward: a grammar matcher -> the tokens
+        its grammar forces next (StructuredOutputs.jump_forward_tokens), or None for no jump-forward."""
         self.config = config
         self.metrics = metrics  # pyengine.metrics.EngineMetrics (on_spec_verified), or None
+        self.jump_forward = jump_forward
+        self._forced: set[Request] = set()  # requests whose drafts this step are jump-forward tokens
+        self.num_forced_tokens = 0  # jump-forward drafts verified, all requests and steps
+        self.num_forced_accepted = 0
 
     def propose(self, running: list[Request]) -> None:
         """Set spec_token_ids of each running request that decodes next (all of its tokens but the last
-        computed) and may speculate; none while more than disable_by_batch_size sequences run."""
+        computed): the tokens its grammar forces, if any, else n-gram drafts (none while more than
+        disable_by_batch_size sequences run), cut where its grammar refuses one."""
         cfg = self.config
-        off = len(running) > cfg.disable_by_batch_size
+        off = cfg is None or len(running) > cfg.disable_by_batch_size
+        self._forced.clear()
         for req in running:
             req.spec_token_ids = []
-            if off or req.status is not RequestStatus.RUNNING or req.num_computed_tokens != req.num_tokens - 1:
+            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            # every draft accepted still leaves room for the token sampled after them (max_tokens, context)
+            room = req.max_total_tokens - req.num_tokens - 1
+            if req.grammar is not None and self.jump_forward is not None and room > 0:
+                forced = accepted_prefix(req.grammar, self.jump_forward(req.grammar)[:room])
+                if forced:
+                    req.spec_token_ids = forced
+                    self._forced.add(req)
+                    continue
+            if off:
                 continue
             if req.spec is None:
-                if not can_speculate(req):
-                    continue
                 req.spec = SpecState(best_k(0.5, cfg.num_speculative_tokens))
-            elif not can_speculate(req):
-                continue
             state = req.spec
             if state.k == 0:
                 if req.num_output_tokens < state.pause_until:
                     continue
                 state.k = best_k(0.5, cfg.num_speculative_tokens)
-            # at most what max_tokens and the context leave: every draft accepted still leaves room for
-            # the token sampled after them
-            k = min(state.k, req.max_total_tokens - req.num_tokens - 1)
-            req.spec_token_ids = ngram_propose(req.all_token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            drafts = ngram_propose(req.all_token_ids, min(state.k, room), cfg.prompt_lookup_min,
+                                   cfg.prompt_lookup_max)
+            req.spec_token_ids = drafts if req.grammar is None else accepted_prefix(req.grammar, drafts)
 
     def verify(self, reqs: list[Request], sampling: list[bool], token_ids: list[int]) -> Verified:
         """token_ids: one per logits row, 1 + len(spec_token_ids) rows per sampling request. A draft is
         accepted while it equals the token sampled at the row before it."""
         sampled, accepted, rows = [], [], []
         row = 0
-        max_k = self.config.num_speculative_tokens
+        max_k = self.config.num_speculative_tokens if self.config is not None else 0
         for req, samples in zip(reqs, sampling):
             if not samples:
                 continue
@@ -168,7 +202,10 @@ class NgramSpeculator:
             sampled.append(token_ids[row + a])
             accepted.append(drafts[:a])
             rows.append(row + a)
-            if drafts:
+            if req in self._forced:
+                self.num_forced_tokens += len(drafts)
+                self.num_forced_accepted += a
+            elif drafts:
                 req.spec.record(len(drafts), a, max_k, req.num_output_tokens + a + 1)
                 if self.metrics is not None:
                     self.metrics.on_spec_verified(len(drafts), a)
