@@ -93,12 +93,21 @@ def assert_consistent(engine):
         assert tier.disk.stats.bytes_used <= tier.disk.budget_bytes
 
 
+def written(engine):
+    """Wait until the tier's writer has stored every block queued so far (it runs on its own thread)."""
+    deadline = time.monotonic() + 10
+    while engine.kv_tier._pending and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not engine.kv_tier._pending
+
+
 def test_a_pool_miss_is_served_from_host_memory_without_a_disk():
     """Six prompts of 7 blocks through a pool of 16 blocks: the second pass finds them in host memory only."""
     prompts = prompts_of([120] * 6, seed=2)
     e = fake_engine(kv_tokens=256, kv_host_bytes=2**20)
     assert e.kv_tier.disk is None
     assert generate(e, prompts) == [reference(p, 5) for p in prompts]
+    written(e)
     before = e.num_computed_tokens
     outs = LLM.from_engine(e).generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [reference(p, 5) for p in prompts]
@@ -136,6 +145,7 @@ def test_preemption_and_aborts_leave_all_tiers_consistent(tmp_path):
     e = fake_engine(**config)
     assert generate(e, prompts, params) == [reference(p, 40) for p in prompts]
     assert e.scheduler.num_preemptions > 0
+    written(e)
     e.pool.reset_prefix_cache()  # the next pass finds nothing in the pool: every hit comes from a tier
     slow_get = e.kv_tier.disk.get
 
@@ -164,12 +174,14 @@ def test_metrics_count_hits_per_tier(tmp_path):
     p, = prompts_of([100], seed=7)
     e = fake_engine(kv_disk_path=str(tmp_path), kv_host_bytes=2**20)
     generate(e, [p])
+    written(e)
     e.pool.reset_prefix_cache()
     generate(e, [p + [5]])  # from host memory
     e.close()
     b = fake_engine(kv_disk_path=str(tmp_path), kv_host_bytes=2**20)
     out = LLM.from_engine(b).generate([p + [6]], GREEDY, use_tqdm=False)[0]  # from the disk
     assert out.metrics.num_disk_cached_tokens == 96
+    written(b)
     b.pool.reset_prefix_cache()
     out = LLM.from_engine(b).generate([p + [7]], GREEDY, use_tqdm=False)[0]  # promoted: from host memory
     assert (out.metrics.num_host_cached_tokens, out.metrics.num_disk_cached_tokens) == (96, 0)
@@ -195,6 +207,7 @@ def test_a_turn_served_from_host_memory_equals_a_cold_run(real_parts, kv):
     e = real_engine(real_parts, 1024, kv_host_bytes=64 * 2**20, **config)
     reply = generate(e, [turn1], params)[0]
     turn2 = turn1 + reply + tok.encode(" Who was Gutenberg?", add_special_tokens=False)
+    written(e)
     e.pool.reset_prefix_cache()  # as if evicted: the pool misses, host memory has the blocks
     warm = generate(e, [turn2], params)
     assert e.kv_tier.stats.host_hit_tokens == (len(turn1) + 7) // 16 * 16 > 0

@@ -97,7 +97,7 @@ class HostKVStore:
         """(payload, "host" or "disk"), or (None, None) on a miss. A disk hit is promoted into host memory."""
         with self._lock:
             entry = self._lru.get(key)
-            if entry is not None and list(entry[0]) == list(tokens):
+            if entry is not None and entry[0] == list(tokens):
                 self._lru.move_to_end(key)
                 self.stats.hits += 1
                 return memoryview(entry[1]), "host"
