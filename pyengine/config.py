@@ -201,6 +201,11 @@ class EngineConfig:
     kv_disk_bytes: int = setting(8 * 2**30, "most bytes the disk tier keeps in --kv-disk-path (per model), e.g. "
                                             "20GiB; the least recently used blocks go first", group="KV cache",
                                  parse=memory_size, minimum=1)
+    # Host memory as the middle tier (pyengine/engine/kv_host.py): blocks are kept in RAM first, in front of the
+    # disk tier when there is one; what RAM evicts goes down to the disk, or is dropped without one.
+    kv_host_bytes: int = setting(0, "most bytes of KV blocks kept in host memory under the prefix cache (pinned on "
+                                    "a GPU), in front of --kv-disk-path when set, e.g. 16GiB; 0: off",
+                                 group="KV cache", parse=memory_size, minimum=0)
     max_num_seqs: int = setting(256, "most sequences decoded together in one step", group="scheduling", minimum=1)
     max_num_batched_tokens: int = setting(2048, "token budget of one engine step (decodes + prompt chunks)",
                                           group="scheduling", minimum=1)
@@ -281,6 +286,10 @@ class EngineConfig:
                 raise ValueError(f"{name} needs device='cuda', got device={self.device!r}")
         if self.kv_disk_path is not None and not self.enable_prefix_caching:
             raise ValueError("kv_disk_path needs enable_prefix_caching (the disk tier lies under the prefix cache)")
+        if not isinstance(self.kv_host_bytes, int):  # memory_size reads "0.5" as a fraction: not a size here
+            raise ValueError(f"kv_host_bytes must be a number of bytes such as 4GiB, got {self.kv_host_bytes}")
+        if self.kv_host_bytes and not self.enable_prefix_caching:
+            raise ValueError("kv_host_bytes needs enable_prefix_caching (the host tier lies under the prefix cache)")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout}")
 

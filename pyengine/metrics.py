@@ -91,8 +91,13 @@ class EngineMetrics:
         self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens of each request", _TOKEN_BUCKETS)
         self.max_num_generation_tokens = hist("request_max_num_generation_tokens",
                                               "Tokens of the longest sequence of each request", _TOKEN_BUCKETS)
-        # The disk tier under the prefix cache (engine/kv_tiers.py); prefix_cache_hits counts its tokens too, once
-        # they are back in the pool.
+        # The tiers under the prefix cache (engine/kv_tiers.py), host memory and disk; prefix_cache_hits counts
+        # their tokens too, once they are back in the pool.
+        self.kv_host_hit_tokens = metric(Counter, "kv_host_hit_tokens",
+                                         "Prompt tokens read back from the host-memory tier instead of computed")
+        self.kv_host_usage = metric(Gauge, "kv_host_usage_bytes", "Bytes the host-memory tier holds")
+        self.kv_host_spilled = metric(Counter, "kv_host_spilled_blocks",
+                                      "Blocks the host-memory tier evicted and wrote down to the disk tier")
         self.kv_disk_hit_tokens = metric(Counter, "kv_disk_hit_tokens",
                                          "Prompt tokens read back from the disk tier instead of computed")
         self.kv_disk_read_bytes = metric(Counter, "kv_disk_read_bytes", "Bytes read from the disk tier")
@@ -127,15 +132,22 @@ class EngineMetrics:
             self.preemptions.inc(num_preemptions - self._last_preemptions)
             self._last_preemptions = num_preemptions
 
-    def on_kv_tier(self, tier, disk) -> None:
-        """Once per step with a disk tier: its TierStats and the store's DiskStats (totals, added as deltas)."""
-        self.kv_disk_usage.set(disk.bytes_used)
-        totals = {"hit_tokens": tier.hit_tokens, "read": disk.bytes_read, "written": disk.bytes_written,
-                  "dropped_write": tier.dropped_writes, "write_error": disk.write_errors,
-                  "bad_file": disk.bad_files, "read_timeout": tier.read_timeouts + tier.read_errors,
+    def on_kv_tier(self, tier, disk, host) -> None:
+        """Once per step with a KV tier: its TierStats and its stores, the DiskKVStore and the HostKVStore (either
+        may be None); their counters are totals, added as deltas."""
+        totals = {"hit_tokens": tier.hit_tokens - tier.host_hit_tokens, "host_hit_tokens": tier.host_hit_tokens,
+                  "dropped_write": tier.dropped_writes, "read_timeout": tier.read_timeouts + tier.read_errors,
                   "no_turn": tier.gave_up}
+        if disk is not None:
+            self.kv_disk_usage.set(disk.stats.bytes_used)
+            totals.update(read=disk.stats.bytes_read, written=disk.stats.bytes_written,
+                          write_error=disk.stats.write_errors, bad_file=disk.stats.bad_files)
+        if host is not None:
+            self.kv_host_usage.set(host.stats.bytes_used)
+            totals["spilled"] = host.stats.spilled
         counters = {"hit_tokens": self.kv_disk_hit_tokens, "read": self.kv_disk_read_bytes,
-                    "written": self.kv_disk_written_bytes}
+                    "written": self.kv_disk_written_bytes, "host_hit_tokens": self.kv_host_hit_tokens,
+                    "spilled": self.kv_host_spilled}
         for name, total in totals.items():
             delta = total - self._kv_last.get(name, 0)
             if delta:

@@ -34,6 +34,7 @@ class RequestMetrics:
     num_disk_cached_tokens: int = 0  # of num_cached_tokens, those read back from the KV disk tier
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     num_accepted_tokens: int = 0  # of which accepted
+    num_host_cached_tokens: int = 0  # of num_cached_tokens, those read back from the KV host-memory tier
 
     @classmethod
     def of(cls, r: Request) -> "RequestMetrics":
@@ -41,7 +42,7 @@ class RequestMetrics:
         return cls(r.arrival_time, r.queued_time, r.first_scheduled_time, r.first_token_time,
                    r.last_token_time, r.finished_time, r.num_prompt_tokens, r.num_cached_tokens,
                    r.num_output_tokens, r.num_preemptions, min(r.num_disk_cached_tokens, r.num_cached_tokens),
-                   drafted, accepted)
+                   drafted, accepted, min(r.num_host_cached_tokens, r.num_cached_tokens - r.num_disk_cached_tokens))
 
     @property
     def ttft(self) -> float | None:

@@ -52,6 +52,7 @@ class RequestRecord:
     disk_cached_tokens: int = 0  # of cached_tokens, those read back from the KV disk tier
     draft_tokens: int = 0  # speculative decoding: draft tokens verified (0: none)
     accepted_tokens: int = 0  # of which accepted
+    host_cached_tokens: int = 0  # of cached_tokens, those read back from the KV host-memory tier
 
 
 COLUMNS = [f.name for f in fields(RequestRecord)]
@@ -143,5 +144,5 @@ def _parse(column: str, value: str):
         return None
     if column in _TEXT_COLUMNS:
         return value
-    ints = ("input_tokens", "output_tokens", "cached_tokens", "disk_cached_tokens", "status")
+    ints = ("input_tokens", "output_tokens", "cached_tokens", "disk_cached_tokens", "host_cached_tokens", "status")
     return int(value) if column in ints else float(value)

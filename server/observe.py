@@ -78,6 +78,7 @@ class Observer:
             if rec is not None:
                 ttft = "-" if rec.first_token_ts is None else f"{1e3 * (rec.first_token_ts - rec.start_ts):.0f}ms"
                 disk = f" disk={rec.disk_cached_tokens}" if rec.disk_cached_tokens else ""  # of cached, from disk
+                disk += f" host={rec.host_cached_tokens}" if rec.host_cached_tokens else ""  # from host memory
                 extra = (f" model={rec.model} in={rec.input_tokens} out={rec.output_tokens} "
                          f"cached={rec.cached_tokens}{disk} ttft={ttft}")
             access_log.log(level, '%s "%s %s" %d%s e2e=%.0fms', request.remote, request.method, request.path,
@@ -102,6 +103,7 @@ class Observer:
             prefill_s=_diff(scheduled, first), decode_s=_diff(first, last),
             stream_s=_diff(last, end) if status == 200 else None,
             disk_cached_tokens=usage["prompt_tokens_details"].get("disk_cached_tokens", 0),
+            host_cached_tokens=usage["prompt_tokens_details"].get("host_cached_tokens", 0),
             draft_tokens=sum(m.num_draft_tokens for m in ms), accepted_tokens=sum(m.num_accepted_tokens for m in ms))
 
     # ---- rolling stats ------------------------------------------------------------------------

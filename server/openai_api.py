@@ -79,6 +79,9 @@ class _Job:
         disk = sum(m.num_disk_cached_tokens for m in self.metrics.values())
         if disk:  # of cached_tokens, those the KV disk tier served (the rest came from the pool)
             details["disk_cached_tokens"] = disk
+        host = sum(m.num_host_cached_tokens for m in self.metrics.values())
+        if host:  # of cached_tokens, those the KV host-memory tier served
+            details["host_cached_tokens"] = host
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": details}
 
 

@@ -1,5 +1,5 @@
-"""The KV disk tier (--kv-disk-path): a long conversation resumed after a restart, and a working set larger
-than the pool.
+"""The KV tiers under the prefix cache (--kv-disk-path, --kv-host-bytes): a long conversation resumed after a
+restart, and a working set larger than the pool.
 
     python bench/engine/bench_kv_tier.py [--dir /var/tmp/kvbench] [--tokens 4000] [--threads 2] [--json out.json]
 
@@ -15,9 +15,10 @@ write cost: fresh --tokens prompts prefilled with the disk tier (every block wri
 alternating --repeats times: what copying blocks out costs the step thread.
 
 working set: --users users, each with a --system-tokens system prompt of their own, send --rounds rounds of
-short questions to a pool that holds --pool-fraction of their system prompts. The same requests run on an
-engine with the disk tier and one without (pool only), in one process: prompt tokens served from cache
-(pool and disk) and the prompt throughput of each.
+short questions to a pool that holds --pool-fraction of their system prompts. The same requests run, in one
+process and round by round in turn, on an engine with the pool only (misses recomputed), one with the disk tier
+and one with the host-memory tier alone (--host-bytes, by default room for the whole working set): prompt tokens
+served from cache (pool, disk, host memory) and the prompt throughput of each.
 """
 from __future__ import annotations
 
@@ -244,9 +245,13 @@ def bench_working_set(args) -> dict:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     disk_dir = os.path.join(args.dir, "workset")
     shutil.rmtree(disk_dir, ignore_errors=True)
+    host_bytes = args.host_bytes or 2 * args.users * (args.system_tokens + 64) * args.kv_bytes_per_token
     engines = {"pool_only": engine_of(args, pool_tokens, None, parts, max_num_seqs=max_seqs),
-               "pool_and_disk": engine_of(args, pool_tokens, disk_dir, parts, max_num_seqs=max_seqs)}
-    totals = {name: dict.fromkeys(("wall_s", "prompt_tokens", "cached_tokens", "disk_tokens"), 0) for name in engines}
+               "pool_and_disk": engine_of(args, pool_tokens, disk_dir, parts, max_num_seqs=max_seqs),
+               "pool_and_host": engine_of(args, pool_tokens, None, parts, max_num_seqs=max_seqs,
+                                          kv_host_bytes=host_bytes)}
+    totals = {name: dict.fromkeys(("wall_s", "prompt_tokens", "cached_tokens", "disk_tokens", "host_tokens"), 0)
+              for name in engines}
     for prompts in rounds:  # each round on both engines in turn, so that both see the same host
         for name, engine in engines.items():
             t = totals[name]
@@ -257,6 +262,7 @@ def bench_working_set(args) -> dict:
                 t["prompt_tokens"] += out.metrics.num_prompt_tokens
                 t["cached_tokens"] += out.metrics.num_cached_tokens
                 t["disk_tokens"] += out.metrics.num_disk_cached_tokens
+                t["host_tokens"] += out.metrics.num_host_cached_tokens
     results = {}
     for name, engine in engines.items():
         t = totals[name]
@@ -267,7 +273,9 @@ def bench_working_set(args) -> dict:
         engine.close()
     results["pool_tokens"] = results["pool_only"]["pool_tokens"]
     results["working_set_tokens"] = args.users * args.system_tokens
+    results["host_bytes"] = host_bytes
     results["speedup"] = results["pool_only"]["wall_s"] / results["pool_and_disk"]["wall_s"]
+    results["host_speedup"] = results["pool_only"]["wall_s"] / results["pool_and_host"]["wall_s"]
     return results
 
 
@@ -315,6 +323,8 @@ def main() -> None:
     p.add_argument("--system-tokens", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pool-fraction", type=float, default=0.1)
+    p.add_argument("--host-bytes", type=int, default=0,
+                   help="the working set's host-memory tier (0: twice the users' system prompts' KV)")
     p.add_argument("--only", choices=["restart", "working-set", "write-cost"], default=None)
     p.add_argument("--random-1b", action="store_true",
                    help="--model: a 1B-shaped random-weight Q8_0 GGUF, written to --dir (SHAPE_1B)")
@@ -339,11 +349,12 @@ def main() -> None:
               f"{r['read_MBps']:.0f} MB/s vs dd {r['dd_MBps']:.0f} MB/s", flush=True)
     if args.only in (None, "working-set"):
         out["working_set"] = w = bench_working_set(args)
-        for name in ("pool_only", "pool_and_disk"):
+        for name in ("pool_only", "pool_and_disk", "pool_and_host"):
             x = w[name]
             print(f"working set {w['working_set_tokens']} tokens, pool {w['pool_tokens']}: {name}: cached "
-                  f"{100 * x['cached_fraction']:.1f}% of {x['prompt_tokens']} prompt tokens (disk {x['disk_tokens']}), "
-                  f"{x['wall_s']:.1f} s, {x['prompt_tok_per_s']:.0f} prompt tok/s", flush=True)
+                  f"{100 * x['cached_fraction']:.1f}% of {x['prompt_tokens']} prompt tokens (disk {x['disk_tokens']}, "
+                  f"host {x['host_tokens']}), {x['wall_s']:.1f} s, {x['prompt_tok_per_s']:.0f} prompt tok/s",
+                  flush=True)
     if args.only in (None, "write-cost"):
         out["write_cost"] = c = bench_write_cost(args)
         print(f"write-through cost, {args.tokens}-token prefills: {c['no_disk']['tok_per_s']:.0f} tok/s without the "

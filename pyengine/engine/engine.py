@@ -135,12 +135,12 @@ class Engine:
                                   eos_ids=sorted(self.eos_ids), device=self.device,
                                   cuda_graphs=config.cuda_graphs, tensor_cores=config.tensor_core_prefill)
         self.metrics = EngineMetrics(self.model_name)
-        self.kv_tier = None  # the disk tier under the prefix cache (config.kv_disk_path)
-        if config.kv_disk_path is not None:
-            from pyengine.engine.kv_tiers import open_disk_tier
+        self.kv_tier = None  # host memory and/or disk under the prefix cache (config.kv_host_bytes, kv_disk_path)
+        if config.kv_disk_path is not None or config.kv_host_bytes:
+            from pyengine.engine.kv_tiers import open_kv_tier
 
-            self.kv_tier = open_disk_tier(config, cfg, weights_id, self.dtype,
-                                          cache_dtype_of(config, self.dtype), self.pool, kv_caches)
+            self.kv_tier = open_kv_tier(config, cfg, weights_id, self.dtype,
+                                        cache_dtype_of(config, self.dtype), self.pool, kv_caches)
         # drafts: a draft model's (config.speculative with a model), or n-gram ones (config.speculative) and
         # grammar-forced ones (config.jump_forward)
         self.speculator = None
@@ -347,7 +347,7 @@ class Engine:
         self.metrics.on_step(*count_requests(self.groups.values()), self.pool.usage, num_got,
                              s.prefix_query_tokens, s.prefix_hit_tokens, s.num_preemptions)
         if self.kv_tier is not None:
-            self.metrics.on_kv_tier(self.kv_tier.stats, self.kv_tier.store.stats)
+            self.metrics.on_kv_tier(self.kv_tier.stats, self.kv_tier.disk, self.kv_tier.host)
         if self._failed_steps >= MAX_FAILED_STEPS:
             raise EngineBrokenError(f"{self._failed_steps} model steps in a row failed for every request in them")
         return outputs

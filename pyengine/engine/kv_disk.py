@@ -232,6 +232,11 @@ class DiskKVStore:
             pass
         return payload
 
+    def get_tiered(self, key: bytes, tokens: list[int]) -> tuple[memoryview | None, str | None]:
+        """(get's payload, "disk"), or (None, None): the host store's interface, which also names the tier."""
+        payload = self.get(key, tokens)
+        return (payload, "disk") if payload is not None else (None, None)
+
     def _remove(self, key: bytes) -> None:
         """Forget and delete one entry (lock held)."""
         self._forget(key)

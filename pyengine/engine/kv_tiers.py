@@ -14,8 +14,8 @@ them through that step's schedule() and returns the requests to queue: next in l
 in that step, and the scheduler's own prefix-cache lookup finds the blocks. A failed, slow or missing read,
 or a pool without room in time, only means recomputing.
 
-The store is anything with DiskKVStore's get/put/__contains__; a host-memory store in front of the disk
-(the GPU's middle tier) slots in there, and BlockCopier is the one place that touches the cache tensors.
+The store is a DiskKVStore, or a HostKVStore (kv_host.py: host memory, in front of the disk or alone) with the
+same get/put/__contains__; BlockCopier is the one place that touches the cache tensors.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import torch
 
 from pyengine.engine.block_pool import BlockPool
 from pyengine.engine.kv_disk import DiskKVStore, chain_keys
+from pyengine.engine.kv_host import HostKVStore
 from pyengine.engine.request import Request
 from pyengine.model.metadata import KVCache
 
@@ -46,12 +47,21 @@ QUEUE_TIMEOUT_FACTOR = 5
 CLOSE_TIMEOUT_SECONDS = 30.0
 
 
+def pinned_buffer(nbytes: int) -> np.ndarray:
+    """A uint8 buffer in pinned (page-locked) host memory: the GPU copies it asynchronously. The host tier keeps
+    its blocks in such buffers on a GPU."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()  # the array keeps the tensor alive
+
+
 class BlockCopier:
     """Whole KV blocks (every layer's K, V and fp8/int8 scales) to and from flat host bytes, one row per block.
 
     The block is the leading dimension of every cache layout. On the CPU the copies are numpy fancy-index
     copies of byte views (plain memcpys; torch's index_copy_ on byte views is several times slower). On a GPU
-    they are synchronous device copies; pinned staging buffers and a copy stream of their own would go here."""
+    they go through pinned host buffers on a copy stream of their own, which first waits for the work already
+    queued on the compute stream (that writes or reads the blocks); each call waits for its copies to finish
+    before it returns, so the rows it hands out are complete and the blocks it fills are ready for the next
+    step's kernels."""
 
     def __init__(self, kv_caches: list[KVCache]) -> None:
         self.tensors = [t.view(torch.uint8) for c in kv_caches for t in (c.k, c.v, c.k_scales, c.v_scales)
@@ -61,6 +71,7 @@ class BlockCopier:
         self.on_cpu = self.tensors[0].device.type == "cpu"
         # [num_blocks, bytes per block] views of the CPU caches
         self.arrays = [t.numpy().reshape(t.shape[0], -1) for t in self.tensors] if self.on_cpu else []
+        self.stream = None if self.on_cpu else torch.cuda.Stream(self.tensors[0].device)
 
     def gather(self, blocks: list[int]) -> np.ndarray:
         """[len(blocks), block_bytes] uint8 on the host: a copy of the blocks' contents."""
@@ -72,22 +83,33 @@ class BlockCopier:
                 out[:, off:off + size] = a[idx]
                 off += size
             return out
-        idx = torch.tensor(blocks, dtype=torch.int64, device=self.tensors[0].device)
-        for t, size in zip(self.tensors, self.sizes):
-            out[:, off:off + size] = t.index_select(0, idx).reshape(len(blocks), size).cpu().numpy()
-            off += size
-        return out
+        pinned = pinned_buffer(len(blocks) * self.block_bytes).reshape(len(blocks), self.block_bytes)
+        device = self.tensors[0].device
+        self.stream.wait_stream(torch.cuda.current_stream(device))  # the blocks' contents are written
+        with torch.cuda.stream(self.stream):
+            idx = torch.tensor(blocks, dtype=torch.int64, device=device)
+            rows = torch.cat([t.index_select(0, idx).reshape(len(blocks), size)
+                              for t, size in zip(self.tensors, self.sizes)], dim=1)
+            torch.from_numpy(pinned).copy_(rows, non_blocking=True)
+        self.stream.synchronize()  # the pinned rows are complete (and rows, idx no longer in use)
+        return pinned
 
     def scatter(self, blocks: list[int], rows: list) -> None:
         """Write rows (one buffer of block_bytes per block, as gather's rows or the store's payloads) into the
         blocks. Row by row: no staging copy of them all."""
         if not self.on_cpu:
-            data = torch.from_numpy(np.stack([np.frombuffer(r, dtype=np.uint8) for r in rows]))
-            idx = torch.tensor(blocks, dtype=torch.int64, device=self.tensors[0].device)
-            data, off = data.to(idx.device), 0
-            for t, size in zip(self.tensors, self.sizes):
-                t.index_copy_(0, idx, data[:, off:off + size].reshape((len(blocks),) + t.shape[1:]))
-                off += size
+            pinned = pinned_buffer(len(blocks) * self.block_bytes).reshape(len(blocks), self.block_bytes)
+            for i, row in enumerate(rows):
+                pinned[i] = np.frombuffer(row, dtype=np.uint8)
+            device = self.tensors[0].device
+            self.stream.wait_stream(torch.cuda.current_stream(device))  # earlier kernels are done with the blocks
+            with torch.cuda.stream(self.stream):
+                idx = torch.tensor(blocks, dtype=torch.int64, device=device)
+                data, off = torch.from_numpy(pinned).to(device, non_blocking=True), 0
+                for t, size in zip(self.tensors, self.sizes):
+                    t.index_copy_(0, idx, data[:, off:off + size].reshape((len(blocks),) + t.shape[1:]))
+                    off += size
+            self.stream.synchronize()  # the blocks are filled before any later kernel reads them
             return
         for b, row in zip(blocks, rows):
             row = np.frombuffer(row, dtype=np.uint8)
@@ -97,7 +119,7 @@ class BlockCopier:
                 off += size
 
 
-def _write_loop(writes: queue.Queue, store: DiskKVStore, pending: set) -> None:
+def _write_loop(writes: queue.Queue, store: DiskKVStore | HostKVStore, pending: set) -> None:
     while True:
         item = writes.get()
         if item is None:
@@ -111,8 +133,9 @@ def _write_loop(writes: queue.Queue, store: DiskKVStore, pending: set) -> None:
             pending.discard(key)
 
 
-def _read_loop(reads: queue.Queue, store: DiskKVStore) -> None:
-    """Loads in order; each fills its payloads up to its first miss (or until cancelled)."""
+def _read_loop(reads: queue.Queue, store: DiskKVStore | HostKVStore) -> None:
+    """Loads in order; each fills its payloads (and the tier each came from) up to its first miss (or until
+    cancelled)."""
     while True:
         load = reads.get()
         if load is None:
@@ -122,10 +145,11 @@ def _read_loop(reads: queue.Queue, store: DiskKVStore) -> None:
             for key, tokens in zip(load.keys, load.tokens):
                 if load.cancelled:
                     break
-                payload = store.get(key, tokens)
+                payload, tier = store.get_tiered(key, tokens)
                 if payload is None:
                     break
                 load.payloads.append(payload)
+                load.tiers.append(tier)
         except Exception:
             log.exception("kv tier: reading blocks failed; recomputing them")
             load.failed = True
@@ -133,7 +157,8 @@ def _read_loop(reads: queue.Queue, store: DiskKVStore) -> None:
             load.done.set()
 
 
-def _stop(writes: queue.Queue, reads: queue.Queue, writer: threading.Thread) -> None:
+def _stop(writes: queue.Queue, reads: queue.Queue, writer: threading.Thread,
+          store: DiskKVStore | HostKVStore) -> None:
     reads.put(None)
     try:
         writes.put(None, timeout=CLOSE_TIMEOUT_SECONDS)
@@ -142,6 +167,8 @@ def _stop(writes: queue.Queue, reads: queue.Queue, writer: threading.Thread) -> 
                     writes.qsize())
         return
     writer.join(CLOSE_TIMEOUT_SECONDS)
+    if isinstance(store, HostKVStore):  # host memory is gone after this: its blocks go down to the disk
+        store.flush()
 
 
 @dataclass
@@ -149,6 +176,7 @@ class TierStats:
     """Counters of the tier's traffic (the store keeps its own: files, bytes, hits, bad files)."""
 
     hit_tokens: int = 0  # prompt tokens installed from the store instead of computed
+    host_hit_tokens: int = 0  # of hit_tokens, those served from host memory (the rest came from the disk)
     loads: int = 0  # requests that waited for a read
     read_timeouts: int = 0  # loads cut short by read_timeout (the rest recomputed)
     gave_up: int = 0  # loaded requests that found no turn within read_timeout (recomputed)
@@ -166,6 +194,7 @@ class _Load:
     tokens: list[list[int]]
     started: float
     payloads: list = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)  # "host" or "disk", one per payload
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
     failed: bool = False
@@ -174,7 +203,7 @@ class _Load:
 
 
 class KVTier:
-    def __init__(self, store: DiskKVStore, pool: BlockPool, kv_caches: list[KVCache], *,
+    def __init__(self, store: DiskKVStore | HostKVStore, pool: BlockPool, kv_caches: list[KVCache], *,
                  write_queue_blocks: int = 256, read_timeout: float = 2.0) -> None:
         self.store = store
         self.pool = pool
@@ -196,7 +225,17 @@ class KVTier:
         writer.start()
         reader.start()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _stop, self._writes, self._reads, writer)
+        self._finalizer = weakref.finalize(self, _stop, self._writes, self._reads, writer, store)
+
+    @property
+    def host(self) -> HostKVStore | None:
+        """The host-memory store, when there is one."""
+        return self.store if isinstance(self.store, HostKVStore) else None
+
+    @property
+    def disk(self) -> DiskKVStore | None:
+        """The disk store, when there is one."""
+        return self.store.disk if isinstance(self.store, HostKVStore) else self.store
 
     def _keys(self, req: Request, num_blocks: int) -> list[bytes]:
         return chain_keys(self.store.fingerprint, req.all_token_ids, self.pool.block_size, num_blocks, req.disk_keys)
@@ -294,7 +333,7 @@ class KVTier:
                 if not load.cancelled:
                     load.cancelled = True  # the reader stops at its next block
                     self.stats.read_timeouts += 1
-            payloads = list(load.payloads)
+            payloads = list(zip(load.payloads, load.tiers))
             if queue_empty and len(out) < slots and len(payloads) < self.pool.num_free - reserve:
                 del self.loading[rid]
                 if load.failed:
@@ -329,18 +368,21 @@ class KVTier:
         hit = pool.lookup(ids, req.block_hashes)
         if len(hit) < load.first:
             return
-        payloads = payloads[len(hit) - load.first:]
+        payloads = payloads[len(hit) - load.first:]  # (payload, tier) pairs
         size = self.copier.block_bytes
-        payloads = payloads[:next((i for i, p in enumerate(payloads) if len(p) != size), len(payloads))]
+        payloads = payloads[:next((i for i, (p, _) in enumerate(payloads) if len(p) != size), len(payloads))]
         pool.touch(hit)  # pinned: neither allocating here nor other requests can evict what the request will use
         n = max(min(len(payloads), pool.num_free - reserve), 0)
         blocks = pool.allocate(n) if n else []
         if n:
-            self.copier.scatter(blocks, payloads[:n])
+            self.copier.scatter(blocks, [p for p, _ in payloads[:n]])
             pool.cache_full_blocks(ids, req.block_hashes, hit + blocks, len(hit), (len(hit) + n) * bs)
-            req.num_disk_cached_tokens = n * bs
-            req.num_disk_offered = len(hit) + n  # on the disk already
+            from_host = sum(tier == "host" for _, tier in payloads[:n]) * bs
+            req.num_disk_cached_tokens = n * bs - from_host
+            req.num_host_cached_tokens = from_host
+            req.num_disk_offered = len(hit) + n  # in the store already
             self.stats.hit_tokens += n * bs
+            self.stats.host_hit_tokens += from_host
         self._pinned += hit + blocks
 
     # ---- lifetime --------------------------------------------------------------------------
@@ -353,10 +395,11 @@ class KVTier:
         self._finalizer()
 
 
-def open_disk_tier(config, model_config, weights: str | list, dtype: torch.dtype, cache_dtype: torch.dtype,
-                   pool: BlockPool, kv_caches: list[KVCache]) -> KVTier:
-    """The engine's disk tier (config.kv_disk_path, config.kv_disk_bytes). weights: the weights file or folder
-    (its path, size and mtime go into the fingerprint), or a name standing for the model (engines on parts)."""
+def open_kv_tier(config, model_config, weights: str | list, dtype: torch.dtype, cache_dtype: torch.dtype,
+                 pool: BlockPool, kv_caches: list[KVCache]) -> KVTier:
+    """The engine's tier under the prefix cache: host memory (config.kv_host_bytes) in front of the disk
+    (config.kv_disk_path, config.kv_disk_bytes), either alone or both. weights: the weights file or folder (its
+    path, size and mtime go into the fingerprint), or a name standing for the model (engines on parts)."""
     from dataclasses import asdict
 
     from pyengine.engine.kv_disk import model_fingerprint, weights_identity
@@ -370,7 +413,15 @@ def open_disk_tier(config, model_config, weights: str | list, dtype: torch.dtype
                    for t in (c.k, c.v, c.k_scales, c.v_scales) if t is not None],
         "device": kv_caches[0].k.device.type,
     }
-    store = DiskKVStore(config.kv_disk_path, model_fingerprint(identity), config.kv_disk_bytes)
-    log.info("kv disk tier: %s, %d blocks (%.1f MiB of %.1f MiB) found", store.dir, len(store),
-             store.stats.bytes_used / 2**20, store.budget_bytes / 2**20)
+    fingerprint = model_fingerprint(identity)
+    store = None
+    if config.kv_disk_path is not None:
+        store = DiskKVStore(config.kv_disk_path, fingerprint, config.kv_disk_bytes)
+        log.info("kv disk tier: %s, %d blocks (%.1f MiB of %.1f MiB) found", store.dir, len(store),
+                 store.stats.bytes_used / 2**20, store.budget_bytes / 2**20)
+    if config.kv_host_bytes:
+        on_gpu = kv_caches[0].k.device.type == "cuda"
+        store = HostKVStore(fingerprint, config.kv_host_bytes, store,
+                            alloc=pinned_buffer if on_gpu else None)
+        log.info("kv host tier: %.1f MiB%s", config.kv_host_bytes / 2**20, " (pinned)" if on_gpu else "")
     return KVTier(store, pool, kv_caches)

@@ -42,6 +42,7 @@ class Request:
         "arrival_time", "queued_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "max_total_tokens", "logprobs", "cumulative_logprob", "prompt_logprobs", "detok",
         "arrival_seq", "admit_seq", "disk_keys", "num_disk_offered", "num_disk_cached_tokens",
+        "num_host_cached_tokens",
         "num_computed_prompt_tokens", "sampling_row", "grammar", "logit_bias", "fork_source",
         "spec_token_ids", "spec",
     )
@@ -72,10 +73,12 @@ class Request:
         self.block_hashes: list = []  # chained hashes of this sequence's full blocks, computed lazily
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
         # The KV tier under the prefix cache (engine/kv_tiers.py): the blocks' store keys (computed lazily), how many
-        # leading blocks were handed to it for writing, and the prompt tokens read back from it at admission.
+        # leading blocks were handed to it for writing, and the prompt tokens read back from it at admission, from
+        # the disk and from host memory.
         self.disk_keys: list[bytes] = []
         self.num_disk_offered = 0
         self.num_disk_cached_tokens = 0
+        self.num_host_cached_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
