@@ -17,6 +17,7 @@ from pyengine.llm import LLM
 from pyengine.sampling_params import SamplingParams
 
 from engine_fakes import fake_engine, reference
+from kv_tier_helpers import GREEDY, abort_every_other_while_loading, generate, prompts_of
 from model_helpers import real_engine
 
 FP = model_fingerprint({"model": "a"})
@@ -139,18 +140,6 @@ def test_block_copier_moves_whole_blocks_of_every_layer(device, dtype):
 
 # ---- Part 2: the engine, PagedEcho ------------------------------------------------------------
 
-GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
-
-
-def prompts_of(lengths, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
-
-
-def generate(engine, prompts, params=GREEDY):
-    return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)]
-
-
 def assert_consistent(engine):
     """Pool all free, nothing held for loading, the store's index equal to its directory and within budget."""
     assert engine.pool.num_free == engine.pool.num_blocks and not engine.groups
@@ -232,22 +221,7 @@ def test_preemption_and_aborts_leave_both_tiers_consistent(tmp_path):
     assert e.scheduler.num_preemptions > 0
     e.kv_tier.close()
     e2 = fake_engine(kv_tokens=192, kv_disk_path=str(tmp_path), max_num_seqs=8)
-    slow_get = e2.kv_tier.store.get
-
-    def get(key, tokens):  # reads slow enough that the aborts land while they load
-        time.sleep(0.01)
-        return slow_get(key, tokens)
-
-    e2.kv_tier.store.get = get
-    for i, p in enumerate(prompts):
-        e2.add_request(f"r{i}", p, params)
-    assert len(e2.kv_tier.loading) > 0
-    for i in range(0, 8, 2):
-        e2.abort_request(f"r{i}")
-    done = {}
-    while e2.has_unfinished():
-        for o in e2.step():
-            done.setdefault(o.request_id, []).extend(o.outputs[0].token_ids if o.outputs else [])
+    done = abort_every_other_while_loading(e2, e2.kv_tier.store, prompts, params)
     assert {f"r{i}": done[f"r{i}"] for i in range(1, 8, 2)} == {f"r{i}": reference(prompts[i], 40)
                                                                    for i in range(1, 8, 2)}
     assert e2.kv_tier.stats.hit_tokens > 0

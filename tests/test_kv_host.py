@@ -16,6 +16,7 @@ from pyengine.llm import LLM
 from pyengine.sampling_params import SamplingParams
 
 from engine_fakes import fake_engine, reference
+from kv_tier_helpers import GREEDY, abort_every_other_while_loading, generate, prompts_of
 from model_helpers import real_engine
 
 FP = model_fingerprint({"model": "a"})
@@ -66,18 +67,6 @@ def test_host_evictions_fall_through_to_the_disk_and_disk_hits_are_promoted(tmp_
 
 
 # ---- Part 2: the engine -----------------------------------------------------------------------
-
-GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
-
-
-def prompts_of(lengths, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
-
-
-def generate(engine, prompts, params=GREEDY):
-    return [o.outputs[0].token_ids for o in LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)]
-
 
 def assert_consistent(engine):
     """Pool all free, nothing held for loading; host memory and the disk index within budget, the disk's index
@@ -147,22 +136,7 @@ def test_preemption_and_aborts_leave_all_tiers_consistent(tmp_path):
     assert e.scheduler.num_preemptions > 0
     written(e)
     e.pool.reset_prefix_cache()  # the next pass finds nothing in the pool: every hit comes from a tier
-    slow_get = e.kv_tier.disk.get
-
-    def get(key, tokens):  # disk reads slow enough that the aborts land while they load
-        time.sleep(0.01)
-        return slow_get(key, tokens)
-
-    e.kv_tier.disk.get = get
-    for i, p in enumerate(prompts):
-        e.add_request(f"r{i}", p, params)
-    assert len(e.kv_tier.loading) > 0
-    for i in range(0, 8, 2):
-        e.abort_request(f"r{i}")
-    done = {}
-    while e.has_unfinished():
-        for o in e.step():
-            done.setdefault(o.request_id, []).extend(o.outputs[0].token_ids if o.outputs else [])
+    done = abort_every_other_while_loading(e, e.kv_tier.disk, prompts, params)
     assert {f"r{i}": done[f"r{i}"] for i in range(1, 8, 2)} == {f"r{i}": reference(prompts[i], 40)
                                                                  for i in range(1, 8, 2)}
     assert e.kv_tier.stats.hit_tokens > 0
