@@ -325,7 +325,7 @@ class Engine:
                 for req, entries in (result.prompt_logprobs or ()) if result else ():
                     req.prompt_logprobs.extend(entries)
                 token_ids = result.token_ids if result else []
-                if self.speculator is None:
+                if self.speculator is None or not any(r.spec_token_ids for r in part.reqs):  # nothing to verify
                     got = self.scheduler.update_from_output(part, token_ids)
                     new = None
                 else:

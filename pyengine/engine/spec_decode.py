@@ -161,6 +161,8 @@ class NgramSpeculator:
         cfg = self.config
         off = cfg is None or len(running) > cfg.disable_by_batch_size
         self._forced.clear()
+        if cfg is None:  # jump-forward alone: only a request under a grammar ever gets drafts
+            running = [r for r in running if r.grammar is not None]
         for req in running:
             req.spec_token_ids = []
             if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != req.num_tokens - 1:
