@@ -286,8 +286,9 @@ class EngineConfig:
                 raise ValueError(f"{name} needs device='cuda', got device={self.device!r}")
         if self.kv_disk_path is not None and not self.enable_prefix_caching:
             raise ValueError("kv_disk_path needs enable_prefix_caching (the disk tier lies under the prefix cache)")
-        if not isinstance(self.kv_host_bytes, int):  # memory_size reads "0.5" as a fraction: not a size here
-            raise ValueError(f"kv_host_bytes must be a number of bytes such as 4GiB, got {self.kv_host_bytes}")
+        for name in ("kv_disk_bytes", "kv_host_bytes"):  # memory_size reads "0.5" as a fraction: not a size here
+            if not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be a number of bytes such as 4GiB, got {getattr(self, name)}")
         if self.kv_host_bytes and not self.enable_prefix_caching:
             raise ValueError("kv_host_bytes needs enable_prefix_caching (the host tier lies under the prefix cache)")
         if not self.grammar_compile_timeout > 0:

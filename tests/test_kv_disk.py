@@ -388,3 +388,5 @@ def test_the_flags_the_toml_keys_and_their_checks(tmp_path):
         EngineConfig(kv_disk_path=str(tmp_path), enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_disk_bytes"):
         EngineConfig(kv_disk_path=str(tmp_path), kv_disk_bytes=0.5)
+    with pytest.raises(ValueError, match="kv_disk_bytes must be a number of bytes"):  # not a fraction of a byte
+        EngineConfig(kv_disk_path=str(tmp_path), kv_disk_bytes=2.5)
