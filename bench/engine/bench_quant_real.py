@@ -10,7 +10,9 @@ After a 128-token prompt, one step of M rows (a sequence's next M tokens: the pr
 decode step gives them) is timed per path, the paths alternating, wall ms, min over --repeats:
   amx_gemm  the AMX-INT8 GEMM (linear/quant_amx.cpp) from 16 rows
   strips    the weight dequantized to bf16 a strip at a time for the bf16 AMX kernel (the previous default)
-  int8      the int8 kernels (quant.cpp) at every M
+  int8      the int8 kernels (quant.cpp) at every M, on this host's best SIMD path (amx from 8 rows)
+  vnni      the int8 kernels on the avx512_vnni path: what a host with VNNI but without AMX runs (shown
+            where this host has AMX; its floor's GEMM rate is still this host's)
 M = 1 runs the int8 kernels on every path. Roofline: the host's read bandwidth (the faster of a torch sum
 over 1 GiB on --threads threads and the weight bytes over the fastest 1-row step: that step reads every
 weight once, so it bounds the bandwidth from below) and the best GEMM rate this bench measures (bf16 PackedLinear and the AMX-INT8 GEMM on a
@@ -139,7 +141,8 @@ def _timed(f) -> float:
     return time.perf_counter() - t0
 
 
-PATHS = {"amx_gemm": (16, 0), "strips": (0, 16), "int8": (0, 0)}  # (gemm rows, strip rows)
+# (gemm rows, strip rows, int8 SIMD path or None: the host's best)
+PATHS = {"amx_gemm": (16, 0, None), "strips": (0, 16, None), "int8": (0, 0, None), "vnni": (0, 0, "avx512_vnni")}
 
 
 def main() -> None:
@@ -153,8 +156,9 @@ def main() -> None:
     args = ap.parse_args()
     _C.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
-    defaults = (_C.qlinear_gemm_rows(), _C.qlinear_strip_rows())
-    paths = [p for p in PATHS if p != "amx_gemm" or "amx" in _C.qlinear_isas().split(",")]
+    defaults = (_C.qlinear_gemm_rows(), _C.qlinear_strip_rows(), _C.qlinear_isa())
+    amx = "amx" in _C.qlinear_isas().split(",")
+    paths = [p for p in PATHS if p not in ("amx_gemm", "vnni") or amx]
     bandwidth = read_bandwidth()
     rate, rate_name = gemm_rate()
     print(f"{args.threads} thread(s); read bandwidth {bandwidth / 1e9:.1f} GB/s; best GEMM rate "
@@ -173,6 +177,7 @@ def main() -> None:
                 for p in paths:
                     _C.set_qlinear_gemm_rows(PATHS[p][0])
                     _C.set_qlinear_strip_rows(PATHS[p][1])
+                    _C.set_qlinear_isa(PATHS[p][2] or defaults[2])
                     runner = SequenceRunner(model, cfg, 128 + m)
                     runner.step(ids[:128])
                     t0 = time.perf_counter()
@@ -180,6 +185,7 @@ def main() -> None:
                     best[p, m] = min(best.get((p, m), float("inf")), (time.perf_counter() - t0) * 1e3)
         _C.set_qlinear_gemm_rows(defaults[0])
         _C.set_qlinear_strip_rows(defaults[1])
+        _C.set_qlinear_isa(defaults[2])
         if 1 in sizes:
             bandwidth = max(bandwidth, weight_bytes / (1e-3 * min(best[p, 1] for p in paths)))
         print(f"\n{recipe}: {weight_bytes / 1e9:.2f} GB of weights, {args.layers} layers; read bandwidth "
