@@ -35,10 +35,10 @@ a point's %read from ~90% to ~50%. So the table adds %pair, the median over roun
 time over the kernel's with the two taken in turn (paired_read_share): a ratio of neighbours in time.
 
 Prefill (one prompt of 512 / 2048 / 8192 tokens, bf16, same heads, 2 threads), GFLOP/s of the causal
-attention (4 H D L (L + 1) / 2 flops) per path of the prefill kernel (native/cpu/attention/prefill.cpp:
-amx, avx512_fp16, avx512_fp32, avx512_bf16), torch SDPA (is_causal, contiguous K/V), and beside them
-the GEMMs at M = L rows on the gate_up shape (N 3072, K 576): pyengine's PackedLinear and torch's
-F.linear (oneDNN) in bf16.
+attention (4 H D L (L + 1) / 2 flops) per path of the prefill kernel (native/cpu/attention/prefill.cpp
+and its prefill_*.h: amx, avx512_fp16, avx512_fp32, avx512_bf16), torch SDPA (is_causal, contiguous K/V),
+and beside them the GEMMs at M = L rows on the gate_up shape (N 3072, K 576): pyengine's PackedLinear and
+torch's F.linear (oneDNN) in bf16.
 End to end: LLM.generate of one (L - 1)-token prompt and max_tokens=1 (L positions: 8192 is the model's
 context), default model and settings (prefix caching off), prompt tokens/s of the fastest of two runs.
 """

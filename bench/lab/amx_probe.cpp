@@ -8,14 +8,14 @@
 //              in L2 / all operands in L1 / the tile loads taken out of the loop (the products alone);
 //              then with the epilogue storing each tile's rows with masked 32-byte stores, or a pair's rows
 //              in one 64-byte store (linear/bf16.cpp's TilePairStore).
-//   attention  attention/prefill.cpp's tile work for one 16-row group and a 64-token chunk (D = 64): QK
+//   attention  attention/prefill_amx.h's tile work for one 16-row group and a 64-token chunk (D = 64): QK
 //              (8 products, S stored), PV (O loaded, 8 products, O stored), both; then both followed by
 //              register-only FMAs, alone and interleaved: whether vector work runs under the tile products.
 // Measured on a 2-core Xeon with AMX (family 6, model 167): gemm 1.7-1.8 TFLOP/s with the strip in L2 or
 // everything in L1 alike, 2.9-3.0 without the loads in the loop (the tile loads bound it: one 1 KB load per
 // product is the most reuse 8 tile registers allow); masked stores +65%, paired +7%. Attention: QK + PV
 // 166-170 ns, FMAs alone 50, FMAs after the tile work 237-253, interleaved 212-230: vector work hardly runs
-// under the tile products, so the prefill kernel's parts add up (attention/prefill.cpp, AmxPipeline).
+// under the tile products, so the prefill kernel's parts add up (attention/prefill_amx.h, AmxPipeline).
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -1,5 +1,5 @@
 // bf16 -> fp32 in AVX-512 registers, shared by the kernels that run bf16 data on fp32 FMAs instead of
-// vdpbf16ps (linear/bf16.cpp's avx512_fp32, attention/prefill.cpp's avx512_fp32 and avx512_fp16's QK).
+// vdpbf16ps (linear/bf16.cpp's avx512_fp32, attention/prefill_avx512.h's avx512_fp32 and avx512_fp16's QK).
 //
 // kPreferFp32Fma (linear/bf16.cpp): builds whose -march has AVX512-FP16 run the fp32 linear kernel by
 // default where AMX does not: on such a core without AMX exposed, vdpbf16ps issued at a quarter of the

@@ -1,5 +1,5 @@
 // fp16 dot products with fp32 results, shared by the attention kernels that run products in fp16 FMAs on
-// AVX512-FP16 CPUs (attention/paged.cpp's fp8 decode, attention/prefill.cpp's avx512_fp16 PV): operands are
+// AVX512-FP16 CPUs (attention/paged.cpp's fp8 decode, attention/prefill_fp16.h's avx512_fp16 PV): operands are
 // scaled by powers of two (exact) so that short fp16 sums can neither overflow nor sink into
 // subnormals, and each accumulator holds pairs of fp16 sums that are added in fp32 at the end.
 #pragma once
