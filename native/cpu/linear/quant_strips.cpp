@@ -6,7 +6,8 @@
 // which bounds them at many rows (about half the bf16 AMX GEMM's rate on the same shapes). Here the
 // dequantization is paid once per strip per call, shared by all M rows, and the weight is still read at
 // its quantized size. A strip is a few tiles x all of K, about kStripBytes of bf16: it stays in L2
-// while the rows stream past.
+// while the rows stream past. Up to kFusedRows rows on AMX (a decode step of a few streams), each group
+// goes through L1 instead: dequantized and multiplied at once (fused_block), with the same bits.
 //
 // Each value is d * u + c of its group (ggml_blocks.h) in one fused multiply-add, rounded to bf16 to
 // nearest even: every product in GGUF's formulas is exact in fp32 (fp16 scales times at most 13-bit
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "linear.h"
+#include "pyengine/amx.h"
 #include "pyengine/cpu_ops.h"
 #include "pyengine/dtype.h"
 #include "pyengine/parallel.h"
@@ -123,36 +125,115 @@ inline LineScales half_scales(const uint8_t* rec, int64_t g, int h) {
   return {d, c};
 }
 
+// Group b of one tile (its records at `tile`) -> 16 bf16 lines of 32 at `out` (linear/bf16.cpp's packed
+// layout: the group's 16 k pairs x 16 rows x 2), its weight bytes kPrefetchBytes ahead fetched on the way.
+template <int T>
+inline void dequantize_group(const uint8_t* tile, int64_t b, uint16_t* out) {
+  constexpr Layout L = layout(T);
+  constexpr int lines_per_half = L.lines / L.halves;
+  constexpr int64_t group_bytes = L.record_bytes() / L.groups();  // a tile's bytes per 32 k, on average
+  const uint8_t* rec = tile + b / L.groups() * L.record_bytes();
+  const char* ahead = reinterpret_cast<const char*>(tile + b * group_bytes) + kPrefetchBytes;
+  for (int64_t o = 0; o < group_bytes; o += 64) prefetch<_MM_HINT_T0>(ahead + o);
+  const int64_t g = b % L.groups();
+  const uint8_t* grp = rec + g * L.group_bytes();
+  const LineScales s0 = half_scales<T>(rec, g, 0), s1 = L.halves == 2 ? half_scales<T>(rec, g, 1) : s0;
+  static_for<0, L.lines>([&](auto ic) {
+    constexpr int i = decltype(ic)::value;
+    const LineScales& s = i / lines_per_half == 0 ? s0 : s1;
+    __m512i lo, hi;
+    vnni_line<T, i>(grp, lo, hi);
+    if constexpr (L.lines == 8) {  // k = 4i .. 4i + 3
+      store_quad(out + 2 * i * 32, lo, s);
+    } else {  // low nibbles k = 8i .. 8i + 3, high 8i + 4 .. 8i + 7
+      store_quad(out + 4 * i * 32, lo, s);
+      store_quad(out + (4 * i + 2) * 32, hi, s);
+    }
+  });
+}
+
 // Tiles [begin, end) of a type-T weight (KB groups a row) -> bf16 lines at `out` ([tile, K / 2, 16, 2]).
 template <int T>
 void dequantize_strip(const uint8_t* w, int64_t KB, int64_t begin, int64_t end, uint16_t* out) {
-  constexpr Layout L = layout(T);
-  constexpr int lines_per_half = L.lines / L.halves;
-  const int64_t stride = tile_stride(L, KB);
-  constexpr int64_t group_bytes = L.record_bytes() / L.groups();  // a tile's bytes per 32 k, on average
-  for (int64_t tile = begin; tile < end; ++tile) {
-    for (int64_t b = 0; b < KB; ++b, out += kBlock / 2 * 32) {
-      const uint8_t* rec = w + tile * stride + b / L.groups() * L.record_bytes();
-      const char* ahead = reinterpret_cast<const char*>(w + tile * stride + b * group_bytes) + kPrefetchBytes;
-      for (int64_t o = 0; o < group_bytes; o += 64) prefetch<_MM_HINT_T0>(ahead + o);
-      const int64_t g = b % L.groups();
-      const uint8_t* grp = rec + g * L.group_bytes();
-      const LineScales s0 = half_scales<T>(rec, g, 0), s1 = L.halves == 2 ? half_scales<T>(rec, g, 1) : s0;
-      static_for<0, L.lines>([&](auto ic) {
-        constexpr int i = decltype(ic)::value;
-        const LineScales& s = i / lines_per_half == 0 ? s0 : s1;
-        __m512i lo, hi;
-        vnni_line<T, i>(grp, lo, hi);
-        if constexpr (L.lines == 8) {  // k = 4i .. 4i + 3
-          store_quad(out + 2 * i * 32, lo, s);
-        } else {  // low nibbles k = 8i .. 8i + 3, high 8i + 4 .. 8i + 7
-          store_quad(out + 4 * i * 32, lo, s);
-          store_quad(out + (4 * i + 2) * 32, hi, s);
-        }
-      });
+  const int64_t stride = tile_stride(layout(T), KB);
+  for (int64_t tile = begin; tile < end; ++tile)
+    for (int64_t b = 0; b < KB; ++b, out += kBlock / 2 * 32) dequantize_group<T>(w + tile * stride, b, out);
+}
+
+#if defined(PYENGINE_AMX)
+#define PYENGINE_QLINEAR_FUSED 1
+
+// Up to kFusedRows rows (decode steps of a few streams), the strips' round trip through L2 costs more than
+// the products: per tile pair, each group is dequantized into two 1 KB buffers that the tile loads read
+// from L1 right away, and the products are those of linear/bf16.cpp's AMX kernel in the same k order, so
+// the bits are the strips'. Rows 16 .. 31 of x are a second row block of fewer tile rows (the
+// configuration; and rows 0 .. M - 1 the first where M < 16), so x needs no zero-padded copy.
+constexpr int64_t kFusedRows = 32;
+
+// Rows [0, M) (M <= 32) x output tiles [t0, t0 + NT) of a type-T weight -> c [32][32] fp32.
+// tmm 2i + j: C of row block i, output tile j; tmm4, 5: A of row blocks 0, 1; tmm6, 7: B of tiles 0, 1.
+template <int T, int NT>
+void fused_block(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t t0, float* c) {
+  const int64_t KB = K / kBlock, stride = tile_stride(layout(T), KB), x_stride = K * 2;
+  const bool two = M > 16;
+  alignas(64) uint16_t buf[2][NT][kBlock / 2 * 32];  // a group's lines per tile, alternating between groups
+  _tile_zero(0);
+  if constexpr (NT == 2) _tile_zero(1);
+  if (two) _tile_zero(2);
+  if (NT == 2 && two) _tile_zero(3);
+  for (int64_t b = 0; b < KB; ++b) {
+    uint16_t(&lines)[NT][kBlock / 2 * 32] = buf[b % 2];
+    for (int t = 0; t < NT; ++t) dequantize_group<T>(w + (t0 + t) * stride, b, lines[t]);
+    _tile_loadd(4, x + b * kBlock, x_stride);
+    _tile_loadd(6, lines[0], 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) {
+      _tile_loadd(7, lines[1], 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (two) {
+      _tile_loadd(5, x + 16 * K + b * kBlock, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
+  _tile_stored(0, c, 128);
+  if constexpr (NT == 2) _tile_stored(1, c + 16, 128);
+  if (two) _tile_stored(2, c + 16 * 32, 128);
+  if (NT == 2 && two) _tile_stored(3, c + 16 * 32 + 16, 128);
 }
+
+// fused_block over tiles [begin, end) of a segment (its first output column col, `rows` of them), + bias,
+// into out (N columns a row), bf16 rounded to nearest even as linear/bf16.cpp's kernel does.
+template <int T>
+void fused_range(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t begin, int64_t end, int64_t col,
+                 int64_t rows, const float* bias, void* out, int64_t N, bool out_f32) {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(std::min<int64_t>(M, 16));
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = static_cast<uint8_t>(std::max<int64_t>(M - 16, 1));
+  load_tile_config(cfg);
+  alignas(64) float c[32 * 32];
+  for (int64_t t0 = begin; t0 < end; t0 += 2) {
+    const int nt = static_cast<int>(std::min<int64_t>(2, end - t0));
+    if (nt == 2) fused_block<T, 2>(x, M, K, w, t0, c);
+    else fused_block<T, 1>(x, M, K, w, t0, c);
+    for (int t = 0; t < nt; ++t) {
+      const int64_t n0 = (t0 + t) * kTileRows, valid = std::min(kTileRows, rows - n0);
+      if (valid <= 0) break;
+      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+      const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col + n0) : _mm512_setzero_ps();
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(c + m * 32 + t * 16), bv);
+        const int64_t off = m * N + col + n0;
+        if (out_f32) _mm512_mask_storeu_ps(static_cast<float*>(out) + off, mask, v);
+        else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + off, mask, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
 
 // One strip: tiles [begin, end) of the segment whose first output column is col.
 struct Strip {
@@ -191,6 +272,17 @@ bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, vo
                         r.end, col, rows});
     }
   }
+#if defined(PYENGINE_QLINEAR_FUSED)
+  if (M <= kFusedRows && amx_usable() && linear_path(K) == "amx") {
+    pool.parallel_for(static_cast<int64_t>(strips.size()), [&](int64_t i) {
+      const Strip& s = strips[i];
+      dispatch(s.type, [&](auto t) {
+        fused_range<decltype(t)::value>(x, M, K, s.w, s.begin, s.end, s.col, s.rows, bias, out, N, out_f32);
+      });
+    });
+    return true;
+  }
+#endif
   const Bf16Rows xr(x, M, K);
   pool.parallel_for(static_cast<int64_t>(strips.size()), [&](int64_t i) {
     const Strip& s = strips[i];
