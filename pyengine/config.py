@@ -235,13 +235,6 @@ class EngineConfig:
                                      group="scheduling", choices=SCHEDULING_POLICIES)
     num_threads: int | None = setting(None, "CPU threads for torch and the native kernels", group="threads and CUDA",
                                       default_text="torch's and the kernels' own: the CPUs available")
-    # CPU, GGUF weights kept quantized: from this many rows a step's projections run the AMX-INT8 GEMM
-    # (native/cpu/linear/quant_amx.cpp: one int8 code per activation) where the host has AMX-INT8; 0 keeps
-    # the default paths (the int8 kernels, and from 16 rows on AMX hosts the bf16 strips).
-    qlinear_gemm_rows: int = setting(0, "cpu, GGUF weights kept quantized, AMX-INT8 hosts: from this many rows a "
-                                        "step's projections run the experimental AMX-INT8 GEMM (one int8 code per "
-                                        "activation: faster at 16-32 rows, less accurate); 0: off",
-                                     group="model", minimum=0)
     seed: int = setting(0, "seeds the RNG that draws a seed for each request without one", group="scheduling")
     # CUDA only, both off until measured on a device.
     cuda_graphs: bool = setting(False, "replay decode steps as CUDA graphs, one per batch-size bucket, captured at "

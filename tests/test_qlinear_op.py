@@ -1,8 +1,8 @@
 """QuantLinear's int8 kernels (native/cpu/linear/quant.cpp) against a torch reference on the same numbers: the
 weight dequantized by gguf's numpy dequantizer, the activations rounded to int8 per 32-block as the kernel
 does; every SIMD path of this build (scalar, AVX2, AVX512-VNNI, AMX: M >= 8 rows, 16 at a time, the rest
-on VNNI). The many-row paths that run instead (linear/quant_amx.cpp, linear/quant_strips.cpp) are off here; they
-have their own tests (test_qlinear_amx_gemm.py, test_qlinear_strips.py)."""
+on VNNI). The many-row path that runs instead on AMX hosts (linear/quant_strips.cpp) is off here; it has its own
+tests (test_qlinear_strips.py)."""
 import numpy as np
 import pytest
 import torch
@@ -24,12 +24,10 @@ FP16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
 
 @pytest.fixture(autouse=True)
 def int8_kernels_at_every_m():
-    rows = _C.qlinear_strip_rows(), _C.qlinear_gemm_rows()
+    rows = _C.qlinear_strip_rows()
     _C.set_qlinear_strip_rows(0)
-    _C.set_qlinear_gemm_rows(0)
     yield
-    _C.set_qlinear_strip_rows(rows[0])
-    _C.set_qlinear_gemm_rows(rows[1])
+    _C.set_qlinear_strip_rows(rows)
 
 
 @pytest.fixture(params=PATHS)

@@ -21,13 +21,10 @@ pytestmark = pytest.mark.skipif(not STRIPS, reason="no AVX512-BF16 linear in thi
 
 @pytest.fixture
 def strip_rows():
-    """Sets qlinear_strip_rows for one test (the AMX-INT8 GEMM, which runs ahead of the strips, off), restored
-    after."""
-    default = _C.qlinear_strip_rows(), _C.qlinear_gemm_rows()
-    _C.set_qlinear_gemm_rows(0)
+    """Sets qlinear_strip_rows for one test, restored after."""
+    default = _C.qlinear_strip_rows()
     yield _C.set_qlinear_strip_rows
-    _C.set_qlinear_strip_rows(default[0])
-    _C.set_qlinear_gemm_rows(default[1])
+    _C.set_qlinear_strip_rows(default)
 
 
 def load_time_bf16(blocks, type_name: str, n: int, k: int) -> torch.Tensor:
@@ -97,9 +94,9 @@ def test_threshold_and_activation_dtype_choose_the_path(strip_rows):
     assert torch.equal(strips_off, q(x.float(), out_dtype=torch.float32))
 
 
-def test_default_threshold_is_sixteen_rows_on_amx_else_never():
+def test_default_threshold_is_eight_rows_on_amx_else_never():
     """Beside vdpbf16ps (no AMX) the int8 kernels are faster at every M (bench/engine/bench_quant_steps.py)."""
-    assert _C.qlinear_strip_rows() == (16 if _C.linear_path(576) == "amx" else 0)
+    assert _C.qlinear_strip_rows() == (8 if _C.linear_path(576) == "amx" else 0)
 
 
 def test_model_prompt_bit_identical_to_dequantize(strip_rows):

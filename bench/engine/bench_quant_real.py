@@ -8,15 +8,15 @@ written for every layer (the values do not matter for timing; each layer still h
 
 After a 128-token prompt, one step of M rows (a sequence's next M tokens: the projections see what M streams'
 decode step gives them) is timed per path, the paths alternating, wall ms, min over --repeats:
-  amx_gemm  the AMX-INT8 GEMM (linear/quant_amx.cpp) from 16 rows
-  strips    the weight dequantized to bf16 a strip at a time for the bf16 AMX kernel (the previous default)
+  strips    the weight dequantized to bf16 for the bf16 AMX kernel (linear/quant_strips.cpp: the default
+            from 8 rows on AMX hosts)
   int8      the int8 kernels (quant.cpp) at every M, on this host's best SIMD path (amx from 8 rows)
   vnni      the int8 kernels on the avx512_vnni path: what a host with VNNI but without AMX runs (shown
             where this host has AMX; its floor's GEMM rate is still this host's)
 M = 1 runs the int8 kernels on every path. Roofline: the host's read bandwidth (the faster of a torch sum
 over 1 GiB on --threads threads and the weight bytes over the fastest 1-row step: that step reads every
-weight once, so it bounds the bandwidth from below) and the best GEMM rate this bench measures (bf16 PackedLinear and the AMX-INT8 GEMM on a
-[8192, 2048] weight at M = 512); a step's floor is max(weight bytes / bandwidth, FLOPs / rate), FLOPs =
+weight once, so it bounds the bandwidth from below) and the best GEMM rate this bench measures (bf16
+PackedLinear, and QuantLinear's default path on a Q8_0 weight, each [8192, 2048] at M = 512); a step's floor is max(weight bytes / bandwidth, FLOPs / rate), FLOPs =
 2 x M x the layers' weights + 2 x the lm_head's (one row: the last), and each step is shown as a fraction of it.
 
     python bench/engine/bench_quant_real.py [--types Q4_K_M,Q8_0] [--m 1,16,64] [--threads 2] [--repeats 3]
@@ -127,7 +127,7 @@ def gemm_rate() -> tuple[float, str]:
 
     q8 = QuantLinear(quants.quantize(w.numpy(), GGMLQuantizationType.Q8_0), "Q8_0")
     rates = {}
-    for name, f in (("bf16 linear", lambda: bf16(x)), ("amx_gemm Q8_0", lambda: q8(x))):
+    for name, f in (("bf16 linear", lambda: bf16(x)), (f"Q8_0 {_C.qlinear_path(512, HIDDEN)}", lambda: q8(x))):
         f()
         best = min(_timed(f) for _ in range(5))
         rates[name] = 2 * 512 * FFN * HIDDEN / best
@@ -141,8 +141,8 @@ def _timed(f) -> float:
     return time.perf_counter() - t0
 
 
-# (gemm rows, strip rows, int8 SIMD path or None: the host's best)
-PATHS = {"amx_gemm": (16, 0, None), "strips": (0, 16, None), "int8": (0, 0, None), "vnni": (0, 0, "avx512_vnni")}
+# (strip rows or None: the default, int8 SIMD path or None: the host's best)
+PATHS = {"strips": (None, None), "int8": (0, None), "vnni": (0, "avx512_vnni")}
 
 
 def main() -> None:
@@ -156,9 +156,9 @@ def main() -> None:
     args = ap.parse_args()
     _C.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
-    defaults = (_C.qlinear_gemm_rows(), _C.qlinear_strip_rows(), _C.qlinear_isa())
+    defaults = (_C.qlinear_strip_rows(), _C.qlinear_isa())
     amx = "amx" in _C.qlinear_isas().split(",")
-    paths = [p for p in PATHS if p not in ("amx_gemm", "vnni") or amx]
+    paths = [p for p in PATHS if p not in ("strips", "vnni") or amx]
     bandwidth = read_bandwidth()
     rate, rate_name = gemm_rate()
     print(f"{args.threads} thread(s); read bandwidth {bandwidth / 1e9:.1f} GB/s; best GEMM rate "
@@ -175,28 +175,25 @@ def main() -> None:
         for _ in range(args.repeats):
             for m in sizes:
                 for p in paths:
-                    _C.set_qlinear_gemm_rows(PATHS[p][0])
-                    _C.set_qlinear_strip_rows(PATHS[p][1])
-                    _C.set_qlinear_isa(PATHS[p][2] or defaults[2])
+                    _C.set_qlinear_strip_rows(defaults[0] if PATHS[p][0] is None else PATHS[p][0])
+                    _C.set_qlinear_isa(PATHS[p][1] or defaults[1])
                     runner = SequenceRunner(model, cfg, 128 + m)
                     runner.step(ids[:128])
                     t0 = time.perf_counter()
                     runner.step(ids[128 : 128 + m])
                     best[p, m] = min(best.get((p, m), float("inf")), (time.perf_counter() - t0) * 1e3)
-        _C.set_qlinear_gemm_rows(defaults[0])
-        _C.set_qlinear_strip_rows(defaults[1])
-        _C.set_qlinear_isa(defaults[2])
+        _C.set_qlinear_strip_rows(defaults[0])
+        _C.set_qlinear_isa(defaults[1])
         if 1 in sizes:
             bandwidth = max(bandwidth, weight_bytes / (1e-3 * min(best[p, 1] for p in paths)))
         print(f"\n{recipe}: {weight_bytes / 1e9:.2f} GB of weights, {args.layers} layers; read bandwidth "
               f"{bandwidth / 1e9:.1f} GB/s; wall ms per step, min of {args.repeats}; (x.xx) = the floor's ms / "
               f"the step's ms")
-        print(f"{'M':>4s} {'floor':>7s} " + " ".join(f"{p:>16s}" for p in paths) + "  amx_gemm / strips")
+        print(f"{'M':>4s} {'floor':>7s} " + " ".join(f"{p:>16s}" for p in paths))
         for m in sizes:
             floor = 1e3 * max(weight_bytes / bandwidth, 2 * (m * layer_params + lm_head) / rate)
             cells = " ".join(f"{best[p, m]:9.1f} ({floor / best[p, m]:.2f})" for p in paths)
-            ratio = f"{best['amx_gemm', m] / best['strips', m]:.2f}x" if "amx_gemm" in paths else ""
-            print(f"{m:4d} {floor:7.1f} {cells}  {ratio}")
+            print(f"{m:4d} {floor:7.1f} {cells}")
         del model
 
 

@@ -1,14 +1,12 @@
 """QuantLinear GEMV/GEMM per GGUF type and path: ms per call (min over calls, so a loaded machine's
 stalls drop out) for a [N, K] weight at M = 1 (decode), 16 and 64 (64 streams' decode step), one thread by
 default; the last row is the bf16 kernel (PackedLinear) on the same shape, the path weights="dequantize" runs.
-Paths: "amx_gemm" (the AMX-INT8 GEMM, linear/quant_amx.cpp, forced at every M; on AMX builds), "strips" (the
-weight dequantized a strip at a time for the bf16 kernel, linear/quant_strips.cpp, forced at every M) and the
-int8 SIMD paths (qlinear_isas, the other two off).
+Paths: "strips" (the weight dequantized for the bf16 kernel, linear/quant_strips.cpp, forced at every M) and
+the int8 SIMD paths (qlinear_isas, the strips off).
 
     python bench/kernels/bench_qlinear.py [--n 2048] [--k 2048] [--threads 1] [--m 1,16,64] [--types Q4_1,Q8_0]
-        [--paths amx_gemm,strips,amx,avx512_vnni]   (default: amx_gemm where built, strips and every SIMD
-                                            path of this build but the scalar loop, ~100x slower: seconds a
-                                            call at M = 64)
+        [--paths strips,amx,avx512_vnni]   (default: strips and every SIMD path of this build but the scalar
+                                            loop, ~100x slower: seconds a call at M = 64)
 """
 from __future__ import annotations
 
@@ -47,9 +45,8 @@ def main() -> None:
     _C.set_num_threads(args.threads)
     ms = [int(m) for m in args.m.split(",")]
     default = _C.qlinear_isa()
-    default_rows, default_gemm = _C.qlinear_strip_rows(), _C.qlinear_gemm_rows()
-    gemm = ["amx_gemm"] if "amx" in _C.qlinear_isas().split(",") else []
-    isas = args.paths.split(",") if args.paths else gemm + ["strips"] + [
+    default_rows = _C.qlinear_strip_rows()
+    isas = args.paths.split(",") if args.paths else ["strips"] + [
         p for p in _C.qlinear_isas().split(",")[::-1] if p != "scalar"]
     xs = {m: torch.randn(m, args.k, dtype=torch.bfloat16) for m in ms}
     print(f"[{args.n}, {args.k}] weight, {args.threads} thread(s); ms per call (min of 40)")
@@ -60,12 +57,10 @@ def main() -> None:
         cells = []
         for isa in isas:
             _C.set_qlinear_strip_rows(1 if isa == "strips" else 0)
-            _C.set_qlinear_gemm_rows(1 if isa == "amx_gemm" else 0)
-            _C.set_qlinear_isa("amx" if isa == "amx_gemm" else default if isa == "strips" else isa)
+            _C.set_qlinear_isa(default if isa == "strips" else isa)
             cells += [f"{best_ms(lambda: lin(xs[m])):17.3f}" for m in ms]
         _C.set_qlinear_isa(default)
         _C.set_qlinear_strip_rows(default_rows)
-        _C.set_qlinear_gemm_rows(default_gemm)
         print(f"{type_name:7s} " + " ".join(cells), flush=True)
     bf16 = PackedLinear(w.to(torch.bfloat16))
     print(f"{'bf16':7s} " + " ".join(f"{best_ms(lambda: bf16(xs[m])):17.3f}" for m in ms))

@@ -39,15 +39,11 @@ void register_qlinear_ops(py::module_& m) {
   m.def("qlinear_isas", &c::qlinear_isas, "The SIMD paths of this build, comma-separated, best last.");
   m.def("set_qlinear_strip_rows", &c::set_qlinear_strip_rows, py::arg("rows"),
         "From this many rows of bf16 x (0: never), qlinear runs linear_bf16's kernel on the weight dequantized\n"
-        "a strip at a time (where linear_path is not portable), else its int8 kernels. Default: 16 where\n"
+        "a strip at a time (where linear_path is not portable), else its int8 kernels. Default: 8 where\n"
         "linear_path is amx, else 0 (the int8 kernels measured faster than the strips on vdpbf16ps at every M).");
   m.def("qlinear_strip_rows", &c::qlinear_strip_rows, "The row count set by set_qlinear_strip_rows.");
-  m.def("set_qlinear_gemm_rows", &c::set_qlinear_gemm_rows, py::arg("rows"),
-        "From this many rows of x (0: never), qlinear runs its AMX-INT8 GEMM (linear/quant_amx.cpp) where its\n"
-        "SIMD path is amx, ahead of the strips. Default: 0 (EngineConfig.qlinear_gemm_rows sets it).");
-  m.def("qlinear_gemm_rows", &c::qlinear_gemm_rows, "The row count set by set_qlinear_gemm_rows.");
   m.def("qlinear_path", &c::qlinear_path, py::arg("M"), py::arg("K"),
-        "The kernel qlinear runs for M rows of bf16 x on a weight of K columns: amx_gemm, strips, or the\n"
+        "The kernel qlinear runs for M rows of bf16 x on a weight of K columns: strips, or the\n"
         "int8 kernels' SIMD path (qlinear_isa).");
 }
 

@@ -90,10 +90,6 @@ class Engine:
             from pyengine import _C
 
             _C.set_num_threads(config.num_threads)
-        if config.qlinear_gemm_rows and self.device.type == "cpu":
-            from pyengine import _C
-
-            _C.set_qlinear_gemm_rows(config.qlinear_gemm_rows)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if parts is None:
             from pyengine.model.loader import load_model, resolve_model_path

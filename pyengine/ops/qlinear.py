@@ -6,8 +6,8 @@ Q5_K, Q6_K, IQ4_XS (256-value super-blocks). QuantLinear repacks the file's bloc
 for Q4_K/Q5_K/IQ4_XS/Q3_K, whose 6-bit scales are spread to bytes) plus at most 15 padding rows. Calls quantize
 the activations per 32-value block to int8 and run int8 dot products (native/cpu/linear/quant.cpp), so a decode
 step streams 2.6-8.5 bits per weight instead of bf16's 16. Steps of many rows may take other kernels
-(_C.qlinear_path names them): the bf16 strips on AMX hosts, or the AMX-INT8 GEMM where opted in
-(_C.set_qlinear_gemm_rows). A weight may be row ranges of different types (a fused qkv whose v is Q8_0
+(_C.qlinear_path names them): on AMX hosts, from 8 rows, the weight dequantized to bf16 for the AMX
+bf16 kernel, a group or a strip at a time (native/cpu/linear/quant_strips.cpp). A weight may be row ranges of different types (a fused qkv whose v is Q8_0
 and q/k Q5_0, as llama.cpp's Q4_K_M mixes them). The same copy serves the embedding lookup (rows
 dequantized on the fly) and, with tied embeddings, the lm_head. CPU only.
 """

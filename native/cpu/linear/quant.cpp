@@ -27,9 +27,7 @@
 //         weight line; below, vpmaddubsw + vpmaddwd on the int8 pairs (Q8_0 on signed values: no i16
 //         overflow), 4 int8 rows (2 of x) per unpacked weight line. Both give the same sums, so the same bits;
 //   scalar: a portable loop over the same layout.
-// From qlinear_gemm_rows() rows of x (opt-in) on the amx path, linear/quant_amx.cpp's AMX-INT8 GEMM runs
-// instead (one int8 code per activation, no residual).
-// From qlinear_strip_rows() rows of bf16 x (16 on AMX hosts, else never), linear/quant_strips.cpp runs
+// From qlinear_strip_rows() rows of bf16 x (8 on AMX hosts, else never), linear/quant_strips.cpp runs
 // instead: the weight dequantized to bf16 a strip at a time for linear/bf16.cpp's kernel, bit-identical to
 // weights="dequantize".
 // Parallel shape as linear/bf16.cpp: tiles split into one contiguous range per thread; within a range,
@@ -1085,10 +1083,8 @@ std::string qlinear_isas() {
 std::string qlinear_isa() { return kIsaNames[g_isa.load()]; }
 
 std::string qlinear_path(int64_t M, int64_t K) {
-  const int isa = g_isa.load();
-  if (isa == kAmx && qlinear_gemm_rows() > 0 && M >= qlinear_gemm_rows()) return "amx_gemm";
   if (qlinear_strip_rows() > 0 && M >= qlinear_strip_rows() && linear_bf16_simd(K)) return "strips";
-  return kIsaNames[isa];
+  return kIsaNames[g_isa.load()];
 }
 
 int64_t qpacked_bytes(int type, int64_t N, int64_t K) {
@@ -1134,10 +1130,6 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
   if ((out_dtype != f32 && out_dtype != bf16) || (x_dtype != f32 && x_dtype != bf16))
     throw std::invalid_argument("qlinear: x and out dtypes must be fp32 or bf16");
   if (M == 0) return;
-  if (g_isa.load() == kAmx && qlinear_amx_gemm(reinterpret_cast<const void*>(x), x_dtype == f32, seg,
-                                               reinterpret_cast<const float*>(bias), reinterpret_cast<void*>(out),
-                                               M, N, K, out_dtype == f32))
-    return;  // many rows on AMX-INT8 tiles (linear/quant_amx.cpp)
   if (x_dtype == bf16 && qlinear_strips(reinterpret_cast<const uint16_t*>(x), seg, reinterpret_cast<const float*>(bias),
                                         reinterpret_cast<void*>(out), M, N, K, out_dtype == f32))
     return;  // many rows: the weight dequantized a strip at a time for the bf16 kernel (linear/quant_strips.cpp)

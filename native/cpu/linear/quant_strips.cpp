@@ -31,12 +31,13 @@ namespace {
 using ggml::kBlock;
 using ggml::kTileRows;
 
-// From this many rows, where linear_bf16 runs on AMX tiles. Its vdpbf16ps kernel does half the
-// products per instruction of the int8 kernels' vpdpbusd, and there the strips lose at every M. So
-// without AMX the default is 0 (never). On AVX512-FP16 builds the strips' kernel is linear/bf16.cpp's
-// avx512_fp32 (bf16 widened to fp32 FMAs), and they still lose (docs/performance.md, "quantized weights
-// by strips"; bench/engine/bench_quant_steps.py).
-constexpr int64_t kAmxStripRows = 16;
+// From this many rows, where linear_bf16 runs on AMX tiles: from 7-8 rows the fused path below beat the
+// int8 kernels (their AMX path from 8 rows included) on a 2-core AMX host, 4-, 5-, 6- and 8-bit types alike
+// (docs/performance.md, "quantized weights by strips"). Without AMX the default is 0 (never): linear_bf16's
+// vdpbf16ps kernel does half the products per instruction of the int8 kernels' vpdpbusd, and there the
+// strips lose at every M; on AVX512-FP16 builds its kernel is avx512_fp32 (bf16 widened to fp32 FMAs), and
+// they still lose (bench/engine/bench_quant_steps.py).
+constexpr int64_t kAmxStripRows = 8;
 constexpr int64_t kStripBytes = 256 * 1024;  // bf16 per strip: a share of L2 beside x's rows and the output
 // How far ahead of the group being dequantized its weight bytes are prefetched (into L1). A model's
 // weights come from L3 or memory at every step, and the hardware prefetchers alone left the loop

@@ -206,7 +206,7 @@ struct Zmm {
 #endif
 
 #if defined(PYENGINE_QLINEAR_AMX)
-// The two AMX-INT8 tile sets of linear/quant.cpp's and linear/quant_amx.cpp's kernels: set s is tmm(3s) A
+// The two AMX-INT8 tile sets of linear/quant.cpp's amx path: set s is tmm(3s) A
 // (16 rows of k bytes: k = a block of type T's int8 values, or half of one), tmm(3s+1) B (k/4 rows of 64
 // bytes: 16 columns of 4 bytes) and tmm(3s+2) C (16 rows of 16 int32).
 template <int T>
@@ -226,10 +226,5 @@ inline void configure_int8_tile_sets() {
 // M >= qlinear_strip_rows() and linear/bf16.cpp has a SIMD kernel; false (nothing done) otherwise.
 bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, void* out, int64_t M, int64_t N,
                     int64_t K, bool out_f32);
-
-// linear/quant_amx.cpp: the same product on AMX-INT8 tiles for x (bf16 or fp32) of M >= qlinear_gemm_rows()
-// rows, where this build and process have AMX; false (nothing done) otherwise.
-bool qlinear_amx_gemm(const void* x, bool x_f32, const int64_t* seg, const float* bias, void* out, int64_t M,
-                      int64_t N, int64_t K, bool out_f32);
 
 }  // namespace pyengine::cpu

@@ -75,15 +75,11 @@ void qlinear(uintptr_t x, int x_dtype, uintptr_t segments, uintptr_t bias, uintp
 void qembedding(uintptr_t ids, int64_t T, uintptr_t packed, int type, int64_t N, int64_t K, uintptr_t out,
                 int out_dtype);
 // From this many rows of bf16 x (0: never), qlinear dequantizes the weight a strip at a time for
-// linear_bf16's kernel (linear/quant_strips.cpp) instead of running its int8 kernels. Default: 16 where
+// linear_bf16's kernel (linear/quant_strips.cpp) instead of running its int8 kernels. Default: 8 where
 // linear_bf16 runs on AMX, else 0.
 void set_qlinear_strip_rows(int64_t rows);
 int64_t qlinear_strip_rows();
-// From this many rows of x (0: never), qlinear runs its AMX-INT8 GEMM (linear/quant_amx.cpp), where the
-// SIMD path is amx; it takes precedence over the strips. Default: 0.
-void set_qlinear_gemm_rows(int64_t rows);
-int64_t qlinear_gemm_rows();
-// The kernel qlinear runs for M rows of bf16 x: "amx_gemm", "strips", or the int8 kernels' SIMD path.
+// The kernel qlinear runs for M rows of bf16 x: "strips", or the int8 kernels' SIMD path.
 std::string qlinear_path(int64_t M, int64_t K);
 void set_qlinear_isa(const std::string& name);  // "scalar", "avx2", "avx512_vnni" (where built)
 std::string qlinear_isa();
