@@ -50,6 +50,8 @@ class Observer:
                                      "Last token to response complete (detokenize + stream)",
                                      LABELS, buckets=LATENCY_BUCKETS, registry=registry).labels(model)
         self.window_s = window_s
+        # SpeculativeConfig or None; engines that do not say (Ray replicas) show figures once they draft
+        self.speculative = getattr(engine, "speculative", None) is not None
         self.samples: collections.deque[dict] = collections.deque(maxlen=int(window_s) + 1)
         self.latencies: collections.deque[tuple[float, float | None, float | None]] = collections.deque()
         self._last_line: dict | None = None
@@ -111,7 +113,10 @@ class Observer:
                 "pyengine:generation_tokens_total": "generation_tokens",
                 "pyengine:num_requests_running": "running", "pyengine:num_requests_waiting": "waiting",
                 "pyengine:kv_cache_usage_perc": "kv_usage", "pyengine:prefix_cache_queries_total": "prefix_queries",
-                "pyengine:prefix_cache_hits_total": "prefix_hits", "pyengine:kv_disk_hit_tokens_total": "disk_hits"}
+                "pyengine:prefix_cache_hits_total": "prefix_hits", "pyengine:kv_disk_hit_tokens_total": "disk_hits",
+                "pyengine:spec_decode_num_drafts_total": "spec_drafts",
+                "pyengine:spec_decode_num_draft_tokens_total": "spec_draft_tokens",
+                "pyengine:spec_decode_num_accepted_tokens_total": "spec_accepted_tokens"}
 
     def sample(self) -> dict:
         """Cumulative counters and gauges now (one pass over the engine's registry); rates are
@@ -166,7 +171,21 @@ class Observer:
             vals = [x[i] for x in self.latencies if x[i] is not None]
             lat[name] = {f"p{p}": float(np.percentile(vals, p)) if vals else None for p in (50, 95)}
         return {"model": self.model, "window_s": self.window_s, "series": series,
-                "latency": lat, "requests": len(self.latencies)}
+                "latency": lat, "requests": len(self.latencies),
+                "spec": self.speculation(s[0], s[-1]) if s else None}
+
+    def speculation(self, a: dict, b: dict) -> dict | None:
+        """Speculative decoding between two samples (the window's first and last), from vLLM's spec_decode_*
+        counters: None when speculation is off and nothing was ever drafted, so the page leaves it out. The
+        mean accepted length is vLLM's mean acceptance length: tokens per verification, the bonus included."""
+        if not self.speculative and not b["spec_draft_tokens"]:
+            return None
+        drafts = b["spec_drafts"] - a["spec_drafts"]
+        drafted = b["spec_draft_tokens"] - a["spec_draft_tokens"]
+        accepted = b["spec_accepted_tokens"] - a["spec_accepted_tokens"]
+        return {"draft_tokens": drafted, "accepted_tokens": accepted,
+                "acceptance_rate": accepted / drafted if drafted else None,
+                "mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
     def close(self) -> None:
         if self.request_log is not None:

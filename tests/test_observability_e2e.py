@@ -290,6 +290,7 @@ async def test_web_page_in_headless_chromium(server, tmp_path):
                 assert not await cdp.js("document.querySelector('.msg.error')")
                 # the panel shows what the chat just did
                 await cdp.wait_for("document.getElementById('s-ttft').textContent.match(/^\\d+ \\/ \\d+ ms$/)")
+                assert await cdp.js("document.getElementById('spec').hidden")  # no speculation: no row for it
                 shot = await cdp.call("Page.captureScreenshot", format="png")
         out = ARTIFACTS or str(tmp_path)
         os.makedirs(out, exist_ok=True)

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from engine_fakes import FakeTokenizer, fake_engine, reference
 from pyengine.engine.async_engine import AsyncLLM
 from pyengine.engine.engine import Engine
-from server.app import ServerConfig, create_app
+from server.app import STATIC_DIR, ServerConfig, create_app
 from server.gateway import GatewayConfig
 
 
@@ -53,6 +53,39 @@ async def test_completion_matches_engine_reference(served):
     assert [c["text"] for c in body["choices"]] == [want, want]
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 12,
                              "total_tokens": len(prompt) + 12, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+async def live_spec(client: TestClient, drafted: float) -> dict | None:
+    """/stats' speculation figures once the observer's 1 s sample has seen `drafted` draft tokens."""
+    for _ in range(100):
+        spec = (await (await client.get("/stats")).json())["live"]["spec"]
+        if spec is None or spec["draft_tokens"] == drafted:
+            return spec
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"/stats never showed {drafted} draft tokens: {spec}")
+
+
+async def test_web_page_shows_speculation_only_when_on(served):
+    """The live panel's speculative decoding figures come from /stats: draft and accepted tokens, acceptance rate
+    and mean accepted length after a speculative request; none from a server without speculation."""
+    plain, _ = served
+    assert await live_spec(plain, 0) is None
+    engine = fake_engine(max_num_batched_tokens=256, speculative={"num_speculative_tokens": 5, "prompt_lookup_min": 1})
+    client, llm = await start(engine=engine)
+    try:
+        r = await client.post("/v1/completions", json={"prompt": "abcdefghi" * 4, "max_tokens": 40,
+                                                       "ignore_eos": True, "temperature": 0})
+        assert r.status == 200
+        drafted, accepted = llm.metrics.spec_draft_tokens._value.get(), llm.metrics.spec_accepted_tokens._value.get()
+        assert drafted > 0
+        spec = await live_spec(client, drafted)
+        assert spec["accepted_tokens"] == accepted and spec["acceptance_rate"] == accepted / drafted
+        assert spec["mean_accepted_length"] >= 1
+    finally:
+        await client.close()
+    with open(f"{STATIC_DIR}/app.js") as f:
+        script = f.read()
+    assert all(f"spec.{key}" in script for key in spec)
 
 
 async def test_32_streams_a_third_disconnect(served):

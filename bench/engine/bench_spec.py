@@ -6,8 +6,13 @@ drafts' acceptance rate. --draft-model drafts with a model (PATH; the default mo
 named: nearly every draft is accepted, so the figures show what the k draft passes a step cost against
 the target steps they save).
 
-    python bench/engine/bench_spec.py [--threads 2] [--rounds 2] [--max-tokens 256] [--k 5]
-        [--disable-by-batch-size N] [--only WORKLOAD ...] [--draft-model [PATH]]
+--model PATH runs the same rows on another model, e.g. the random-weight GGUF in a 1.7B Llama's shapes that
+bench/engine/bench_quant_real.py writes (its model_path(cache, "Q4_K_M", 24) writes it once, to
+~/.cache/pyengine-bench/random-1.7b-shapes-24l.Q4_K_M.gguf by default): the cost side at a real size. Its
+greedy output soon repeats itself, which n-gram drafts then match, so its acceptance is no guide to a real one.
+
+    python bench/engine/bench_spec.py [--threads 2] [--rounds 2] [--max-tokens 256] [--k 5] [--model PATH]
+        [--kv-cache-mib 512] [--disable-by-batch-size N] [--only WORKLOAD ...] [--draft-model [PATH]]
     python bench/engine/bench_spec.py --sweep   # ms per decode step against the batch's tokens
 """
 from __future__ import annotations
@@ -108,7 +113,8 @@ def bench(args) -> None:
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if args.disable_by_batch_size:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
-    common = dict(num_threads=args.threads, kv_cache_memory=512 << 20, max_model_len=2048, max_num_seqs=32)
+    common = dict(model=args.model, num_threads=args.threads, kv_cache_memory=args.kv_cache_mib << 20,
+                  max_model_len=2048, max_num_seqs=32)
     engines = {"off": LLM(**common), "on": LLM(speculative=spec, **common)}
     tok = engines["off"].engine.tokenizer
     loads = {k: v for k, v in workloads(tok).items() if not args.only or k in args.only}
@@ -144,7 +150,7 @@ def sweep(args) -> None:
     where it stops being set by reading the weights (flat) and grows with the tokens."""
     from pyengine import LLM, SamplingParams
 
-    llm = LLM(num_threads=args.threads, kv_cache_memory=512 << 20, max_model_len=1024, max_num_seqs=64)
+    llm = LLM(args.model, num_threads=args.threads, kv_cache_memory=512 << 20, max_model_len=1024, max_num_seqs=64)
     tok = llm.engine.tokenizer
     prompt = tok.encode(PASSAGE)[:64]
     params = SamplingParams(max_tokens=33, temperature=0.0, ignore_eos=True)
@@ -166,6 +172,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--model", default=None, metavar="PATH", help="the target model (default: the default model)")
+    ap.add_argument("--kv-cache-mib", type=int, default=512,
+                    help="KV cache per engine; 16 code edits on a 1.7B model need ~1200 MiB to run at once")
     ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
     ap.add_argument("--only", action="append", default=None, metavar="WORKLOAD", help='e.g. "16 x code edit"')

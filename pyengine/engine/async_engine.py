@@ -39,6 +39,7 @@ class AsyncLLM:
         self.model_name = self.engine.model_name
         self.metrics = self.engine.metrics
         self.plan = self.engine.plan  # the memory plan it logged at start-up (pyengine.plan)
+        self.speculative = self.engine.config.speculative  # SpeculativeConfig or None (the web page's panel)
         self._streams: dict[str, asyncio.Queue] = {}
         self._commands: collections.deque[tuple] = collections.deque()
         self._wakeup = threading.Event()

@@ -148,6 +148,7 @@ async function refreshStats() {
     }
     $("s-ttft").textContent = ms(live.latency.ttft.p50) + " / " + ms(live.latency.ttft.p95) + " ms";
     $("s-tpot").textContent = ms(live.latency.tpot.p50) + " / " + ms(live.latency.tpot.p95) + " ms";
+    showSpec(live.spec);
     chart($("chart-tps"), [live.series.map((x) => x.generation_tps), live.series.map((x) => x.prompt_tps)],
           ["#1a73e8", "#e8710a"], "tokens/s: output (blue), prompt (orange), last " + live.window_s + " s");
     chart($("chart-kv"), [live.series.map((x) => 100 * x.kv_usage)], ["#188038"], "KV cache %", 100);
@@ -159,6 +160,16 @@ async function refreshStats() {
   } catch (e) {
     $("status").textContent = "stats: " + e;
   }
+}
+
+// Speculative decoding over the window; the server sends none when it is off and never drafted.
+function showSpec(spec) {
+  $("spec").hidden = !spec;
+  if (!spec) return;
+  $("s-draft").textContent = spec.draft_tokens;
+  $("s-accepted").textContent = spec.accepted_tokens;
+  $("s-accept-rate").textContent = spec.acceptance_rate === null ? "–" : fmt(100 * spec.acceptance_rate) + "%";
+  $("s-accept-len").textContent = fmt(spec.mean_accepted_length, 2);
 }
 
 function showPlan(p) {
