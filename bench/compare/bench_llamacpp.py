@@ -17,6 +17,9 @@ llama.cpp's K-quant choices). Per file:
     cmake -S llama_cpp_python-*/vendor/llama.cpp -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
     cmake --build build -j2 --target llama-quantize llama-bench llama-batched-bench
     python bench/compare/bench_llamacpp.py build [--threads 2] [--pairs 5] [--repeats 2]
+    python bench/compare/bench_llamacpp.py build --gguf FILE [--kv-cache-mib 3072]   (one file of any size
+        instead, e.g. bench/engine/bench_quant_real.py's 1.7B-shaped Q4_K_M; our 64 streams then run in this
+        process with a KV cache of --kv-cache-mib, so all 64 fit at once)
 
 On AMX hosts (Sapphire Rapids) built with GCC 12, that copy's batched path (M > 1 on Q4_0/Q4_1/Q8_0/K-quants:
 ggml-cpu/amx/mmq.cpp) dies with SIGILL at its first `tilezero`: GCC drops the stores that fill the tile
@@ -87,19 +90,46 @@ def llama_streams(build: str, path: str, threads: int) -> float:
     return float(rows[-1][8])
 
 
-def batch1_in_turn(build: str, path: str, threads: int, pairs: int) -> list[tuple[float, float]]:
+def load_sized(path: str, threads: int, kv_mib: int):
+    """Our engine on `path` with a KV cache of kv_mib MiB (bench_quant.load's is sized for the default model)."""
+    import pyengine  # noqa: F401  (before torch)
+    from pyengine import LLM
+
+    return LLM(path, dtype="bfloat16", num_threads=threads, kv_cache_memory=kv_mib << 20, max_num_seqs=STREAMS,
+               max_model_len=2048)
+
+
+def batch1_in_turn(build: str, path: str, threads: int, pairs: int,
+                   kv_mib: int | None = None) -> list[tuple[float, float]]:
     """(pyengine, llama.cpp) batch-1 decode tok/s, `pairs` times in turn, our engine loaded once."""
     import gc
     import random
 
     from bench.engine.bench_quant import decode_rate, load
 
-    llm = load(path, "auto", threads)
+    llm = load(path, "auto", threads) if kv_mib is None else load_sized(path, threads, kv_mib)
     rng = random.Random(0)
     rates = [(decode_rate(llm, rng), llama_decode(build, path, threads)) for _ in range(pairs)]
     del llm
     gc.collect()
     return rates
+
+
+def ours_streams(path: str, threads: int, kv_mib: int) -> float:
+    """Our output tok/s of STREAMS x GEN greedy tokens after STREAM_PROMPT-token prompts (the whole generate)."""
+    import random
+    import time
+
+    from pyengine import SamplingParams
+
+    from bench.engine.bench_quant import stream_prompts
+
+    llm = load_sized(path, threads, kv_mib)
+    params = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+    llm.generate([[100] * STREAM_PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(stream_prompts(random.Random(0)), params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -110,16 +140,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="64-stream runs of each engine, in turn")
     ap.add_argument("--batch1-only", action="store_true",
                     help="skip the 64-stream column (llama-batched-bench: SIGILL on unpatched AMX builds, see above)")
+    ap.add_argument("--gguf", default=None, help="compare on this file alone (see the top)")
+    ap.add_argument("--kv-cache-mib", type=int, default=3072, help="with --gguf: our KV cache")
     args = ap.parse_args()
-    folder, name = default_gguf()
-    q4 = os.path.join(folder, name)
-    files = {"Q4_1": q4, "Q8_0": requantized(q4, "Q8_0"), "Q4_K_M": llama_q4_k_m(args.build, q4)}
-    batch1 = {kind: batch1_in_turn(args.build, path, args.threads, args.pairs) for kind, path in files.items()}
+    if args.gguf:
+        files = {os.path.basename(args.gguf)[:40]: args.gguf}
+    else:
+        folder, name = default_gguf()
+        q4 = os.path.join(folder, name)
+        files = {"Q4_1": q4, "Q8_0": requantized(q4, "Q8_0"), "Q4_K_M": llama_q4_k_m(args.build, q4)}
+    kv_mib = args.kv_cache_mib if args.gguf else None
+    batch1 = {kind: batch1_in_turn(args.build, path, args.threads, args.pairs, kv_mib) for kind, path in files.items()}
     streams = []
     if not args.batch1_only:
         for kind, path in files.items():
             for _ in range(args.repeats):  # alternating engines, same file
-                streams.append((kind, measure(path, "auto", args.threads)["gen64"],
+                ours = (ours_streams(path, args.threads, args.kv_cache_mib) if args.gguf
+                        else measure(path, "auto", args.threads)["gen64"])
+                streams.append((kind, ours,
                                 llama_streams(args.build, path, args.threads)))
     print(f"\n{args.threads} threads; batch 1: prompt {PROMPT}, {GEN} tokens, {args.pairs} runs of each engine in turn")
     print(f"{'file':7s} {'ours tok/s':>22s} {'llama tok/s':>22s} {'ratio (median)':>30s}")
