@@ -73,6 +73,8 @@ def hf_folder(gguf: str, path: str | None) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--vllm-worker"]:
+        return vllm_worker(sys.argv[2], int(sys.argv[3]))
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", required=True, help="the quantized file pyengine runs")
     ap.add_argument("--hf", default=None, help="the bf16 HF folder vLLM runs (default: written from --gguf's shapes)")
@@ -83,16 +85,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--kv-cache-mib", type=int, default=3072, help="each engine's KV cache")
-    ap.add_argument("--vllm-worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.vllm_worker:
-        vllm_worker(args.vllm_worker[0], int(args.vllm_worker[1]))
-        return
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    hf = hf_folder(args.gguf, args.hf)
-    streams = [int(s) for s in args.streams.split(",")]
     import pyengine  # noqa: F401  (before torch)
     from pyengine import LLM, SamplingParams
+
+    hf = hf_folder(args.gguf, args.hf)
+    streams = [int(s) for s in args.streams.split(",")]
 
     from bench.common.vllm import VllmWorker
 
