@@ -90,24 +90,15 @@ def llama_streams(build: str, path: str, threads: int) -> float:
     return float(rows[-1][8])
 
 
-def load_sized(path: str, threads: int, kv_mib: int):
-    """Our engine on `path` with a KV cache of kv_mib MiB (bench_quant.load's is sized for the default model)."""
-    import pyengine  # noqa: F401  (before torch)
-    from pyengine import LLM
-
-    return LLM(path, dtype="bfloat16", num_threads=threads, kv_cache_memory=kv_mib << 20, max_num_seqs=STREAMS,
-               max_model_len=2048)
-
-
 def batch1_in_turn(build: str, path: str, threads: int, pairs: int,
                    kv_mib: int | None = None) -> list[tuple[float, float]]:
     """(pyengine, llama.cpp) batch-1 decode tok/s, `pairs` times in turn, our engine loaded once."""
     import gc
     import random
 
-    from bench.engine.bench_quant import decode_rate, load
+    from bench.engine.bench_quant import KV_BYTES, decode_rate, load
 
-    llm = load(path, "auto", threads) if kv_mib is None else load_sized(path, threads, kv_mib)
+    llm = load(path, "auto", threads, KV_BYTES if kv_mib is None else kv_mib << 20)
     rng = random.Random(0)
     rates = [(decode_rate(llm, rng), llama_decode(build, path, threads)) for _ in range(pairs)]
     del llm
@@ -118,18 +109,12 @@ def batch1_in_turn(build: str, path: str, threads: int, pairs: int,
 def ours_streams(path: str, threads: int, kv_mib: int) -> float:
     """Our output tok/s of STREAMS x GEN greedy tokens after STREAM_PROMPT-token prompts (the whole generate)."""
     import random
-    import time
 
-    from pyengine import SamplingParams
+    from bench.engine.bench_quant import generate_rate, load, stream_prompts
 
-    from bench.engine.bench_quant import stream_prompts
-
-    llm = load_sized(path, threads, kv_mib)
-    params = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
-    llm.generate([[100] * STREAM_PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(stream_prompts(random.Random(0)), params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+    llm = load(path, "auto", threads, kv_mib << 20)
+    generate_rate(llm, [[100] * STREAM_PROMPT], 4)  # warm-up
+    return generate_rate(llm, stream_prompts(random.Random(0)))
 
 
 def main() -> None:

@@ -88,15 +88,13 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     import pyengine  # noqa: F401  (before torch)
-    from pyengine import LLM, SamplingParams
+    from bench.common.vllm import VllmWorker
+    from bench.engine.bench_quant import generate_rate, load
 
     hf = hf_folder(args.gguf, args.hf)
     streams = [int(s) for s in args.streams.split(",")]
 
-    from bench.common.vllm import VllmWorker
-
-    llm = LLM(args.gguf, dtype="bfloat16", num_threads=args.threads, kv_cache_memory=args.kv_cache_mib << 20,
-              max_num_seqs=max(streams), max_model_len=2048)
+    llm = load(args.gguf, "auto", args.threads, args.kv_cache_mib << 20, max(streams))
     vllm = VllmWorker(args.vllm_python, __file__, [hf, str(max(streams))], args.threads, max(1, args.kv_cache_mib >> 10))
 
     def theirs(prompts: list[list[int]], max_tokens: int) -> float:
@@ -104,10 +102,7 @@ def main() -> None:
         return r["n"] / r["s"]
 
     def ours(prompts: list[list[int]]) -> float:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+        return generate_rate(llm, prompts, args.max_tokens)
 
     rng = random.Random(0)
     best: dict[tuple[str, int], float] = {}

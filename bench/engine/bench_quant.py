@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
 
@@ -33,12 +34,23 @@ PREFILLS = (512, 2000)
 KV_BYTES = 256 << 20
 
 
-def load(path: str, weights: str, threads: int):
-    """The engine every measurement here runs: the same settings for both weights, or the ratio is not theirs."""
+def load(path: str, weights: str, threads: int, kv_bytes: int = KV_BYTES, max_num_seqs: int = STREAMS):
+    """The engine every measurement here runs: the same settings for both weights, or the ratio is not theirs.
+    kv_bytes: larger for a larger model than the default one (KV_BYTES holds 64 of its streams)."""
     from pyengine import LLM
 
-    return LLM(path, dtype="bfloat16", weights=weights, num_threads=threads, kv_cache_memory=KV_BYTES,
-               max_num_seqs=STREAMS, max_model_len=2048)
+    return LLM(path, dtype="bfloat16", weights=weights, num_threads=threads, kv_cache_memory=kv_bytes,
+               max_num_seqs=max_num_seqs, max_model_len=2048)
+
+
+def generate_rate(llm, prompts: list[list[int]], max_tokens: int = GEN) -> float:
+    """Output tok/s of one generate of `prompts`, max_tokens greedy tokens each (EOS ignored), prefill included."""
+    from pyengine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
 def stream_prompts(rng) -> list[list[int]]:
@@ -72,12 +84,7 @@ def one(path: str, weights: str, threads: int) -> dict:
     rss1 = proc.memory_info().rss
     rng = random.Random(0)
     decode = decode_rate(llm, rng)
-    prompts = stream_prompts(rng)
-    import time
-
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    gen = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+    gen = generate_rate(llm, stream_prompts(rng))
     prefill = {}
     for n in PREFILLS:
         long_prompt = [rng.randrange(100, 40000) for _ in range(n)]
@@ -91,7 +98,6 @@ def one(path: str, weights: str, threads: int) -> dict:
 def gen64_cpu(path: str, threads: int, repeats: int) -> dict[str, float]:
     """Output tokens per CPU second of the 64 x 128 generate, per weights, best of `repeats` alternating."""
     import random
-    import time
 
     import pyengine  # noqa: F401  (before torch)
 
