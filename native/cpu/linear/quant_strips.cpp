@@ -274,7 +274,7 @@ bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, vo
     }
   }
 #if defined(PYENGINE_QLINEAR_FUSED)
-  if (M <= kFusedRows && amx_usable() && linear_path(K) == "amx") {
+  if (M <= kFusedRows && linear_path(K) == "amx") {  // linear_bf16 would run on AMX tiles here
     pool.parallel_for(static_cast<int64_t>(strips.size()), [&](int64_t i) {
       const Strip& s = strips[i];
       dispatch(s.type, [&](auto t) {
