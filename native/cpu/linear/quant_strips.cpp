@@ -7,7 +7,8 @@
 // dequantization is paid once per strip per call, shared by all M rows, and the weight is still read at
 // its quantized size. A strip is a few tiles x all of K, about kStripBytes of bf16: it stays in L2
 // while the rows stream past. Up to kFusedRows rows on AMX (a decode step of a few streams), each group
-// goes through L1 instead: dequantized and multiplied at once (fused_block), with the same bits.
+// goes through L1 instead: dequantized and multiplied at once (fused_block), with the same bits; the
+// 4-bit types with one scale a group look their values up in a per-row table (fused_rows_block).
 //
 // Each value is d * u + c of its group (ggml_blocks.h) in one fused multiply-add, rounded to bf16 to
 // nearest even: every product in GGUF's formulas is exact in fp32 (fp16 scales times at most 13-bit
@@ -78,15 +79,20 @@ inline __m512i pair_values(__m512i bytes) {
   return _mm512_maskz_permutexvar_epi8(0x1111111111111111ULL, idx, bytes);  // byte 0 of each lane
 }
 
-// The 4 values of each row in `bytes` (k = k0 .. k0 + 3) as d * u + c, rounded to bf16 -> lines k0 / 2 and
-// k0 / 2 + 1 at `out` (linear/bf16.cpp's packed layout: 16 rows x the k pair).
-inline void store_quad(uint16_t* out, __m512i bytes, const LineScales& s) {
-  static_for<0, 2>([&](auto pc) {
-    constexpr int t = 2 * decltype(pc)::value;
-    const __m512 v0 = _mm512_fmadd_ps(s.d[0], _mm512_cvtepi32_ps(pair_values<t, 0>(bytes)), s.c[0]);
-    const __m512 v1 = _mm512_fmadd_ps(s.d[1], _mm512_cvtepi32_ps(pair_values<t, 1>(bytes)), s.c[1]);
-    _mm512_store_si512(out + t * 16, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
-  });
+// Values k0 + t and k0 + t + 1 of each row in `bytes` as d * u + c, rounded to bf16 -> line (k0 + t) / 2
+// at `out` (linear/bf16.cpp's packed layout: 16 rows x the k pair). Always inlined, as store_quad: called
+// out of line, each of these is a few instructions behind a call.
+template <int t>
+__attribute__((always_inline)) inline void store_line(uint16_t* out, __m512i bytes, const LineScales& s) {
+  const __m512 v0 = _mm512_fmadd_ps(s.d[0], _mm512_cvtepi32_ps(pair_values<t, 0>(bytes)), s.c[0]);
+  const __m512 v1 = _mm512_fmadd_ps(s.d[1], _mm512_cvtepi32_ps(pair_values<t, 1>(bytes)), s.c[1]);
+  _mm512_store_si512(out + t * 16, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+}
+
+// The 4 values of each row in `bytes` (k = k0 .. k0 + 3) -> lines k0 / 2 and k0 / 2 + 1 at `out`.
+__attribute__((always_inline)) inline void store_quad(uint16_t* out, __m512i bytes, const LineScales& s) {
+  store_line<0>(out, bytes, s);
+  store_line<2>(out, bytes, s);
 }
 #else  // shifts and masks per byte, then the rows' pairs interleaved after the rounding
 struct LineScales {
@@ -169,6 +175,10 @@ void dequantize_strip(const uint8_t* w, int64_t KB, int64_t begin, int64_t end, 
 // from L1 right away, and the products are those of linear/bf16.cpp's AMX kernel in the same k order, so
 // the bits are the strips'. Rows 16 .. 31 of x are a second row block of fewer tile rows (the
 // configuration; and rows 0 .. M - 1 the first where M < 16), so x needs no zero-padded copy.
+//
+// The loop is software-pipelined: group b + 1 is dequantized between group b's tile products. On AMX
+// cores the vector work does not run beside a tile product issued right after it; spread between the
+// products, and not read by a tile load straight after its stores, it does (about 10% of a step).
 constexpr int64_t kFusedRows = 32;
 
 // Rows [0, M) (M <= 32) x output tiles [t0, t0 + NT) of a type-T weight -> c [32][32] fp32.
@@ -178,24 +188,24 @@ void fused_block(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int6
   const int64_t KB = K / kBlock, stride = tile_stride(layout(T), KB), x_stride = K * 2;
   const bool two = M > 16;
   alignas(64) uint16_t buf[2][NT][kBlock / 2 * 32];  // a group's lines per tile, alternating between groups
+  for (int t = 0; t < NT; ++t) dequantize_group<T>(w + (t0 + t) * stride, 0, buf[0][t]);
   _tile_zero(0);
   if constexpr (NT == 2) _tile_zero(1);
   if (two) _tile_zero(2);
   if (NT == 2 && two) _tile_zero(3);
   for (int64_t b = 0; b < KB; ++b) {
     uint16_t(&lines)[NT][kBlock / 2 * 32] = buf[b % 2];
-    for (int t = 0; t < NT; ++t) dequantize_group<T>(w + (t0 + t) * stride, b, lines[t]);
     _tile_loadd(4, x + b * kBlock, x_stride);
+    if (two) _tile_loadd(5, x + 16 * K + b * kBlock, x_stride);
     _tile_loadd(6, lines[0], 64);
     _tile_dpbf16ps(0, 4, 6);
+    if (two) _tile_dpbf16ps(2, 5, 6);
+    if (b + 1 < KB) dequantize_group<T>(w + t0 * stride, b + 1, buf[(b + 1) % 2][0]);
     if constexpr (NT == 2) {
       _tile_loadd(7, lines[1], 64);
       _tile_dpbf16ps(1, 4, 7);
-    }
-    if (two) {
-      _tile_loadd(5, x + 16 * K + b * kBlock, x_stride);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
+      if (two) _tile_dpbf16ps(3, 5, 7);
+      if (b + 1 < KB) dequantize_group<T>(w + (t0 + 1) * stride, b + 1, buf[(b + 1) % 2][1]);
     }
   }
   _tile_stored(0, c, 128);
@@ -234,6 +244,176 @@ void fused_range(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int6
   }
   _tile_release();
 }
+
+#if defined(__AVX512VBMI__)
+#define PYENGINE_QLINEAR_ROW_TABLES 1
+
+// The 4-bit types with one scale and offset per row for all of a group (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS):
+// a row's group takes only 16 values, d * u + c for its 16 possible u, so the fused path rounds those 16
+// to bf16 once and looks each value up (vpermw) instead of converting and scaling it. The lookup makes a
+// row of the group, so here the weight is the A tile (16 rows x 32 k) and x the B tile (its k pairs x
+// 16 rows: pack_x_pairs), and each C tile is [weight row][x row]. Per 32 values: a byte permute, a shift,
+// a ternary op and the lookup, and half a table (two FMAs and a bf16 pack make two rows' tables), against
+// dequantize_group's two permutes, converts and FMAs and a pack; 1.2x faster on a Q4_K group. The values
+// are the same fp32 d * u + c rounded the same way, and the products linear/bf16.cpp's AMX kernel's in the
+// same k order, with A and B swapped: the same bits.
+template <int T>
+constexpr bool row_tables() {
+  constexpr Layout L = layout(T);
+  return L.bits == 4 && L.high_lines == 0 && L.halves == 1;
+}
+
+// x [M][K] bf16 -> [16-row block][K / 2][16][2]: each block's k pairs as AMX B rows, rows past M zero.
+void pack_x_pairs(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp) {
+  const auto* pairs = reinterpret_cast<const int32_t*>(x);
+  const int64_t P = K / 2;
+  const __m512i row = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(static_cast<int32_t>(P)));
+  for (int64_t r0 = 0; r0 < M; r0 += 16) {
+    const __mmask16 rows = static_cast<__mmask16>((1u << std::min<int64_t>(16, M - r0)) - 1u);
+    for (int64_t p = 0; p < P; ++p, xp += 16)
+      _mm512_storeu_si512(xp, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, row, pairs + r0 * P + p, 4));
+  }
+}
+
+// Group b's d and c for one tile's 16 rows -> s[0 .. 15], s[16 .. 31].
+template <int T>
+inline void group_scales(const uint8_t* tile, int64_t b, float* s) {
+  constexpr Layout L = layout(T);
+  __m512 d, c;
+  vec_scales<T, Zmm, false>(tile + b / L.groups() * L.record_bytes(), b % L.groups(), 0, 0, d, c);
+  _mm512_store_ps(s, d);
+  _mm512_store_ps(s + 16, c);
+}
+
+// The unsigned values a nibble stands for, as floats in nibble order: itself, or kIq4nl + 128.
+template <int T>
+inline __m512 nibble_values() {
+  alignas(64) float u[16];
+  for (int q = 0; q < 16; ++q) u[q] = static_cast<float>(layout(T).lookup ? ggml::kIq4nl[q] + 128 : q);
+  return _mm512_load_ps(u);
+}
+
+// Group b of one tile -> 16 rows x 32 bf16 at `out` (row-major: an AMX A tile); s: its group_scales.
+template <int T>
+inline void dequantize_rows(const uint8_t* tile, int64_t b, const float* s, uint16_t* out) {
+  constexpr Layout L = layout(T);
+  constexpr int64_t group_bytes = L.record_bytes() / L.groups();
+  const uint8_t* grp = tile + b / L.groups() * L.record_bytes() + b % L.groups() * L.group_bytes();
+  const char* ahead = reinterpret_cast<const char*>(tile + b * group_bytes) + 2048;
+  for (int64_t o = 0; o < group_bytes; o += 64) prefetch<_MM_HINT_T0>(ahead + o);
+  // Line I's byte 4j + t holds row j's k = 8I + t (low nibble) and 8I + 4 + t (high nibble). A 4 x 4
+  // transpose of 32-bit lanes in each 128-bit lane: lane l of rows[r] is row 4l + r's 16 bytes, line I's at 4I.
+  __m512i line[4];
+  for (int i = 0; i < 4; ++i) line[i] = _mm512_loadu_si512(grp + 64 * i);
+  const __m512i t0 = _mm512_unpacklo_epi32(line[0], line[1]), t1 = _mm512_unpackhi_epi32(line[0], line[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(line[2], line[3]), t3 = _mm512_unpackhi_epi32(line[2], line[3]);
+  const __m512i rows[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                           _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+  // Word k of row 4l + r: its byte (k = 8I + t or 8I + 4 + t -> byte 16l + 4I + t), twice.
+  static constexpr auto spread = [] {
+    struct alignas(64) Index {
+      uint8_t v[4][64];
+    } a{};
+    for (int l = 0; l < 4; ++l)
+      for (int k = 0; k < 32; ++k) a.v[l][2 * k] = a.v[l][2 * k + 1] = static_cast<uint8_t>(16 * l + 4 * (k / 8) + k % 4);
+    return a;
+  }();
+  const __m512 u = nibble_values<T>();
+  const __m512i nibble = _mm512_set1_epi16(0x0F);
+#pragma GCC unroll 8
+  for (int j = 0; j < 16; j += 2) {
+    // Rows j and j + 1's values, rounded as the strips round them: table words 0-15 and 16-31.
+    const __m512 v0 = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), u, _mm512_set1_ps(s[16 + j]));
+    const __m512 v1 = _mm512_fmadd_ps(_mm512_set1_ps(s[j + 1]), u, _mm512_set1_ps(s[17 + j]));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i bytes = _mm512_permutexvar_epi8(_mm512_load_si512(spread.v[(j + h) / 4]), rows[(j + h) % 4]);
+      const __m512i shifted = _mm512_mask_srli_epi16(bytes, 0xF0F0F0F0u, bytes, 4);  // the high nibbles' k
+      const __m512i index = _mm512_ternarylogic_epi32(shifted, nibble, _mm512_set1_epi16(h ? 16 : 0), 0xEA);
+      _mm512_store_si512(out + (j + h) * 32, _mm512_permutexvar_epi16(index, table));
+    }
+  }
+}
+
+// fused_block with the weight as A: x's rows [0, M) (M <= 32; xp: pack_x_pairs) x output tiles
+// [t0, t0 + NT) -> c [32 weight rows][32 x rows] fp32.
+// tmm 2i + j: C of x block i, weight tile j; tmm4, 5: A of weight tiles 0, 1; tmm6, 7: B of x blocks 0, 1.
+template <int T, int NT>
+void fused_rows_block(const uint32_t* xp, int64_t M, int64_t K, const uint8_t* w, int64_t t0, float* c) {
+  const int64_t KB = K / kBlock, stride = tile_stride(layout(T), KB), block_pairs = K / 2 * 16;
+  const bool two = M > 16;
+  // Pipelined as fused_block; each group's scales are stored two groups ahead of the broadcasts that
+  // read them (a load straight after a store waits on it).
+  alignas(64) uint16_t buf[2][NT][kBlock * 16];
+  alignas(64) float scales[3][NT][32];
+  const uint8_t* tile[NT];
+  for (int t = 0; t < NT; ++t) {
+    tile[t] = w + (t0 + t) * stride;
+    group_scales<T>(tile[t], 0, scales[0][t]);
+    if (KB > 1) group_scales<T>(tile[t], 1, scales[1][t]);
+    dequantize_rows<T>(tile[t], 0, scales[0][t], buf[0][t]);
+  }
+  _tile_zero(0);
+  if constexpr (NT == 2) _tile_zero(1);
+  if (two) _tile_zero(2);
+  if (NT == 2 && two) _tile_zero(3);
+  for (int64_t b = 0; b < KB; ++b) {
+    uint16_t(&lines)[NT][kBlock * 16] = buf[b % 2];
+    for (int t = 0; t < NT; ++t)
+      if (b + 2 < KB) group_scales<T>(tile[t], b + 2, scales[(b + 2) % 3][t]);
+    _tile_loadd(6, xp + b * 16 * 16, 64);
+    if (two) _tile_loadd(7, xp + block_pairs + b * 16 * 16, 64);
+    _tile_loadd(4, lines[0], 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) _tile_dpbf16ps(2, 4, 7);
+    if (b + 1 < KB) dequantize_rows<T>(tile[0], b + 1, scales[(b + 1) % 3][0], buf[(b + 1) % 2][0]);
+    if constexpr (NT == 2) {
+      _tile_loadd(5, lines[1], 64);
+      _tile_dpbf16ps(1, 5, 6);
+      if (two) _tile_dpbf16ps(3, 5, 7);
+      if (b + 1 < KB) dequantize_rows<T>(tile[1], b + 1, scales[(b + 1) % 3][1], buf[(b + 1) % 2][1]);
+    }
+  }
+  _tile_stored(0, c, 128);
+  if constexpr (NT == 2) _tile_stored(1, c + 16 * 32, 128);
+  if (two) _tile_stored(2, c + 16, 128);
+  if (NT == 2 && two) _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+// fused_range for a row_tables type, from x packed by pack_x_pairs.
+template <int T>
+void fused_rows_range(const uint32_t* xp, int64_t M, int64_t K, const uint8_t* w, int64_t begin, int64_t end,
+                      int64_t col, int64_t rows, const float* bias, void* out, int64_t N, bool out_f32) {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+  cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[6] = static_cast<uint16_t>(4 * std::min<int64_t>(M, 16));
+  cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[7] = static_cast<uint16_t>(4 * std::max<int64_t>(M - 16, 1));
+  load_tile_config(cfg);
+  alignas(64) float c[32 * 32];
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(32));
+  for (int64_t t0 = begin; t0 < end; t0 += 2) {
+    const int nt = static_cast<int>(std::min<int64_t>(2, end - t0));
+    if (nt == 2) fused_rows_block<T, 2>(xp, M, K, w, t0, c);
+    else fused_rows_block<T, 1>(xp, M, K, w, t0, c);
+    for (int t = 0; t < nt; ++t) {
+      const int64_t n0 = (t0 + t) * kTileRows, valid = std::min(kTileRows, rows - n0);
+      if (valid <= 0) break;
+      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+      const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col + n0) : _mm512_setzero_ps();
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + t * 16 * 32 + m, 4), bv);
+        const int64_t off = m * N + col + n0;
+        if (out_f32) _mm512_mask_storeu_ps(static_cast<float*>(out) + off, mask, v);
+        else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + off, mask, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
 #endif
 
 // One strip: tiles [begin, end) of the segment whose first output column is col.
@@ -275,10 +455,30 @@ bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, vo
   }
 #if defined(PYENGINE_QLINEAR_FUSED)
   if (M <= kFusedRows && linear_path(K) == "amx") {  // linear_bf16 would run on AMX tiles here
+#if defined(PYENGINE_QLINEAR_ROW_TABLES)
+    static thread_local std::vector<uint32_t> packed;
+    const bool any_tables = std::any_of(strips.begin(), strips.end(), [](const Strip& s) {
+      bool tables = false;
+      dispatch(s.type, [&](auto t) { tables = row_tables<decltype(t)::value>(); });
+      return tables;
+    });
+    if (any_tables) {
+      packed.resize(static_cast<size_t>((M + 15) / 16 * 16 * K / 2 + 16));
+      pack_x_pairs(x, M, K, packed.data());
+    }
+    const uint32_t* xp = packed.data();
+#endif
     pool.parallel_for(static_cast<int64_t>(strips.size()), [&](int64_t i) {
       const Strip& s = strips[i];
       dispatch(s.type, [&](auto t) {
-        fused_range<decltype(t)::value>(x, M, K, s.w, s.begin, s.end, s.col, s.rows, bias, out, N, out_f32);
+        constexpr int T = decltype(t)::value;
+#if defined(PYENGINE_QLINEAR_ROW_TABLES)
+        if constexpr (row_tables<T>()) {
+          fused_rows_range<T>(xp, M, K, s.w, s.begin, s.end, s.col, s.rows, bias, out, N, out_f32);
+          return;
+        }
+#endif
+        fused_range<T>(x, M, K, s.w, s.begin, s.end, s.col, s.rows, bias, out, N, out_f32);
       });
     });
     return true;
