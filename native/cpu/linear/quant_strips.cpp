@@ -42,10 +42,13 @@ constexpr int64_t kAmxStripRows = 8;
 constexpr int64_t kStripBytes = 256 * 1024;  // bf16 per strip: a share of L2 beside x's rows and the output
 // How far ahead of the group being dequantized its weight bytes are prefetched (into L1). A model's
 // weights come from L3 or memory at every step, and the hardware prefetchers alone left the loop
-// waiting. 2,048 bytes measured best beside 4,096 and 8,192; a second, L2 prefetch further ahead, or
-// prefetching the next strip while the tile products run, changed nothing (docs/performance.md,
-// "quantized weights by strips").
+// waiting (without the prefetch a 16-row step's projections took 1.6x as long). For dequantize_group
+// 2,048 bytes measured best beside 1,024, 4,096 and 8,192 (4,096 slowed the Q8_0 model's steps); the
+// table lookups (dequantize_rows) go through a group faster and want 4,096. A second, L2 prefetch further
+// ahead, or prefetching the next tiles' first bytes, changed nothing (docs/performance.md, "quantized
+// weights by strips").
 constexpr int64_t kPrefetchBytes = 2048;
+constexpr int64_t kRowsPrefetchBytes = 4096;
 
 std::atomic<int64_t> g_strip_rows{linear_path(kBlock) == "amx" ? kAmxStripRows : 0};
 
@@ -300,7 +303,7 @@ inline void dequantize_rows(const uint8_t* tile, int64_t b, const float* s, uint
   constexpr Layout L = layout(T);
   constexpr int64_t group_bytes = L.record_bytes() / L.groups();
   const uint8_t* grp = tile + b / L.groups() * L.record_bytes() + b % L.groups() * L.group_bytes();
-  const char* ahead = reinterpret_cast<const char*>(tile + b * group_bytes) + 2048;
+  const char* ahead = reinterpret_cast<const char*>(tile + b * group_bytes) + kRowsPrefetchBytes;
   for (int64_t o = 0; o < group_bytes; o += 64) prefetch<_MM_HINT_T0>(ahead + o);
   // Line I's byte 4j + t holds row j's k = 8I + t (low nibble) and 8I + 4 + t (high nibble). A 4 x 4
   // transpose of 32-bit lanes in each 128-bit lane: lane l of rows[r] is row 4l + r's 16 bytes, line I's at 4I.
