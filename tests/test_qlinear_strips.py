@@ -1,8 +1,9 @@
 """qlinear's many-row path (native/cpu/linear/quant_strips.cpp): from qlinear_strip_rows() rows of bf16
 activations the weight is dequantized a strip at a time for linear_bf16's kernel (on AMX, up to 32 rows, a
-group at a time into L1 tiles multiplied at once). Its result is, bit for
-bit, what PackedLinear gives on the weight dequantized at load (weights="dequantize"): per type, on odd
-shapes, on every bf16 kernel path of this build, and through the model."""
+group at a time into L1 tiles multiplied at once; the 4-bit types with one scale a group through per-row
+lookup tables, the weight as the A tile). Its result is, bit for bit, what PackedLinear gives on the weight
+dequantized at load (weights="dequantize"): per type, on odd shapes, on every bf16 kernel path of this
+build, and through the model."""
 import pytest
 import torch
 
@@ -53,7 +54,8 @@ def test_bit_identical_to_the_dequantized_weight(path, strip_rows, type_name):
         blocks, _ = quantized_weight(type_name, n, k, seed=n * k)
         bias = torch.randn(n) * 0.1 if n % 2 else None
         assert_bit_identical(QuantLinear(blocks, type_name, bias),
-                             PackedLinear(load_time_bf16(blocks, type_name, n, k), bias), rows=(1, 16, 17, 32, 33, 70))
+                             PackedLinear(load_time_bf16(blocks, type_name, n, k), bias),
+                             rows=(1, 8, 16, 17, 24, 32, 33, 70, 130))
 
 
 def test_row_ranges_of_different_types(path, strip_rows):

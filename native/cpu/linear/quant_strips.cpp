@@ -279,15 +279,35 @@ void pack_x_pairs(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp) {
   }
 }
 
-// Group b's d and c for one tile's 16 rows -> s[0 .. 15], s[16 .. 31].
+// Group b's d and c for one tile's 16 rows -> s[0 .. 15], s[16 .. 31], as vec_scales gives them. Q4_K's
+// fp16 d and dmin, shared by a record's 8 groups, are converted once a record.
 template <int T>
-inline void group_scales(const uint8_t* tile, int64_t b, float* s) {
-  constexpr Layout L = layout(T);
-  __m512 d, c;
-  vec_scales<T, Zmm, false>(tile + b / L.groups() * L.record_bytes(), b % L.groups(), 0, 0, d, c);
-  _mm512_store_ps(s, d);
-  _mm512_store_ps(s + 16, c);
-}
+struct GroupScales {
+  const uint8_t* tile;
+  int64_t record = -1;
+  __m512 d, minus_dmin;  // Q4_K: the current record's
+
+  void operator()(int64_t b, float* s) {
+    constexpr Layout L = layout(T);
+    const uint8_t* rec = tile + b / L.groups() * L.record_bytes();
+    const int64_t g = b % L.groups();
+    __m512 dv, cv;
+    if constexpr (T == ggml::kQ4_K) {
+      const uint8_t* f = rec + L.scales_offset();
+      if (b / L.groups() != record) {
+        record = b / L.groups();
+        d = Zmm::f16(f);
+        minus_dmin = Zmm::mul(Zmm::f16(f + 32), Zmm::set1(-1.0f));
+      }
+      dv = Zmm::mul(d, Zmm::u8(f + 64 + 16 * g));
+      cv = Zmm::mul(minus_dmin, Zmm::u8(f + 192 + 16 * g));
+    } else {
+      vec_scales<T, Zmm, false>(rec, g, 0, 0, dv, cv);
+    }
+    _mm512_store_ps(s, dv);
+    _mm512_store_ps(s + 16, cv);
+  }
+};
 
 // The unsigned values a nibble stands for, as floats in nibble order: itself, or kIq4nl + 128.
 template <int T>
@@ -352,10 +372,12 @@ void fused_rows_block(const uint32_t* xp, int64_t M, int64_t K, const uint8_t* w
   alignas(64) uint16_t buf[2][NT][kBlock * 16];
   alignas(64) float scales[3][NT][32];
   const uint8_t* tile[NT];
+  GroupScales<T> group_scales[NT];
   for (int t = 0; t < NT; ++t) {
     tile[t] = w + (t0 + t) * stride;
-    group_scales<T>(tile[t], 0, scales[0][t]);
-    if (KB > 1) group_scales<T>(tile[t], 1, scales[1][t]);
+    group_scales[t].tile = tile[t];
+    group_scales[t](0, scales[0][t]);
+    if (KB > 1) group_scales[t](1, scales[1][t]);
     dequantize_rows<T>(tile[t], 0, scales[0][t], buf[0][t]);
   }
   _tile_zero(0);
@@ -365,7 +387,7 @@ void fused_rows_block(const uint32_t* xp, int64_t M, int64_t K, const uint8_t* w
   for (int64_t b = 0; b < KB; ++b) {
     uint16_t(&lines)[NT][kBlock * 16] = buf[b % 2];
     for (int t = 0; t < NT; ++t)
-      if (b + 2 < KB) group_scales<T>(tile[t], b + 2, scales[(b + 2) % 3][t]);
+      if (b + 2 < KB) group_scales[t](b + 2, scales[(b + 2) % 3][t]);
     _tile_loadd(6, xp + b * 16 * 16, 64);
     if (two) _tile_loadd(7, xp + block_pairs + b * 16 * 16, 64);
     _tile_loadd(4, lines[0], 64);
