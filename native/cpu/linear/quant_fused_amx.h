@@ -28,7 +28,8 @@ using ggml::kTileRows;
 //
 // The loop is software-pipelined: group b + 1 is dequantized between group b's tile products. On AMX
 // cores the vector work does not run beside a tile product issued right after it; spread between the
-// products, and not read by a tile load straight after its stores, it does (about 10% of a step).
+// products, and not read by a tile load straight after its stores, it does (docs/performance.md,
+// "quantized weights by strips").
 constexpr int64_t kFusedRows = 32;
 
 // Rows [0, M) (M <= 32) x output tiles [t0, t0 + NT) of a type-T weight -> c [32][32] fp32.

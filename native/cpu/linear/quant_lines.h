@@ -21,11 +21,10 @@ namespace {
 
 using ggml::kBlock;
 
-// How far ahead of the group being dequantized its weight bytes are prefetched (into L1). A model's
-// weights come from L3 or memory at every step, and the hardware prefetchers alone left the loop
-// waiting (without the prefetch a 16-row step's projections took 1.6x as long). For dequantize_group
-// 2,048 bytes measured best beside 1,024, 4,096 and 8,192 (4,096 slowed the Q8_0 model's steps); a
-// second, L2 prefetch further ahead, or prefetching the next tiles' first bytes, changed nothing
+// How far ahead of the group being dequantized its weight bytes are prefetched (into L1). A model's weights come
+// from L3 or memory at every step, and the hardware prefetchers alone left the loop waiting on memory. For
+// dequantize_group 2,048 bytes measured best beside 1,024, 4,096 and 8,192 (4,096 slowed the Q8_0 model's steps);
+// a second, L2 prefetch further ahead, or prefetching the next tiles' first bytes, changed nothing
 // (docs/performance.md, "quantized weights by strips").
 constexpr int64_t kPrefetchBytes = 2048;
 

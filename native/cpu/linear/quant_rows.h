@@ -17,15 +17,14 @@ namespace {
 // dequantize_group, and 2,048 bytes ahead left it waiting on memory.
 constexpr int64_t kRowsPrefetchBytes = 4096;
 
-// The 4-bit types with one scale and offset per row for all of a group (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS):
-// a row's group takes only 16 values, d * u + c for its 16 possible u, so the fused path rounds those 16
-// to bf16 once and looks each value up (vpermw) instead of converting and scaling it. The lookup makes a
-// row of the group, so here the weight is the A tile (16 rows x 32 k) and x the B tile (its k pairs x
-// 16 rows: pack_x_pairs), and each C tile is [weight row][x row]. Per 32 values: a byte permute, a shift,
-// a ternary op and the lookup, and half a table (two FMAs and a bf16 pack make two rows' tables), against
-// dequantize_group's two permutes, converts and FMAs and a pack; 1.2x faster on a Q4_K group. The values
-// are the same fp32 d * u + c rounded the same way, and the products linear/bf16.cpp's AMX kernel's in the
-// same k order, with A and B swapped: the same bits.
+// The 4-bit types with one scale and offset per row for all of a group (Q4_0, Q4_1, Q4_K, IQ4_NL, IQ4_XS): a
+// row's group takes only 16 values, d * u + c for its 16 possible u, so the fused path rounds those 16 to bf16
+// once and looks each value up (vpermw) instead of converting and scaling it. The lookup makes a row of the
+// group, so here the weight is the A tile (16 rows x 32 k) and x the B tile (its k pairs x 16 rows:
+// pack_x_pairs), and each C tile is [weight row][x row]. Per 32 values: a byte permute, a shift, a ternary op and
+// the lookup, and half a table (two FMAs and a bf16 pack make two rows' tables), against dequantize_group's two
+// permutes, converts and FMAs and a pack. The values are the same fp32 d * u + c rounded the same way, and the
+// products linear/bf16.cpp's AMX kernel's in the same k order, with A and B swapped: the same bits.
 template <int T>
 constexpr bool row_tables() {
   constexpr Layout L = layout(T);
