@@ -65,8 +65,32 @@ void fused_block(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int6
   if (NT == 2 && two) _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
-// fused_block over tiles [begin, end) of a segment (its first output column col, `rows` of them), + bias,
-// into out (N columns a row), bf16 rounded to nearest even as linear/bf16.cpp's kernel does.
+// A block's nt output tiles (the first t0, a segment whose first output column is col, `rows` of them) from
+// c, + bias, into out (N columns a row), bf16 rounded to nearest even as linear/bf16.cpp's kernel does.
+// c: [x row][32] (fused_block) or, Transposed, [weight row][32] (fused_rows_block).
+template <bool Transposed>
+inline void write_block(const float* c, int nt, int64_t t0, int64_t M, int64_t col, int64_t rows, const float* bias,
+                        void* out, int64_t N, bool out_f32) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(32));
+  for (int t = 0; t < nt; ++t) {
+    const int64_t n0 = (t0 + t) * kTileRows, valid = std::min(kTileRows, rows - n0);
+    if (valid <= 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col + n0) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < M; ++m) {
+      const __m512 cv = Transposed ? _mm512_i32gather_ps(column, c + t * 16 * 32 + m, 4)
+                                   : _mm512_load_ps(c + m * 32 + t * 16);
+      const __m512 v = _mm512_add_ps(cv, bv);
+      const int64_t off = m * N + col + n0;
+      if (out_f32) _mm512_mask_storeu_ps(static_cast<float*>(out) + off, mask, v);
+      else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + off, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+// fused_block over tiles [begin, end) of a segment (its first output column col, `rows` of them), each block
+// written out by write_block.
 template <int T>
 void fused_range(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t begin, int64_t end, int64_t col,
                  int64_t rows, const float* bias, void* out, int64_t N, bool out_f32) {
@@ -80,18 +104,7 @@ void fused_range(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int6
     const int nt = static_cast<int>(std::min<int64_t>(2, end - t0));
     if (nt == 2) fused_block<T, 2>(x, M, K, w, t0, c);
     else fused_block<T, 1>(x, M, K, w, t0, c);
-    for (int t = 0; t < nt; ++t) {
-      const int64_t n0 = (t0 + t) * kTileRows, valid = std::min(kTileRows, rows - n0);
-      if (valid <= 0) break;
-      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-      const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col + n0) : _mm512_setzero_ps();
-      for (int64_t m = 0; m < M; ++m) {
-        const __m512 v = _mm512_add_ps(_mm512_load_ps(c + m * 32 + t * 16), bv);
-        const int64_t off = m * N + col + n0;
-        if (out_f32) _mm512_mask_storeu_ps(static_cast<float*>(out) + off, mask, v);
-        else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + off, mask, (__m256i)_mm512_cvtneps_pbh(v));
-      }
-    }
+    write_block<false>(c, nt, t0, M, col, rows, bias, out, N, out_f32);
   }
   _tile_release();
 }
@@ -167,24 +180,11 @@ void fused_rows_range(const uint32_t* xp, int64_t M, int64_t K, const uint8_t* w
   cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[7] = static_cast<uint16_t>(4 * std::max<int64_t>(M - 16, 1));
   load_tile_config(cfg);
   alignas(64) float c[32 * 32];
-  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(32));
   for (int64_t t0 = begin; t0 < end; t0 += 2) {
     const int nt = static_cast<int>(std::min<int64_t>(2, end - t0));
     if (nt == 2) fused_rows_block<T, 2>(xp, M, K, w, t0, c);
     else fused_rows_block<T, 1>(xp, M, K, w, t0, c);
-    for (int t = 0; t < nt; ++t) {
-      const int64_t n0 = (t0 + t) * kTileRows, valid = std::min(kTileRows, rows - n0);
-      if (valid <= 0) break;
-      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-      const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col + n0) : _mm512_setzero_ps();
-      for (int64_t m = 0; m < M; ++m) {
-        const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + t * 16 * 32 + m, 4), bv);
-        const int64_t off = m * N + col + n0;
-        if (out_f32) _mm512_mask_storeu_ps(static_cast<float*>(out) + off, mask, v);
-        else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + off, mask, (__m256i)_mm512_cvtneps_pbh(v));
-      }
-    }
+    write_block<true>(c, nt, t0, M, col, rows, bias, out, N, out_f32);
   }
   _tile_release();
 }
