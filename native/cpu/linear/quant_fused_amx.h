@@ -111,7 +111,7 @@ void fused_range(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int6
 
 #if defined(PYENGINE_QLINEAR_ROW_TABLES)
 // x [M][K] bf16 -> [16-row block][K / 2][16][2]: each block's k pairs as AMX B rows, rows past M zero.
-void pack_x_pairs(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp) {
+inline void pack_x_pairs(const uint16_t* x, int64_t M, int64_t K, uint32_t* xp) {
   const auto* pairs = reinterpret_cast<const int32_t*>(x);
   const int64_t P = K / 2;
   const __m512i row = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -132,7 +132,7 @@ void fused_rows_block(const uint32_t* xp, int64_t M, int64_t K, const uint8_t* w
   const bool two = M > 16;
   // Pipelined as fused_block; each group's scales are stored two groups ahead of the broadcasts that
   // read them (a load straight after a store waits on it).
-  alignas(64) uint16_t buf[2][NT][kBlock * 16];
+  alignas(64) uint16_t buf[2][NT][kBlock * 16];  // a group's rows (the A tiles) per tile, alternating
   alignas(64) float scales[3][NT][32];
   const uint8_t* tile[NT];
   GroupScales<T> group_scales[NT];
@@ -148,17 +148,17 @@ void fused_rows_block(const uint32_t* xp, int64_t M, int64_t K, const uint8_t* w
   if (two) _tile_zero(2);
   if (NT == 2 && two) _tile_zero(3);
   for (int64_t b = 0; b < KB; ++b) {
-    uint16_t(&lines)[NT][kBlock * 16] = buf[b % 2];
+    uint16_t(&a)[NT][kBlock * 16] = buf[b % 2];
     for (int t = 0; t < NT; ++t)
       if (b + 2 < KB) group_scales[t](b + 2, scales[(b + 2) % 3][t]);
     _tile_loadd(6, xp + b * 16 * 16, 64);
     if (two) _tile_loadd(7, xp + block_pairs + b * 16 * 16, 64);
-    _tile_loadd(4, lines[0], 64);
+    _tile_loadd(4, a[0], 64);
     _tile_dpbf16ps(0, 4, 6);
     if (two) _tile_dpbf16ps(2, 4, 7);
     if (b + 1 < KB) dequantize_rows<T>(tile[0], b + 1, scales[(b + 1) % 3][0], buf[(b + 1) % 2][0]);
     if constexpr (NT == 2) {
-      _tile_loadd(5, lines[1], 64);
+      _tile_loadd(5, a[1], 64);
       _tile_dpbf16ps(1, 5, 6);
       if (two) _tile_dpbf16ps(3, 5, 7);
       if (b + 1 < KB) dequantize_rows<T>(tile[1], b + 1, scales[(b + 1) % 3][1], buf[(b + 1) % 2][1]);

@@ -106,7 +106,8 @@ inline void dequantize_rows(const uint8_t* tile, int64_t b, const float* s, uint
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m512i bytes = _mm512_permutexvar_epi8(_mm512_load_si512(spread.v[(j + h) / 4]), rows[(j + h) % 4]);
-      const __m512i shifted = _mm512_mask_srli_epi16(bytes, 0xF0F0F0F0u, bytes, 4);  // the high nibbles' k
+      // Words k = 8I + 4 .. 8I + 7 take their byte's high nibble; then (word & 15) | 16h: row j + h's table.
+      const __m512i shifted = _mm512_mask_srli_epi16(bytes, 0xF0F0F0F0u, bytes, 4);
       const __m512i index = _mm512_ternarylogic_epi32(shifted, nibble, _mm512_set1_epi16(h ? 16 : 0), 0xEA);
       _mm512_store_si512(out + (j + h) * 32, _mm512_permutexvar_epi16(index, table));
     }
