@@ -89,14 +89,12 @@ bool qlinear_strips(const uint16_t* x, const int64_t* seg, const float* bias, vo
 #if defined(PYENGINE_QLINEAR_FUSED)
   if (M <= kFusedRows && linear_path(K) == "amx") {  // linear_bf16 would run on AMX tiles here
 #if defined(PYENGINE_QLINEAR_ROW_TABLES)
-    static thread_local std::vector<uint32_t> packed;
-    const bool any_tables = std::any_of(strips.begin(), strips.end(), [](const Strip& s) {
-      bool tables = false;
-      dispatch(s.type, [&](auto t) { tables = row_tables<decltype(t)::value>(); });
-      return tables;
-    });
-    if (any_tables) {
-      packed.resize(static_cast<size_t>((M + 15) / 16 * 16 * K / 2 + 16));
+    static thread_local std::vector<uint32_t> packed;  // x as the row-table kernels' B tiles
+    bool tables = false;
+    for (int64_t s = 0; s < seg[0]; ++s)
+      dispatch(static_cast<int>(seg[1 + 3 * s]), [&](auto t) { tables |= row_tables<decltype(t)::value>(); });
+    if (tables) {
+      packed.resize(static_cast<size_t>((M + 15) / 16 * 16 * K / 2));
       pack_x_pairs(x, M, K, packed.data());
     }
     const uint32_t* xp = packed.data();
