@@ -192,6 +192,11 @@ class EngineConfig:
     kv_cache_dtype: str = setting("auto", "KV-cache element type (auto: the model's dtype); fp8/int8 halve or "
                                           "quarter its size", group="KV cache", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of identical prompt prefixes", group="KV cache")
+    # On the CPU the cache is anonymous memory the OS commits as blocks are first written (model/metadata.py):
+    # prefault commits all of it at start-up, as vLLM and llama.cpp do, so first requests do not pay for it and
+    # a host short of memory fails at start-up rather than mid-request.
+    kv_cache_prefault: bool = setting(False, "commit the whole CPU KV cache at start-up instead of as blocks are "
+                                             "first written", group="KV cache")
     # A disk tier under the prefix cache (pyengine/engine/kv_tiers.py): full KV blocks are written through to
     # files in this directory and read back on a pool miss, also after a restart.
     kv_disk_path: str | None = setting(None, "a disk tier under the prefix cache: full KV blocks are written to DIR "

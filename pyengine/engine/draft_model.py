@@ -101,7 +101,8 @@ class DraftModelSpeculator(NgramSpeculator):
             raise ValueError(f"speculative draft model {path} takes {self.model_config.max_position_embeddings} "
                              f"positions, fewer than max_model_len {max_model_len}; lower max_model_len")
         bs = config.block_size
-        kv_caches = allocate_kv_caches(self.model_config, num_blocks, bs, cache_dtype_of(config, dtype), device)
+        kv_caches = allocate_kv_caches(self.model_config, num_blocks, bs, cache_dtype_of(config, dtype), device,
+                                       config.kv_cache_prefault)
         self.pool = BlockPool(num_blocks, bs, False)
         self.runner = ModelRunner(model, kv_caches, block_size=bs, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,

@@ -112,7 +112,8 @@ class Engine:
         self.plan = plan_memory(cfg, config, self.dtype, self.max_model_len, self.model.weight_bytes(),
                                 lambda: available_memory(self.device))
         bs, num_blocks = config.block_size, self.plan.num_blocks
-        kv_caches = allocate_kv_caches(cfg, num_blocks, bs, cache_dtype_of(config, self.dtype), self.device)
+        kv_caches = allocate_kv_caches(cfg, num_blocks, bs, cache_dtype_of(config, self.dtype), self.device,
+                                       config.kv_cache_prefault)
         log.info("%s", self.plan.summary())
         self.pool = BlockPool(num_blocks, bs, config.enable_prefix_caching)
         long_prefill = config.long_prefill_tokens

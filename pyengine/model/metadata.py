@@ -8,7 +8,7 @@ import torch
 
 from pyengine.config import ModelConfig
 from pyengine.ops.attention import kv_cache_shapes
-from pyengine.ops.huge_pages import HugePageArena
+from pyengine.ops.huge_pages import HugePageArena, prefault as commit
 
 QUANTIZED_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
@@ -36,19 +36,27 @@ class KVCache:
 
 
 def allocate_kv_caches(
-    cfg: ModelConfig, num_blocks: int, block_size: int, cache_dtype: torch.dtype, device: torch.device | str
+    cfg: ModelConfig, num_blocks: int, block_size: int, cache_dtype: torch.dtype, device: torch.device | str,
+    prefault: bool = False,
 ) -> list[KVCache]:
     """Every layer's cache, zeroed. On the CPU all of them are cut from one HugePageArena (decode
     attention streams the cache: huge pages spare it a TLB miss per 4 KB), anonymous memory the OS
     commits on first write: a pool sized for the whole configuration costs resident memory only for
-    the 2 MB pages that the blocks in use touch."""
+    the 2 MB pages that the blocks in use touch. prefault commits it all now instead (the
+    kv_cache_prefault setting)."""
     k_shape, v_shape = kv_cache_shapes(num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, device,
                                        cache_dtype)
     shapes = [(k_shape, cache_dtype), (v_shape, cache_dtype)]
     if cache_dtype in QUANTIZED_CACHE_DTYPES:  # k_scales, v_scales
         shapes += [((num_blocks, cfg.num_key_value_heads, block_size), torch.float32)] * 2
     if torch.device(device).type == "cpu":
-        zeros = HugePageArena().zeros
+        arena = HugePageArena()
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            t = arena.zeros(shape, dtype)
+            if prefault:
+                commit(t)
+            return t
     else:
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
