@@ -9,8 +9,9 @@ llama.cpp's K-quant choices). Per file:
            times: a pair's two runs are seconds apart, so a loaded host's drift (tens of percent over
            minutes) falls on both; the median of the pairs' ratios is the figure;
   64 streams: output tok/s of 64 x 128 greedy tokens after 16-token prompts: pyengine's whole generate
-           (prefill included) vs `llama-batched-bench -npp 16 -ntg 128 -npl 64`'s S_TG (decode only,
-           llama.cpp's favour).
+           (prefill included; with --gguf also its decode alone) vs `llama-batched-bench -npp 16 -ntg 128
+           -npl 64`'s S_TG (decode only). Both engines' KV caches are committed before the timings
+           (bench_quant.load).
 
     # llama.cpp from the llama-cpp-python sdist (its vendored copy), e.g.:
     pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
@@ -106,15 +107,16 @@ def batch1_in_turn(build: str, path: str, threads: int, pairs: int,
     return rates
 
 
-def ours_streams(path: str, threads: int, kv_mib: int) -> float:
-    """Our output tok/s of STREAMS x GEN greedy tokens after STREAM_PROMPT-token prompts (the whole generate)."""
+def ours_streams(path: str, threads: int, kv_mib: int) -> tuple[float, float]:
+    """Our output tok/s of STREAMS x GEN greedy tokens after STREAM_PROMPT-token prompts: the whole generate,
+    and its decode alone (bench_quant.generate_rates)."""
     import random
 
-    from bench.engine.bench_quant import generate_rate, load, stream_prompts
+    from bench.engine.bench_quant import generate_rate, generate_rates, load, stream_prompts
 
     llm = load(path, "auto", threads, kv_mib << 20)
     generate_rate(llm, [[100] * STREAM_PROMPT], 4)  # warm-up
-    return generate_rate(llm, stream_prompts(random.Random(0)))
+    return generate_rates(llm, stream_prompts(random.Random(0)))
 
 
 def main() -> None:
@@ -141,22 +143,24 @@ def main() -> None:
         for kind, path in files.items():
             for _ in range(args.repeats):  # alternating engines, same file
                 ours = (ours_streams(path, args.threads, args.kv_cache_mib) if args.gguf
-                        else measure(path, "auto", args.threads)["gen64"])
-                streams.append((kind, ours,
-                                llama_streams(args.build, path, args.threads)))
+                        else (measure(path, "auto", args.threads)["gen64"], None))
+                streams.append((kind, *ours, llama_streams(args.build, path, args.threads)))
     print(f"\n{args.threads} threads; batch 1: prompt {PROMPT}, {GEN} tokens, {args.pairs} runs of each engine in turn")
-    print(f"{'file':7s} {'ours tok/s':>22s} {'llama tok/s':>22s} {'ratio (median)':>30s}")
+    w = max(7, *(len(kind) for kind in files))  # the file column
+    print(f"{'file':{w}s} {'ours tok/s':>22s} {'llama tok/s':>22s} {'ratio (median)':>30s}")
     for kind, rates in batch1.items():
         ratios = sorted(d / ld for d, ld in rates)
-        print(f"{kind:7s} {min(d for d, _ in rates):10.1f}..{max(d for d, _ in rates):<10.1f} "
+        print(f"{kind:{w}s} {min(d for d, _ in rates):10.1f}..{max(d for d, _ in rates):<10.1f} "
               f"{min(ld for _, ld in rates):10.1f}..{max(ld for _, ld in rates):<10.1f} "
               f"{ratios[0]:.2f}..{ratios[-1]:.2f}x ({statistics.median(ratios):.2f}x)")
     if streams:
-        print(f"\n{STREAMS} streams: prompt {STREAM_PROMPT}, {GEN} tokens each (pyengine: whole generate; "
-              "llama.cpp: S_TG)")
-        print(f"{'file':7s} {'ours x64':>9s} {'llama x64':>10s} {'ratio':>6s}")
-        for kind, g, lg in streams:
-            print(f"{kind:7s} {g:9.1f} {lg:10.1f} {g / lg:5.2f}x")
+        print(f"\n{STREAMS} streams: prompt {STREAM_PROMPT}, {GEN} tokens each, output tok/s (pyengine: whole "
+              "generate, and its decode alone with --gguf; llama.cpp: S_TG, decode alone)")
+        print(f"{'file':{w}s} {'ours whole':>10s} {'ours decode':>11s} {'llama S_TG':>10s} {'ratios':>14s}")
+        for kind, g, d, lg in streams:
+            decode = f"{d:11.1f}" if d else f"{'':11s}"
+            ratios = f"{g / lg:5.2f}x" + (f" {d / lg:5.2f}x" if d else "")
+            print(f"{kind:{w}s} {g:10.1f} {decode} {lg:10.1f} {ratios:>14s}")
 
 
 if __name__ == "__main__":
