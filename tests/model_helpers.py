@@ -336,6 +336,20 @@ def write_tiny_gguf(path: str, hf_folder: str, types: dict[str, str] | None = No
     return path
 
 
+def smaps_field(addr: int, name: str) -> str:
+    """Field `name` (e.g. "Rss:") of the memory map holding `addr` in /proc/self/smaps: its first value."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a map's first line: start-end perms ...
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == name:
+                return line.split()[1]
+    raise AssertionError(f"no {name} line for address {addr:#x}")
+
+
 def huge_page_eligible(addr: int) -> bool:
     """Whether the memory map holding `addr` may get transparent huge pages (its THPeligible in
     /proc/self/smaps); skips where the OS has no THP or it is off."""
@@ -343,16 +357,6 @@ def huge_page_eligible(addr: int) -> bool:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             if "[never]" in f.read():
                 pytest.skip("transparent huge pages are off")
-        with open("/proc/self/smaps") as f:
-            lines = f.read().splitlines()
+        return smaps_field(addr, "THPeligible:") == "1"
     except FileNotFoundError:
         pytest.skip("no transparent huge pages on this OS")
-    inside = False
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a map's first line: start-end perms ...
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and head == "THPeligible:":
-            return line.split()[1] == "1"
-    raise AssertionError(f"no THPeligible line for address {addr:#x}")

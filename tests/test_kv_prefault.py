@@ -4,24 +4,15 @@ import torch
 
 from pyengine.config import ModelConfig
 from pyengine.model.metadata import allocate_kv_caches
-from tests.model_helpers import real_engine
+from tests.model_helpers import real_engine, smaps_field
 
 BLOCKS = 2048
 KV_BYTES = 2 * 2 * BLOCKS * 16 * 4 * 64 * 2  # layers x (k, v) x blocks x block_size x heads x head_dim x bf16: 64 MiB
 
 
 def resident_bytes(addr: int) -> int:
-    """Rss of the memory map holding addr (/proc/self/smaps)."""
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:  # a map's first line: start-end perms ...
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no map holds {addr:#x}")
+    """Rss of the memory map holding addr."""
+    return int(smaps_field(addr, "Rss:")) * 1024
 
 
 def config() -> ModelConfig:
