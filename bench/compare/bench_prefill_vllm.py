@@ -165,7 +165,8 @@ def main() -> None:
     vllm = None if args.no_vllm else VllmWorker(args.vllm_python, __file__, [model, str(max_len), args.dtype],
                                                 args.threads, args.kv_gib)
     llm = LLM(model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False, max_model_len=max_len,
-              long_prefill_tokens=args.prefill_chunk, solo_prefill_tokens=args.prefill_chunk, block_size=args.block_size)
+              long_prefill_tokens=args.prefill_chunk, solo_prefill_tokens=args.prefill_chunk, block_size=args.block_size,
+              kv_cache_prefault=True)
     params = SamplingParams(max_tokens=1)
 
     def ours(ids: list[int]) -> float:

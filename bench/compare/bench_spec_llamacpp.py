@@ -77,7 +77,8 @@ def main() -> None:
 
     model = os.path.join(*default_gguf())
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    common = dict(model=model, num_threads=args.threads, kv_cache_memory=512 << 20, max_model_len=2048)
+    common = dict(model=model, num_threads=args.threads, kv_cache_memory=512 << 20, max_model_len=2048,
+                  kv_cache_prefault=True)
     engines = {"off": LLM(**common), "on": LLM(speculative=spec, **common)}
     tok = engines["off"].engine.tokenizer
     prompt = chat(tok, EDIT)

@@ -81,7 +81,7 @@ def main() -> None:
 
     model = hf_folder(None)
     common = dict(model=model, dtype="bfloat16", num_threads=args.threads, kv_cache_memory=512 << 20,
-                  max_model_len=2048)
+                  max_model_len=2048, kv_cache_prefault=True)
     engines = {"pyengine off": LLM(**common), "pyengine on": LLM(speculative=NGRAM, **common)}
     ids = chat(engines["pyengine off"].engine.tokenizer, "Repeat this code exactly, but rename `items` to "
                "`entries`:\n\n" + CODE)

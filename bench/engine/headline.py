@@ -28,7 +28,7 @@ def main() -> None:
                     help="GGUF weights: quantized kernels where they exist, or dequantized to --dtype")
     args = ap.parse_args()
     llm = LLM(dtype=args.dtype, num_threads=args.threads, kv_cache_memory=2 << 30, max_num_seqs=256,
-              enable_prefix_caching=False, weights=args.weights)
+              enable_prefix_caching=False, weights=args.weights, kv_cache_prefault=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(PROMPT)] for _ in range(64)]
     greedy = dict(temperature=0.0, ignore_eos=True)
