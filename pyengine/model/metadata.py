@@ -8,7 +8,7 @@ import torch
 
 from pyengine.config import ModelConfig
 from pyengine.ops.attention import kv_cache_shapes
-from pyengine.ops.huge_pages import HugePageArena, prefault as commit
+from pyengine.ops.huge_pages import HugePageArena, commit_pages
 
 QUANTIZED_CACHE_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
@@ -55,7 +55,7 @@ def allocate_kv_caches(
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             t = arena.zeros(shape, dtype)
             if prefault:
-                commit(t)
+                commit_pages(t)
             return t
     else:
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

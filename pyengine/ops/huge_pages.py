@@ -36,7 +36,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return t[skip : skip + nbytes]
 
 
-def prefault(t: torch.Tensor) -> None:
+def commit_pages(t: torch.Tensor) -> None:
     """Commit t's pages now: a zero written to every 4 KB of it (t is zeros already, and stays so)."""
     flat = t.view(-1).view(torch.uint8)
     flat[::4096].zero_()
