@@ -45,24 +45,31 @@ def load(path: str, weights: str, threads: int, kv_bytes: int = KV_BYTES, max_nu
                max_num_seqs=max_num_seqs, max_model_len=2048, kv_cache_prefault=True)
 
 
-def generate_rates(llm, prompts: list[list[int]], max_tokens: int = GEN) -> tuple[float, float]:
-    """Output tok/s of one generate of `prompts`, max_tokens greedy tokens each (EOS ignored): over the whole
-    generate, prefill included, and over its decode alone (llama-batched-bench's S_TG): the tokens after each
-    request's first, from the last first token to the last token."""
+def greedy_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, float]:
+    """One generate of `prompts`, max_tokens greedy tokens each (EOS ignored): its outputs and wall seconds."""
     from pyengine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    whole = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
-    first = max(o.metrics.first_token_time for o in outs)
-    last = max(o.metrics.last_token_time for o in outs)
-    return whole, sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (last - first)
+    return outs, time.perf_counter() - t0
 
 
 def generate_rate(llm, prompts: list[list[int]], max_tokens: int = GEN) -> float:
-    """generate_rates' whole-generate figure."""
-    return generate_rates(llm, prompts, max_tokens)[0]
+    """Output tok/s of one greedy generate of `prompts`, prefill included."""
+    outs, seconds = greedy_generate(llm, prompts, max_tokens)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+
+
+def generate_rates(llm, prompts: list[list[int]], max_tokens: int = GEN) -> tuple[float, float]:
+    """Output tok/s of one greedy generate of `prompts` (max_tokens >= 2): over the whole generate, prefill
+    included, and over its decode alone (llama-batched-bench's S_TG): the tokens after each request's first,
+    from the last first token to the last token."""
+    outs, seconds = greedy_generate(llm, prompts, max_tokens)
+    first = max(o.metrics.first_token_time for o in outs)
+    last = max(o.metrics.last_token_time for o in outs)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return tokens / seconds, (tokens - len(outs)) / (last - first)
 
 
 def stream_prompts(rng) -> list[list[int]]:
